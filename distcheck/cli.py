@@ -1,0 +1,168 @@
+"""The command line: thin typer commands that parse options and call the library."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from distcheck import __version__
+from distcheck.errors import DistcheckError, ExitCode, UsageError
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 every scenario behaved as expected (or the script ran clean); "
+    "1 findings / unexpected behaviour; 2 usage error; 3 distcheck could not run the job; "
+    "4 the global --timeout ended the run; 130 interrupted."
+)
+
+app = typer.Typer(
+    name="distcheck", add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+    help="A deadlock and desync doctor for PyTorch distributed jobs. " + EXIT_CODES_HELP,
+    epilog=EXIT_CODES_HELP,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"distcheck {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    """distcheck: run multi-rank jobs under a collective tracer and a hang watchdog."""
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{name} must be greater than 0 (got {value:g})")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command(epilog=EXIT_CODES_HELP)
+def run(
+    targets: list[str] = typer.Argument(None, help="Built-in scenario names, scenario files or folders (none: all built-ins)."),
+    nproc_per_node: int = typer.Option(None, "--nproc-per-node", help="Ranks to start (default: GPUs for nccl, else 4)."),
+    backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl (auto: nccl with a GPU per rank, else gloo)."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda: where scenario tensors live (gloo works with both)."),
+    stall_timeout: float = typer.Option(10.0, "--stall-timeout", help="Seconds without progress while a rank waits before it is a hang."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds for each launch before distcheck ends it (exit 4)."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where traces, logs and reports go (default .distcheck/runs/<id>)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the scenarios' data."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
+) -> None:
+    """Run scenarios on N ranks under the tracer and watchdog, and report hangs and desyncs."""
+    from distcheck.discovery import resolve_targets
+    from distcheck.report import json_report, terminal
+    from distcheck.runner import RunHooks, RunOptions, resolve_backend, run_targets
+
+    if backend not in ("auto", "gloo", "nccl"):
+        raise UsageError(f"unknown backend {backend!r}", "use auto, gloo or nccl")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"unknown device {device!r}", "use auto, cpu or cuda")
+    _positive("--stall-timeout", stall_timeout)
+    _positive("--timeout", timeout)
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1 (got {nproc_per_node})")
+    specs = resolve_targets(list(targets or []))
+    nproc = nproc_per_node or _default_nproc(backend)
+    resolved = resolve_backend(backend, nproc)
+    if device == "cuda":
+        _check_cuda(nproc)
+    console = Console(stderr=json_path == "-", highlight=False)
+    console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {nproc} {resolved} ranks", style="dim")
+    hooks = RunHooks(scenario_finished=lambda result: console.print(terminal.scenario_block(result, verbose)))
+    options = RunOptions(
+        nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
+        seed=seed, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        report = run_targets(specs, options, hooks)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    console.print(terminal.summary_line(report))
+    if json_path == "-":
+        sys.stdout.write(json_report.render(report))
+    elif json_path:
+        Path(json_path).write_text(json_report.render(report), encoding="utf-8")
+    raise typer.Exit(int(_exit_code(report)))
+
+
+def _default_nproc(backend: str) -> int:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend in ("auto", "nccl") and gpus >= 2:
+        return gpus
+    return 4
+
+
+def _check_cuda(nproc: int) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA GPU, and this machine has none", "use --device cpu")
+
+
+def _exit_code(report) -> ExitCode:
+    if report.interrupted:
+        return ExitCode.INTERRUPTED
+    if any(s.end_reason == "timeout" for s in report.scenarios):
+        return ExitCode.TIMEOUT
+    return ExitCode.OK if report.verdict == "pass" else ExitCode.FINDINGS
+
+
+@app.command("list")
+def list_scenarios(
+    targets: list[str] = typer.Argument(None, help="Scenario files or folders (none: the built-ins)."),
+) -> None:
+    """List scenarios with their expectations and requirements."""
+    from distcheck.discovery import resolve_targets
+    from distcheck.runner import missing_requirements
+
+    console = Console(highlight=False, soft_wrap=True)
+    for spec in resolve_targets(list(targets or [])):
+        missing = missing_requirements(spec)
+        needs = f"  needs {', '.join(spec.requires)}" if spec.requires else ""
+        flag = " (missing)" if missing else ""
+        backends = "" if set(spec.backends) == {"gloo", "nccl"} else f"  [{'/'.join(spec.backends)} only]"
+        console.print(f"{spec.name:<38} expect {'+'.join(spec.expect):<20}{needs}{flag}{backends}")
+        if spec.description:
+            console.print(f"    {spec.description}", style="dim")
+
+
+def main() -> None:
+    """Entry point: one error boundary mapping known failures to a line and an exit code."""
+    try:
+        app(standalone_mode=False)
+    except DistcheckError as exc:
+        err = Console(stderr=True, highlight=False)
+        err.print(f"distcheck: error: {exc.message}", markup=False)
+        if exc.hint:
+            err.print(f"  hint: {exc.hint}", markup=False, style="dim")
+        sys.exit(int(exc.exit_code))
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("distcheck: interrupted")
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except Exception as exc:
+        # click's usage errors (typer vendors click) arrive here with standalone_mode=False
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+            exc.show()
+            sys.exit(int(ExitCode.USAGE))
+        if type(exc).__name__ == "Abort":
+            sys.exit(int(ExitCode.INTERRUPTED))
+        raise

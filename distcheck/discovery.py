@@ -1,0 +1,127 @@
+"""Finding scenarios: built-in names, scenario files and folders.
+
+Scenario files are read with ``ast``, not imported, so listing and selecting
+scenarios never runs their code or needs their optional dependencies.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from distcheck.errors import UsageError
+from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec
+
+
+def builtin_dir() -> Path:
+    """Where the built-in scenarios live: the installed package, or the checkout."""
+    installed = Path(__file__).parent / "builtin_scenarios"
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / "scenarios"
+
+
+def _literal(node: ast.expr, what: str, path: Path) -> object:
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise UsageError(
+            f"{path}:{node.lineno}: @scenario({what}=...) must be a literal",
+            "write the value out (a string or a tuple of strings) so distcheck can read it without importing the file",
+        ) from None
+
+
+def _as_tuple(value: object) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
+
+
+def _decorator_call(fn: ast.FunctionDef) -> ast.Call | ast.Name | ast.Attribute | None:
+    for deco in fn.decorator_list:
+        target = deco.func if isinstance(deco, ast.Call) else deco
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)
+        if name == "scenario":
+            return deco  # type: ignore[return-value]
+    return None
+
+
+def scenarios_in_file(path: Path, builtin: bool = False) -> list[ScenarioSpec]:
+    """Every ``@scenario`` function of a file, in source order."""
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read scenario file {path}: {exc.strerror}") from None
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as exc:
+        raise UsageError(
+            f"{path}:{exc.lineno}: syntax error in scenario file: {exc.msg}", "fix the file and run again",
+        ) from None
+    specs = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        deco = _decorator_call(node)
+        if deco is None:
+            continue
+        kwargs = {kw.arg: kw.value for kw in deco.keywords} if isinstance(deco, ast.Call) else {}
+        if isinstance(deco, ast.Call) and deco.args:
+            kwargs.setdefault("expect", deco.args[0])
+        expect = _as_tuple(_literal(kwargs["expect"], "expect", path)) if "expect" in kwargs else ("pass",)
+        bad = [e for e in expect if e not in EXPECTATIONS]
+        if bad:
+            raise UsageError(
+                f"{path}:{node.lineno}: unknown expectation {bad[0]!r} for scenario {node.name}",
+                f"use one of: {', '.join(EXPECTATIONS)}",
+            )
+        doc = ast.get_docstring(node) or ""
+        specs.append(ScenarioSpec(
+            name=node.name,
+            file=str(path.resolve()),
+            expect=expect,
+            requires=_as_tuple(_literal(kwargs["requires"], "requires", path)) if "requires" in kwargs else (),
+            backends=_as_tuple(_literal(kwargs["backends"], "backends", path)) if "backends" in kwargs else BACKENDS,
+            min_world_size=int(_literal(kwargs["min_world_size"], "min_world_size", path))  # type: ignore[arg-type]
+            if "min_world_size" in kwargs else 2,
+            description=" ".join(doc.strip().split("\n\n")[0].split()),
+            builtin=builtin,
+        ))
+    return specs
+
+
+def builtin_scenarios() -> list[ScenarioSpec]:
+    specs: list[ScenarioSpec] = []
+    for path in sorted(builtin_dir().glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        specs.extend(scenarios_in_file(path, builtin=True))
+    return specs
+
+
+def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
+    """Scenario specs for the command line's targets (none = all built-ins)."""
+    if not targets:
+        return builtin_scenarios()
+    builtins = {s.name: s for s in builtin_scenarios()}
+    specs: list[ScenarioSpec] = []
+    for target in targets:
+        path = Path(target)
+        if target in builtins and not path.exists():
+            specs.append(builtins[target])
+        elif path.is_dir():
+            found = [s for p in sorted(path.glob("*.py")) if not p.name.startswith("_") for s in scenarios_in_file(p)]
+            if not found:
+                raise UsageError(f"no @scenario functions in folder {path}", "add scenario files, or name a built-in scenario")
+            specs.extend(found)
+        elif path.is_file():
+            found = scenarios_in_file(path)
+            if not found:
+                raise UsageError(
+                    f"{path} has no @scenario function",
+                    "decorate a function with @distcheck.scenario(...), or run it as a script with "
+                    "'distcheck run --script' if it calls init_process_group itself",
+                )
+            specs.extend(found)
+        else:
+            names = ", ".join(sorted(builtins)) or "(none)"
+            raise UsageError(f"unknown scenario or file: {target!r}", f"built-in scenarios: {names}")
+    return specs

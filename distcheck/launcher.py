@@ -1,0 +1,170 @@
+"""Launching one job on torch's own launch machinery (the engine behind torchrun).
+
+``elastic_launch`` runs on the main thread (it installs signal handlers); the
+watchdog runs beside it as a thread. torchrun's own verdict is always "failed"
+when anything failed, so per-rank facts come from the launch files and from
+the per-rank failures it reports, never from its exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from distcheck import procs
+from distcheck.errors import LaunchError
+from distcheck.rankfiles import LaunchFiles
+from distcheck.watchdog import Decision, Limits, RankProgress, Watchdog, WatchdogResult
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    launch_dir: Path
+    nproc_per_node: int
+    backend: str
+    worker_args: tuple[str, ...]          # what follows ``python -m distcheck.worker``
+    limits: Limits
+    run_id: str
+    device: str = "auto"
+    rdzv_endpoint: str | None = None      # None: a free loopback port
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    exit_code: int
+    signal: str | None
+    pid: int | None
+
+
+@dataclass
+class LaunchOutcome:
+    end_reason: str                       # completed, stall, crash, timeout, max_duration, interrupted
+    started_at: float
+    ended_at: float
+    watchdog: WatchdogResult
+    failures: dict[int, RankFailure] = field(default_factory=dict)
+    error: str | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _worker_environment(extra: dict[str, str]) -> Iterator[None]:
+    """Environment the agent copies into every worker, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    """torchrun logs every worker failure at ERROR; distcheck reports them itself."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def _restore_signal_handlers() -> Iterator[None]:
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in names if hasattr(signal, name)}
+    try:
+        yield
+    finally:
+        for name, handler in saved.items():
+            if handler is not None:
+                signal.signal(getattr(signal, name), handler)
+
+
+def _failures(exc: BaseException) -> dict[int, RankFailure]:
+    out: dict[int, RankFailure] = {}
+    for rank, failure in getattr(exc, "failures", {}).items():
+        code = failure.exitcode
+        sig = None
+        if code is not None and code < 0:
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = f"signal {-code}"
+        out[int(rank)] = RankFailure(exit_code=code, signal=sig, pid=failure.pid)
+    return out
+
+
+def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None) -> LaunchOutcome:
+    """Run one job to its end under the watchdog. Never leaves a process behind."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    files = LaunchFiles(spec.launch_dir)
+    files.make()
+    endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id, rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        max_restarts=0, monitor_interval=0.05, local_addr="127.0.0.1",
+        logs_specs=DefaultLogsSpecs(log_dir=str(files.root / "agent")),
+    )
+    worker_env = {
+        "DISTCHECK_LAUNCHER_PID": str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCHELASTIC_ERROR_FILE": "",
+    }
+    watchdog = Watchdog(files, spec.nproc_per_node, spec.limits, on_poll=on_poll)
+    started = time.time()
+    end_reason = "completed"
+    failures: dict[int, RankFailure] = {}
+    error = None
+    with _worker_environment(worker_env), _quiet_elastic(), _restore_signal_handlers():
+        watchdog.start()
+        try:
+            elastic_launch(config, sys.executable)("-m", "distcheck.worker", *spec.worker_args)
+        except SignalException:
+            end_reason = "interrupted"
+        except KeyboardInterrupt:
+            end_reason = "interrupted"
+        except Exception as exc:  # ChildFailedError, rendezvous errors
+            failures = _failures(exc)
+            if not failures:
+                error = f"{type(exc).__name__}: {exc}"
+        finally:
+            watchdog.stop()
+            watchdog.join(timeout=15)
+            procs.kill_descendants()
+    decision = watchdog.result.decision
+    if end_reason != "interrupted":
+        if decision is Decision.STALL:
+            end_reason = "stall"
+        elif decision is Decision.TIMEOUT:
+            end_reason = "timeout"
+        elif decision is Decision.MAX_DURATION:
+            end_reason = "max_duration"
+        elif failures:
+            end_reason = "crash"
+        elif error:
+            raise LaunchError(f"could not run the job: {error}", "run 'distcheck env' to check the setup")
+    return LaunchOutcome(end_reason, started, time.time(), watchdog.result, failures, error)

@@ -1,0 +1,309 @@
+"""Plain result objects: what the tracer records, what the watchdog observes,
+what analysis concludes. Frozen dataclasses that round-trip through JSON, so a
+saved run can be re-rendered without re-running it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+REPORT_SCHEMA = "distcheck.report/1"
+
+# Finding kinds, in the order a reader should see them.
+FINDING_KINDS = (
+    "crash", "hang", "mismatch", "order", "count",
+    "numeric", "duplicates", "straggler",
+)
+RANK_STATES = ("finished", "stuck", "crashed", "killed", "running")
+SEVERITIES = ("error", "warning", "info")
+
+# Fingerprint fields compared across ranks, in the order they are reported.
+FINGERPRINT_FIELDS = ("op", "reduce_op", "shapes", "dtypes", "device", "root", "group")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One collective or p2p call on one rank, as the tracer recorded it."""
+
+    rank: int
+    group: str
+    seq: int
+    op: str
+    reduce_op: str | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    device: str | None = None
+    root: int | None = None
+    group_ranks: tuple[int, ...] = ()
+    async_op: bool = False
+    t_enter: float = 0.0
+    t_exit: float | None = None
+    error: str | None = None
+    callsite: str | None = None
+    library_callsite: str | None = None
+    label: str | None = None
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.group.startswith("p2p:")
+
+    @property
+    def completed(self) -> bool:
+        return self.t_exit is not None
+
+    def field_value(self, name: str) -> Any:
+        if name == "group":
+            return self.group_ranks
+        return getattr(self, name)
+
+    def signature(self) -> tuple:
+        return tuple(self.field_value(f) for f in FINGERPRINT_FIELDS)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The comparable part of the call, as JSON-ready values."""
+        return {
+            "op": self.op,
+            "reduce_op": self.reduce_op,
+            "shapes": [list(s) for s in self.shapes],
+            "dtypes": list(self.dtypes),
+            "device": self.device,
+            "root": self.root,
+            "group": self.group,
+            "group_ranks": list(self.group_ranks),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shapes"] = [list(s) for s in self.shapes]
+        d["dtypes"] = list(self.dtypes)
+        d["group_ranks"] = list(self.group_ranks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Event:
+        d = dict(d)
+        d["shapes"] = tuple(tuple(s) for s in d.get("shapes", ()))
+        d["dtypes"] = tuple(d.get("dtypes", ()))
+        d["group_ranks"] = tuple(d.get("group_ranks", ()))
+        return cls(**{k: v for k, v in d.items() if k in _EVENT_FIELDS})
+
+
+_EVENT_FIELDS = {f.name for f in dataclasses.fields(Event)}
+
+
+@dataclass(frozen=True)
+class StackFrame:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank ended, and where it was at the end."""
+
+    rank: int
+    state: str                      # one of RANK_STATES
+    host: str = ""
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    collectives: int = 0
+    last_event: Event | None = None
+    where: str | None = None        # callsite of the open collective, or user stack top
+    stack: str | None = None        # all threads, as captured before teardown
+    exception: str | None = None    # "TypeName: message" when the rank raised
+    traceback: str | None = None
+    phase: str | None = None        # worker phase: starting, running, finished, error
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["last_event"] = self.last_event.to_dict() if self.last_event else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankOutcome:
+        d = dict(d)
+        if d.get("last_event"):
+            d["last_event"] = Event.from_dict(d["last_event"])
+        return cls(**{k: v for k, v in d.items() if k in _OUTCOME_FIELDS})
+
+
+_OUTCOME_FIELDS = {f.name for f in dataclasses.fields(RankOutcome)}
+
+
+@dataclass(frozen=True)
+class RankDetail:
+    """Per-rank detail attached to a finding: what this rank did at that point."""
+
+    rank: int
+    role: str                       # waiting, absent, odd, majority, crashed, ...
+    op: str | None = None
+    seq: int | None = None
+    label: str | None = None
+    callsite: str | None = None
+    where: str | None = None
+    state: str | None = None
+    note: str | None = None
+    fingerprint: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankDetail:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str                       # one of FINDING_KINDS
+    severity: str                   # one of SEVERITIES
+    summary: str                    # one sentence a person can act on
+    group: str | None = None
+    seq: int | None = None
+    op: str | None = None
+    label: str | None = None
+    callsite: str | None = None
+    waiting_ranks: tuple[int, ...] = ()
+    absent_ranks: tuple[int, ...] = ()
+    odd_ranks: tuple[int, ...] = ()
+    fields: tuple[str, ...] = ()
+    majority: dict[str, Any] | None = None
+    tie: bool = False
+    detected_after_s: float | None = None
+    ranks: tuple[RankDetail, ...] = ()
+    data: dict[str, Any] = field(default_factory=dict)  # kind-specific detail (numeric, duplicates, ...)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key in ("waiting_ranks", "absent_ranks", "odd_ranks", "fields"):
+            d[key] = list(d[key])
+        d["ranks"] = [r.to_dict() for r in self.ranks]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        d = dict(d)
+        for key in ("waiting_ranks", "absent_ranks", "odd_ranks", "fields"):
+            d[key] = tuple(d.get(key, ()))
+        d["ranks"] = tuple(RankDetail.from_dict(r) for r in d.get("ranks", ()))
+        return cls(**{k: v for k, v in d.items() if k in _FINDING_FIELDS})
+
+
+_FINDING_FIELDS = {f.name for f in dataclasses.fields(Finding)}
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    name: str
+    source: str
+    expected: tuple[str, ...]
+    observed: tuple[str, ...]
+    ok: bool
+    duration_s: float
+    findings: tuple[Finding, ...] = ()
+    ranks: tuple[RankOutcome, ...] = ()
+    skipped: str | None = None      # reason, when the scenario could not run here
+    end_reason: str = "completed"   # completed, stall, crash, timeout, max_duration, interrupted
+    launch_dir: str | None = None
+    description: str | None = None
+    collectives_compared: int = 0
+    log_tail: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "description": self.description,
+            "expected": list(self.expected),
+            "observed": list(self.observed),
+            "ok": self.ok,
+            "skipped": self.skipped,
+            "end_reason": self.end_reason,
+            "duration_s": round(self.duration_s, 3),
+            "launch_dir": self.launch_dir,
+            "collectives_compared": self.collectives_compared,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "findings": [f.to_dict() for f in self.findings],
+            "log_tail": self.log_tail,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ScenarioResult:
+        return cls(
+            name=d["name"], source=d["source"], description=d.get("description"),
+            expected=tuple(d["expected"]), observed=tuple(d["observed"]), ok=d["ok"],
+            duration_s=d["duration_s"], skipped=d.get("skipped"),
+            end_reason=d.get("end_reason", "completed"), launch_dir=d.get("launch_dir"),
+            collectives_compared=d.get("collectives_compared", 0),
+            findings=tuple(Finding.from_dict(f) for f in d.get("findings", ())),
+            ranks=tuple(RankOutcome.from_dict(r) for r in d.get("ranks", ())),
+            log_tail=d.get("log_tail"),
+        )
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    backend: str
+    world_size: int
+    nnodes: int
+    nproc_per_node: int
+    torch_version: str
+    distcheck_version: str
+    command: str
+    run_dir: str
+    seed: int
+    duration_s: float
+    started_at: str
+    hostname: str = ""
+    python_version: str = ""
+    versions: dict[str, str] = field(default_factory=dict)  # optional libraries seen
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["duration_s"] = round(self.duration_s, 3)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunInfo:
+        return cls(**{k: v for k, v in d.items() if k in _RUNINFO_FIELDS})
+
+
+_RUNINFO_FIELDS = {f.name for f in dataclasses.fields(RunInfo)}
+
+
+@dataclass(frozen=True)
+class Report:
+    run: RunInfo
+    scenarios: tuple[ScenarioResult, ...]
+    interrupted: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.interrupted:
+            return "fail"
+        return "pass" if all(s.ok for s in self.scenarios) else "fail"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "verdict": self.verdict,
+            "interrupted": self.interrupted,
+            "run": self.run.to_dict(),
+            "scenarios": [s.to_dict() for s in self.scenarios],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        if d.get("schema") != REPORT_SCHEMA:
+            raise ValueError(f"unsupported report schema {d.get('schema')!r} (expected {REPORT_SCHEMA})")
+        return cls(
+            run=RunInfo.from_dict(d["run"]),
+            scenarios=tuple(ScenarioResult.from_dict(s) for s in d["scenarios"]),
+            interrupted=d.get("interrupted", False),
+        )

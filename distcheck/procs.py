@@ -1,0 +1,91 @@
+"""Process hygiene: stack requests, SIGTERM → grace → SIGKILL of whole trees."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import psutil
+
+
+def is_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def request_stacks(pids: dict[int, int], stack_file: Callable[[int], Path], wait_s: float = 1.5) -> None:
+    """SIGUSR1 every live rank (faulthandler dumps all threads) and wait for the dumps."""
+    before: dict[int, int] = {}
+    for rank, pid in pids.items():
+        if not is_alive(pid):
+            continue
+        path = stack_file(rank)
+        before[rank] = path.stat().st_size if path.exists() else 0
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            before.pop(rank, None)
+    deadline = time.monotonic() + wait_s
+    pending = dict(before)
+    while pending and time.monotonic() < deadline:
+        for rank, size in list(pending.items()):
+            path = stack_file(rank)
+            if path.exists() and path.stat().st_size > size:
+                pending.pop(rank)
+        time.sleep(0.02)
+    if len(pending) < len(before):
+        time.sleep(0.05)   # let the last writers finish their lines
+
+
+def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list[int]:
+    """SIGTERM, wait up to ``grace_s``, then SIGKILL what is left. Returns the pids signalled."""
+    procs = [p for p in processes if p.pid != os.getpid()]
+    signalled = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+            signalled.append(p.pid)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s) if procs else ([], [])
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if alive:
+        psutil.wait_procs(alive, timeout=2.0)
+    return signalled
+
+
+def terminate_tree(root_pids: Iterable[int], grace_s: float = 2.0) -> list[int]:
+    """Terminate the given processes and everything below them."""
+    procs: dict[int, psutil.Process] = {}
+    for pid in root_pids:
+        try:
+            p = psutil.Process(pid)
+        except psutil.Error:
+            continue
+        procs[p.pid] = p
+        for child in descendants(pid):
+            procs[child.pid] = child
+    return terminate(procs.values(), grace_s)
+
+
+def kill_descendants(grace_s: float = 2.0) -> list[int]:
+    """The last line of defence: no process this launcher started survives it."""
+    return terminate(descendants(), grace_s)

@@ -1,0 +1,94 @@
+"""Terminal renderer: one merged view per scenario, never N ranks of log spam.
+
+It formats findings; it never decides what a hang or a mismatch is.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from distcheck.models import Finding, RankOutcome, Report, ScenarioResult
+from distcheck.text import short_path
+
+KIND_STYLE = {
+    "hang": "bold red", "crash": "bold red", "mismatch": "bold magenta", "order": "bold magenta",
+    "count": "magenta", "numeric": "bold yellow", "duplicates": "bold yellow", "straggler": "yellow",
+}
+
+
+def scenario_line(result: ScenarioResult) -> Text:
+    if result.skipped:
+        return Text.assemble(("  SKIP ", "dim"), (result.name, "bold"), (f"  {result.skipped}", "dim"))
+    mark = ("  OK   ", "bold green") if result.ok else ("  FAIL ", "bold red")
+    expected = "+".join(result.expected)
+    observed = "+".join(result.observed)
+    return Text.assemble(
+        mark, (result.name, "bold"), f"  expected {expected}, observed ",
+        (observed, "green" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"),
+    )
+
+
+def _rank_table(ranks: tuple[RankOutcome, ...]) -> Table:
+    table = Table(show_header=True, header_style="dim", box=None, padding=(0, 2), pad_edge=False)
+    table.add_column("rank", justify="right")
+    table.add_column("state")
+    table.add_column("collectives", justify="right")
+    table.add_column("where")
+    for r in ranks:
+        where = r.exception or (f"killed by {r.signal}" if r.state == "crashed" and r.signal else "")
+        if r.where:
+            where = f"{where} at {short_path(r.where)}" if where else short_path(r.where)
+        if r.state == "stuck" and r.last_event is not None:
+            e = r.last_event
+            where = f"{e.op} #{e.seq} [{e.label or '-'}] {short_path(e.callsite)}"
+        table.add_row(str(r.rank), r.state, str(r.collectives), escape(where or "-"))
+    return table
+
+
+def finding_block(finding: Finding) -> Group:
+    parts = [Text.assemble(("    ", ""), (f"{finding.kind.upper()}", KIND_STYLE.get(finding.kind, "bold")),
+                           (f" [{finding.severity}] ", "dim"), finding.summary)]
+    for d in finding.ranks:
+        if finding.kind in ("mismatch", "order") and d.callsite:
+            parts.append(Text(f"        rank {d.rank} ({d.role}): {d.op} #{d.seq} "
+                              f"{d.label or '-'} at {short_path(d.callsite)}", style="dim"))
+    if finding.detected_after_s is not None:
+        parts.append(Text(f"        detected {finding.detected_after_s:.1f} s after the last progress", style="dim"))
+    return Group(*parts)
+
+
+def scenario_block(result: ScenarioResult, verbose: bool = False) -> Group:
+    parts: list = [scenario_line(result)]
+    if result.skipped:
+        return Group(*parts)
+    for finding in result.findings:
+        parts.append(finding_block(finding))
+    if result.findings or verbose or not result.ok:
+        parts.append(_rank_table(result.ranks))
+    if not result.ok and result.log_tail:
+        parts.append(Text("    log tail:", style="dim"))
+        parts.append(Text("\n".join("      " + line for line in result.log_tail.splitlines()[-12:]), style="dim"))
+    return Group(*parts)
+
+
+def summary_line(report: Report) -> Text:
+    ran = [s for s in report.scenarios if not s.skipped]
+    ok = sum(1 for s in ran if s.ok)
+    skipped = len(report.scenarios) - len(ran)
+    verdict = ("PASS", "bold green") if report.verdict == "pass" else ("FAIL", "bold red")
+    extra = " (interrupted)" if report.interrupted else ""
+    return Text.assemble(
+        verdict, f"  {ok}/{len(ran)} scenarios behaved as expected",
+        f", {skipped} skipped" if skipped else "", extra,
+        (f"  · {report.run.backend} × {report.run.world_size} ranks · {report.run.duration_s:.1f} s", "dim"),
+        (f"\n      run dir: {short_path(report.run.run_dir)}", "dim"),
+    )
+
+
+def render(report: Report, console: Console, verbose: bool = False) -> None:
+    for result in report.scenarios:
+        console.print(scenario_block(result, verbose))
+    console.print(summary_line(report))

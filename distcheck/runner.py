@@ -1,0 +1,217 @@
+"""Running targets end to end: one launch per scenario, then analysis.
+
+This is the library behind ``distcheck run``; the CLI only parses options.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import secrets
+import shlex
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from distcheck import __version__
+from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
+from distcheck.errors import UsageError
+from distcheck.launcher import LaunchSpec, launch
+from distcheck.models import Report, RunInfo, ScenarioResult
+from distcheck.outcomes import collect
+from distcheck.rankfiles import LaunchFiles, write_json_atomic
+from distcheck.scenario import ScenarioSpec
+from distcheck.watchdog import Limits
+
+OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")
+LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    nproc_per_node: int
+    backend: str                    # resolved: gloo or nccl
+    device: str = "auto"
+    stall_timeout: float = 10.0
+    timeout: float | None = None
+    max_duration: float | None = None
+    seed: int = 0
+    run_dir: Path | None = None
+    command: str = ""
+
+
+@dataclass
+class RunHooks:
+    """Callbacks the terminal live view plugs into."""
+
+    scenario_started: Callable[[ScenarioSpec, int, int], None] = lambda spec, i, n: None
+    scenario_finished: Callable[[ScenarioResult], None] = lambda result: None
+    on_poll: Callable | None = None
+
+
+@dataclass
+class RunState:
+    results: list[ScenarioResult] = field(default_factory=list)
+    interrupted: bool = False
+    timed_out: bool = False
+
+
+def new_run_id() -> str:
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def make_run_dir(run_dir: Path | None, run_id: str) -> Path:
+    path = run_dir or Path(".distcheck") / "runs" / run_id
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        from distcheck.errors import LaunchError
+
+        raise LaunchError(f"cannot write the run directory {path}: {exc.strerror}",
+                          "pick a writable place with --run-dir") from None
+    return path.resolve()
+
+
+def missing_requirements(spec: ScenarioSpec) -> list[str]:
+    return [name for name in spec.requires if importlib.util.find_spec(name) is None]
+
+
+def skip_reason(spec: ScenarioSpec, options: RunOptions) -> str | None:
+    missing = missing_requirements(spec)
+    if missing:
+        return f"needs {', '.join(missing)} (pip install 'distcheck[metrics]')"
+    if options.backend not in spec.backends:
+        return f"only meaningful on {'/'.join(spec.backends)}; this run uses {options.backend}"
+    if options.nproc_per_node < spec.min_world_size:
+        return f"needs at least {spec.min_world_size} ranks; this run has {options.nproc_per_node}"
+    return None
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in OPTIONAL_LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_scenario(spec: ScenarioSpec, options: RunOptions, launch_dir: Path, run_id: str,
+                 on_poll: Callable | None = None) -> ScenarioResult:
+    reason = skip_reason(spec, options)
+    if reason:
+        return ScenarioResult(name=spec.name, source=spec.file, expected=spec.expect, observed=(), ok=True,
+                              duration_s=0.0, skipped=reason, description=spec.description)
+    worker_args = (
+        "--launch-dir", str(launch_dir), "--backend", options.backend, "--device", options.device,
+        "--seed", str(options.seed), "--pg-timeout", str(pg_timeout(options)),
+        "--scenario-file", spec.file, "--scenario-name", spec.name,
+    )
+    limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
+    launch_spec = LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
+                             worker_args=worker_args, limits=limits, run_id=f"{run_id}-{spec.name}",
+                             device=options.device)
+    outcome = launch(launch_spec, on_poll=on_poll)
+    files = LaunchFiles(launch_dir)
+    run = collect(files, options.nproc_per_node, outcome)
+    facts = RunFacts(world_size=options.nproc_per_node, end_reason=outcome.end_reason,
+                     stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
+                     timeout_s=options.timeout)
+    events = {r: t.events for r, t in run.traces.items()}
+    findings = analyze(events, run.outcomes, facts, run.results)
+    observed = observed_kinds(findings)
+    ok = behaved_as_expected(spec.expect, observed) and outcome.end_reason != "interrupted"
+    log_rank = next((o.rank for o in run.outcomes.values() if o.state == "crashed"), 0)
+    return ScenarioResult(
+        name=spec.name, source=spec.file, expected=spec.expect, observed=observed, ok=ok,
+        duration_s=outcome.ended_at - outcome.started_at, findings=tuple(findings),
+        ranks=tuple(run.outcomes[r] for r in sorted(run.outcomes)), end_reason=outcome.end_reason,
+        launch_dir=str(launch_dir), description=spec.description,
+        collectives_compared=collectives_compared(events),
+        log_tail=None if ok else tail(files.log(log_rank)),
+    )
+
+
+def pg_timeout(options: RunOptions) -> float:
+    """Above the stall timeout, so distcheck diagnoses before the backend aborts."""
+    return max(options.stall_timeout * 4 + 60, (options.timeout or 0) + 60, 300)
+
+
+def run_targets(specs: list[ScenarioSpec], options: RunOptions, hooks: RunHooks | None = None) -> Report:
+    hooks = hooks or RunHooks()
+    if not specs:
+        raise UsageError("nothing to run: no scenarios selected")
+    run_id = new_run_id()
+    run_dir = make_run_dir(options.run_dir, run_id)
+    started = time.time()
+    state = RunState()
+    used = set()
+    for i, spec in enumerate(specs):
+        hooks.scenario_started(spec, i, len(specs))
+        name = spec.name if spec.name not in used else f"{spec.name}-{i}"
+        used.add(name)
+        try:
+            result = run_scenario(spec, options, run_dir / name, run_id, hooks.on_poll)
+        except KeyboardInterrupt:
+            state.interrupted = True
+            break
+        state.results.append(result)
+        hooks.scenario_finished(result)
+        if result.end_reason == "interrupted":
+            state.interrupted = True
+            break
+        if result.end_reason == "timeout":
+            state.timed_out = True
+            break
+    report = Report(run=run_info(options, run_dir, started), scenarios=tuple(state.results),
+                    interrupted=state.interrupted)
+    write_json_atomic(run_dir / "report.json", report.to_dict())
+    return report
+
+
+def run_info(options: RunOptions, run_dir: Path, started: float) -> RunInfo:
+    import torch
+
+    return RunInfo(
+        backend=options.backend, world_size=options.nproc_per_node, nnodes=1,
+        nproc_per_node=options.nproc_per_node, torch_version=torch.__version__,
+        distcheck_version=__version__, command=options.command or shlex.join(sys.argv),
+        run_dir=str(run_dir), seed=options.seed, duration_s=time.time() - started,
+        started_at=datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        hostname=socket.gethostname(), python_version=platform.python_version(), versions=library_versions(),
+    )
+
+
+def resolve_backend(backend: str, nproc_per_node: int) -> str:
+    """auto: NCCL when there is a GPU per rank, else gloo on CPU."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= nproc_per_node and torch.distributed.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        if not torch.distributed.is_nccl_available() or gpus == 0:
+            raise UsageError("--backend nccl needs CUDA GPUs, and this machine has none",
+                             "use --backend gloo (or auto) on a CPU-only machine")
+        if gpus < nproc_per_node:
+            raise UsageError(f"--backend nccl needs one GPU per rank: {nproc_per_node} ranks, {gpus} GPUs",
+                             f"use --nproc-per-node {gpus}, or --backend gloo")
+    return backend

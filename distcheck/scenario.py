@@ -1,0 +1,157 @@
+"""Writing scenarios: the ``@scenario`` decorator and the context a scenario gets.
+
+A scenario is a function taking a :class:`ScenarioContext`, decorated with what
+it is expected to show::
+
+    @scenario(expect="hang", requires=("torchmetrics",))
+    def auroc_rank0_only_compute(ctx):
+        '''Only rank 0 calls BinaryAUROC.compute().'''
+
+The decorator arguments must be literals: distcheck reads them without
+importing the file (see ``discovery``), so listing scenarios never needs the
+scenario's optional dependencies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from distcheck.models import FINDING_KINDS
+
+EXPECTATIONS = ("pass",) + FINDING_KINDS
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    """What the decorator declares, as read from the source."""
+
+    name: str
+    file: str
+    expect: tuple[str, ...] = ("pass",)
+    requires: tuple[str, ...] = ()
+    backends: tuple[str, ...] = BACKENDS
+    min_world_size: int = 2
+    description: str = ""
+    builtin: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "file": self.file, "expect": list(self.expect),
+            "requires": list(self.requires), "backends": list(self.backends),
+            "min_world_size": self.min_world_size, "description": self.description,
+            "builtin": self.builtin,
+        }
+
+
+def scenario(
+    expect: str | tuple[str, ...] = "pass",
+    requires: tuple[str, ...] = (),
+    backends: tuple[str, ...] = BACKENDS,
+    min_world_size: int = 2,
+) -> Callable[[Callable], Callable]:
+    """Mark a function as a distcheck scenario (runtime side of the declaration)."""
+    expected = (expect,) if isinstance(expect, str) else tuple(expect)
+    unknown = [e for e in expected if e not in EXPECTATIONS]
+    if unknown:
+        raise ValueError(f"unknown expectation {unknown[0]!r}; use one of {', '.join(EXPECTATIONS)}")
+
+    def mark(fn: Callable) -> Callable:
+        fn.__distcheck_scenario__ = {  # type: ignore[attr-defined]
+            "expect": expected, "requires": tuple(requires),
+            "backends": tuple(backends), "min_world_size": min_world_size,
+        }
+        return fn
+
+    return mark
+
+
+@dataclass
+class NumericCheck:
+    name: str
+    ok: bool
+    max_abs_diff: float
+    shape: list[int]
+    differing: list[dict[str, Any]]
+    actual: Any = None
+    reference: Any = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SampleRecord:
+    dataset: str
+    dataset_size: int
+    ids: list[int]
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ScenarioContext:
+    """What a scenario function receives on every rank."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: Any                     # torch.device
+    seed: int
+    generator: Any = None           # torch.Generator seeded per rank
+    numeric_checks: list[NumericCheck] = field(default_factory=list)
+    samples: list[SampleRecord] = field(default_factory=list)
+
+    def generator_for(self, rank: int) -> Any:
+        """A generator with the same seed rank ``rank`` uses: lets any rank rebuild
+        another rank's data for a single-process reference."""
+        import torch
+
+        g = torch.Generator()
+        g.manual_seed(self.seed * 100_003 + rank)
+        return g
+
+    def check_close(
+        self, name: str, actual: Any, reference: Any, rtol: float = 1e-5, atol: float = 1e-6, note: str = "",
+    ) -> bool:
+        """Declare that a distributed result must equal its single-process reference."""
+        import torch
+
+        a = torch.as_tensor(actual).detach().double().cpu()
+        r = torch.as_tensor(reference).detach().double().cpu()
+        if a.shape != r.shape:
+            check = NumericCheck(name, False, math.inf, list(r.shape),
+                                 [{"index": None, "actual": list(a.shape), "reference": list(r.shape)}],
+                                 note=note or "shape differs from the reference")
+            self.numeric_checks.append(check)
+            return False
+        diff = (a - r).abs()
+        bad = ~torch.isclose(a, r, rtol=rtol, atol=atol)
+        differing = []
+        for idx in bad.nonzero().tolist()[:50]:
+            differing.append({"index": idx, "actual": a[tuple(idx)].item(), "reference": r[tuple(idx)].item()})
+        if a.dim() == 0 and bool(bad):
+            differing = [{"index": [], "actual": a.item(), "reference": r.item()}]
+        small = a.numel() <= 256
+        check = NumericCheck(
+            name, not bool(bad.any()), float(diff.max()) if diff.numel() else 0.0, list(a.shape), differing,
+            actual=a.tolist() if small else None, reference=r.tolist() if small else None, note=note,
+        )
+        self.numeric_checks.append(check)
+        return check.ok
+
+    def record_samples(self, ids: Iterable[int], dataset_size: int, dataset: str = "dataset", note: str = "") -> None:
+        """Record which sample ids this rank evaluated (duplicates/missing analysis)."""
+        self.samples.append(SampleRecord(dataset, int(dataset_size), [int(i) for i in ids], note))
+
+    def results(self) -> dict[str, Any]:
+        return {
+            "numeric_checks": [c.to_dict() for c in self.numeric_checks],
+            "samples": [s.to_dict() for s in self.samples],
+        }

@@ -1,0 +1,229 @@
+"""Watching a running job: progress of every rank, stall and timeout decisions.
+
+``StallDetector`` is pure (time is passed in), so its rules are tested on
+synthetic observations in milliseconds. ``RankMonitor`` reads the launch files
+incrementally; ``Watchdog`` is the thread that ties them to the processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from distcheck import procs
+from distcheck.rankfiles import LaunchFiles
+
+STARTED_PHASES = ("running", "finished", "error")
+
+
+class Decision(enum.Enum):
+    CONTINUE = "continue"
+    RELEASE = "release"          # every rank finished: let them exit
+    STALL = "stall"              # no progress while someone waits or died
+    TIMEOUT = "timeout"          # the run's --timeout
+    MAX_DURATION = "max_duration"  # the pre-flight window ended
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    records: int = 0             # trace records written so far
+    open_collectives: int = 0
+    phase: str | None = None     # None until the rank wrote its status
+    alive: bool = True
+    current: str | None = None   # "all_reduce #12 [group 0]" while inside a collective
+    since: float | None = None   # wall time the current collective started
+
+    @property
+    def dead(self) -> bool:
+        return not self.alive or self.phase == "error"
+
+
+@dataclass(frozen=True)
+class Limits:
+    stall_timeout: float = 10.0
+    timeout: float | None = None
+    max_duration: float | None = None
+    startup_timeout: float = 120.0
+
+
+@dataclass
+class StallDetector:
+    """Decides, from successive observations, when a run must end and why."""
+
+    world_size: int
+    limits: Limits
+    start: float
+    last_progress: float = 0.0
+    _last_state: tuple | None = None
+
+    def __post_init__(self) -> None:
+        self.last_progress = self.start
+
+    def observe(self, now: float, ranks: dict[int, RankProgress]) -> Decision:
+        state = tuple((r, p.records, p.phase, p.alive) for r, p in sorted(ranks.items()))
+        if state != self._last_state:
+            self._last_state = state
+            self.last_progress = now
+        if len(ranks) == self.world_size and all(p.phase == "finished" and p.alive for p in ranks.values()):
+            return Decision.RELEASE
+        if self.limits.timeout is not None and now - self.start >= self.limits.timeout:
+            return Decision.TIMEOUT
+        if self.limits.max_duration is not None and now - self.start >= self.limits.max_duration:
+            return Decision.MAX_DURATION
+        idle = now - self.last_progress
+        started = len(ranks) == self.world_size and all(p.phase in STARTED_PHASES or p.dead for p in ranks.values())
+        if not started:
+            # A slow start (torch import on an overloaded machine) is not a hang.
+            if any(p.dead for p in ranks.values()):
+                return Decision.STALL if idle >= min(self.limits.stall_timeout, 5.0) else Decision.CONTINUE
+            return Decision.STALL if idle >= self.limits.startup_timeout else Decision.CONTINUE
+        someone_waits = any(p.open_collectives > 0 and p.alive for p in ranks.values())
+        someone_died = any(p.dead for p in ranks.values())
+        if someone_died and idle >= min(self.limits.stall_timeout, 5.0):
+            return Decision.STALL   # normally the agent tears down first; this is the backstop
+        if someone_waits and idle >= self.limits.stall_timeout:
+            return Decision.STALL
+        return Decision.CONTINUE
+
+
+@dataclass
+class _TraceCursor:
+    offset: int = 0
+    partial: bytes = b""
+    records: int = 0
+    open: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+
+
+class RankMonitor:
+    """Reads each rank's status and the new part of its trace on every poll."""
+
+    def __init__(self, files: LaunchFiles, world_size: int) -> None:
+        self.files = files
+        self.world_size = world_size
+        self._cursors = {r: _TraceCursor() for r in range(world_size)}
+        self.status: dict[int, dict] = {}
+
+    def pids(self) -> dict[int, int]:
+        return {r: s["pid"] for r, s in self.status.items() if s.get("pid")}
+
+    def _read_trace(self, rank: int) -> _TraceCursor:
+        cur = self._cursors[rank]
+        path = self.files.trace(rank)
+        try:
+            with open(path, "rb") as f:
+                f.seek(cur.offset)
+                chunk = f.read()
+        except OSError:
+            return cur
+        if not chunk:
+            return cur
+        cur.offset += len(chunk)
+        data = cur.partial + chunk
+        lines = data.split(b"\n")
+        cur.partial = lines.pop()
+        for line in lines:
+            parts = line.decode("utf-8", "replace").split("\t")
+            if parts[0] == "E" and len(parts) >= 11:
+                cur.records += 1
+                if parts[9] != "1":   # async calls return at once; their wait is elsewhere
+                    try:
+                        t = float(parts[10])
+                    except ValueError:
+                        t = time.time()
+                    cur.open[(parts[1], parts[2])] = (f"{parts[3]} #{parts[2]} [group {parts[1]}]", t)
+            elif parts[0] == "X" and len(parts) >= 3:
+                cur.records += 1
+                cur.open.pop((parts[1], parts[2]), None)
+        return cur
+
+    def poll(self) -> dict[int, RankProgress]:
+        out: dict[int, RankProgress] = {}
+        for rank in range(self.world_size):
+            status = self.files.read_status(rank)
+            if status is not None:
+                self.status[rank] = status
+            status = self.status.get(rank)
+            cur = self._read_trace(rank)
+            if status is None and cur.records == 0:
+                continue
+            current = since = None
+            if cur.open:
+                current, since = next(reversed(cur.open.values()))
+            out[rank] = RankProgress(
+                records=cur.records, open_collectives=len(cur.open),
+                phase=status.get("phase") if status else None,
+                alive=procs.is_alive(status.get("pid")) if status else True,
+                current=current, since=since,
+            )
+        return out
+
+
+@dataclass
+class WatchdogResult:
+    decision: Decision = Decision.CONTINUE
+    stall_onset: float | None = None     # wall time of the last progress before the stall
+    detected_at: float | None = None     # wall time the decision was taken
+    torn_down_at: float | None = None
+    killed_ranks: tuple[int, ...] = ()   # ranks alive when distcheck ended the run
+    first_deaths: tuple[int, ...] = ()   # ranks seen dead first (the likely root cause)
+    last_progress: dict[int, RankProgress] = field(default_factory=dict)
+
+
+class Watchdog(threading.Thread):
+    """Polls the ranks of one launch; on a stall or a limit, takes stacks and tears down."""
+
+    def __init__(
+        self, files: LaunchFiles, world_size: int, limits: Limits, poll_s: float = 0.1,
+        on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="distcheck-watchdog", daemon=True)
+        self.files = files
+        self.monitor = RankMonitor(files, world_size)
+        self.clock = clock
+        self.detector = StallDetector(world_size, limits, start=clock())
+        self.poll_s = poll_s
+        self.on_poll = on_poll
+        self.result = WatchdogResult()
+        self._stop_event = threading.Event()
+        self._released = False
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        wall_offset = time.time() - self.clock()
+        while not self._stop_event.is_set():
+            progress = self.monitor.poll()
+            self.result.last_progress = progress
+            if not self.result.first_deaths:
+                dead = tuple(sorted(r for r, p in progress.items() if p.dead))
+                if dead:
+                    self.result.first_deaths = dead
+            now = self.clock()
+            decision = self.detector.observe(now, progress)
+            if self.on_poll is not None:
+                self.on_poll(progress, now - self.detector.last_progress)
+            if decision is Decision.RELEASE:
+                if not self._released:
+                    self.files.release.touch()
+                    self._released = True
+            elif decision is not Decision.CONTINUE:
+                self.result.decision = decision
+                self.result.stall_onset = self.detector.last_progress + wall_offset
+                self.result.detected_at = time.time()
+                self._tear_down(progress)
+                return
+            self._stop_event.wait(self.poll_s)
+
+    def _tear_down(self, progress: dict[int, RankProgress]) -> None:
+        pids = self.monitor.pids()
+        self.result.killed_ranks = tuple(sorted(r for r, pid in pids.items() if procs.is_alive(pid)))
+        procs.request_stacks(pids, self.files.stacks)
+        procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)])
+        procs.kill_descendants()
+        self.result.torn_down_at = time.time()

@@ -1,0 +1,213 @@
+"""The rank process: ``python -m distcheck.worker ...``.
+
+Launched by distcheck's launcher, by ``torchrun`` or by ``srun`` alike (it only
+reads torchrun's environment). It installs the tracer and the stack dumpers,
+runs one scenario or the user's script, reports through files, then stays idle
+until the launcher releases it, exactly like a healthy rank whose peers hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import faulthandler
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from distcheck.callsite import USER, classify_file
+from distcheck.rankfiles import LaunchFiles, write_json_atomic
+from distcheck.tracer import install
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get("DISTCHECK_LAUNCHER_PID")
+    if expected and os.getppid() != int(expected):
+        os._exit(70)  # the launcher died before we could register
+
+
+def redirect_output(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def install_stack_dumps(path: Path) -> Any:
+    """All threads' stacks on SIGUSR1 (on request) and before SIGTERM kills us.
+
+    faulthandler writes from the signal handler in C, so it works while the
+    main thread is blocked inside a collective or holds the GIL in C code.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a", buffering=1, encoding="utf-8")
+    faulthandler.enable(file=f, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
+    return f
+
+
+def user_frame_of(tb: Any) -> str | None:
+    """file:line:function of the innermost user frame of a traceback."""
+    torch_dir = os.path.dirname(sys.modules["torch"].__file__) + os.sep if "torch" in sys.modules else "/torch/"
+    where = None
+    for frame in traceback.extract_tb(tb):
+        if classify_file(frame.filename, torch_dir) == USER:
+            where = f"{frame.filename}:{frame.lineno}:{frame.name}"
+    return where
+
+
+class Status:
+    """This rank's status file, rewritten atomically on every phase change."""
+
+    def __init__(self, files: LaunchFiles, rank: int) -> None:
+        self.path = files.status(rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data: dict[str, Any] = {
+            "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "main_thread": threading.main_thread().ident, "t_start": time.time(),
+        }
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields, t_update=time.time())
+        write_json_atomic(self.path, self.data)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m distcheck.worker")
+    p.add_argument("--launch-dir", required=True)
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--pg-timeout", type=float, default=1800.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenario-file")
+    p.add_argument("--scenario-name")
+    p.add_argument("--script")
+    p.add_argument("--module")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p.parse_args(argv)
+
+
+def pick_device(backend: str, wanted: str, local_rank: int) -> Any:
+    import torch
+
+    use_cuda = wanted == "cuda" or (wanted == "auto" and backend == "nccl")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run_scenario(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> dict[str, Any]:
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+
+    from distcheck.scenario import ScenarioContext
+
+    device = pick_device(args.backend, args.device, local_rank)
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
+    STATUS.update(phase="running")
+    path = Path(args.scenario_file)
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"distcheck_scenario_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    fn = getattr(module, args.scenario_name)
+    ctx = ScenarioContext(rank=rank, world_size=world, local_rank=local_rank, backend=args.backend,
+                          device=device, seed=args.seed)
+    ctx.generator = ctx.generator_for(rank)
+    torch.manual_seed(args.seed * 100_003 + rank)
+    fn(ctx)
+    return ctx.results()
+
+
+def run_script(args: argparse.Namespace) -> dict[str, Any]:
+    STATUS.update(phase="running")
+    script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
+    if args.module:
+        sys.argv = [args.module, *script_args]
+        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [args.script, *script_args]
+        sys.path.insert(0, str(Path(args.script).resolve().parent))
+        runpy.run_path(args.script, run_name="__main__")
+    return {}
+
+
+def wait_for_release(files: LaunchFiles) -> None:
+    """Idle like a healthy rank whose peers are stuck, until the launcher says stop."""
+    while not files.release.exists():
+        time.sleep(0.05)
+
+
+STATUS: Status
+
+
+def main(argv: list[str] | None = None) -> None:
+    global STATUS
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    files = LaunchFiles(Path(args.launch_dir))
+    die_with_parent()
+    redirect_output(files.log(rank))
+    STATUS = Status(files, rank)
+    STATUS.update(phase="starting")
+    install_stack_dumps(files.stacks(rank))
+    tracer = install(files.trace(rank), rank)
+    try:
+        if args.scenario_file:
+            results = run_scenario(args, rank, world, local_rank)
+        else:
+            results = run_script(args)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            _fail(exc, tracer, exit_code=exc.code if isinstance(exc.code, int) else 1)
+        results = {}
+    except BaseException as exc:  # the rank's own failure: report it, then die like the job would
+        _fail(exc, tracer, exit_code=1)
+    STATUS.update(phase="finished", collectives=tracer.count, results=results)
+    wait_for_release(files)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _fail(exc: BaseException, tracer: Any, exit_code: int) -> None:
+    tb = exc.__traceback__
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    sys.stderr.write(text)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    STATUS.update(
+        phase="error", collectives=tracer.count, exit_code=exit_code,
+        exception=f"{type(exc).__name__}: {message}"[:500], traceback=text[-8000:], where=user_frame_of(tb),
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+if __name__ == "__main__":
+    main()

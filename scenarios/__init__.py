@@ -1,0 +1,1 @@
+"""Built-in distcheck scenarios (one per file; read by distcheck.discovery)."""
