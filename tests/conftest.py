@@ -1,0 +1,97 @@
+"""Shared test helpers: run distcheck as a real process with a hard timeout, and
+prove afterwards that no process it started survived."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HARD_TIMEOUT_S = 240
+
+
+def survivors(marker: str) -> list[psutil.Process]:
+    """Processes whose command line mentions ``marker`` (a run dir path)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if marker in cmd and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class DistcheckRun:
+    def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path, json_path: Path | None) -> None:
+        self.proc = proc
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.run_dir = run_dir
+        self.json_path = json_path
+
+    @property
+    def report(self) -> dict:
+        assert self.json_path is not None and self.json_path.exists(), self.stderr[-3000:]
+        return json.loads(self.json_path.read_text())
+
+    def scenario(self, name: str) -> dict:
+        for s in self.report["scenarios"]:
+            if s["name"] == name:
+                return s
+        raise KeyError(name)
+
+
+@pytest.fixture
+def distcheck(tmp_path):
+    """Run ``python -m distcheck ARGS`` in a new session; kill its whole tree on timeout.
+
+    Adds --run-dir and --json under tmp_path unless given, and asserts that no
+    process mentioning the run dir is left when the command returns.
+    """
+
+    def run(*args: str, timeout: float = HARD_TIMEOUT_S, json: bool = True, env: dict | None = None,
+            cwd: Path | None = None) -> DistcheckRun:
+        args = list(args)
+        run_dir = tmp_path / "run"
+        json_path = tmp_path / "report.json" if json else None
+        if args and args[0] == "run":
+            if "--run-dir" not in args:
+                args += ["--run-dir", str(run_dir)]
+            if json and "--json" not in args:
+                args += ["--json", str(json_path)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True, cwd=cwd or tmp_path, env={**os.environ, **(env or {})},
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            out, err = proc.communicate()
+            pytest.fail(f"distcheck {' '.join(args)} did not finish in {timeout} s\n{err[-3000:]}")
+        finally:
+            kill_tree(proc)
+        left = survivors(str(run_dir))
+        for p in left:
+            p.kill()
+        assert not left, f"processes survived the run: {[p.info['cmdline'] for p in left]}"
+        return DistcheckRun(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), run_dir, json_path)
+
+    return run
