@@ -13,6 +13,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2              # bad command line, unknown scenario, unreadable input
     LAUNCH_FAILED = 3      # distcheck could not run the job (rendezvous, ports, run dir, ...)
     TIMEOUT = 4            # the global --timeout ended the run
+    CORRUPT_INPUT = 5      # a saved run (or dump) exists but cannot be read: bad JSON, unknown schema
     INTERRUPTED = 130      # Ctrl-C / SIGTERM
 
 
@@ -33,3 +34,9 @@ class UsageError(DistcheckError):
 
 class LaunchError(DistcheckError):
     exit_code = ExitCode.LAUNCH_FAILED
+
+
+class CorruptInputError(DistcheckError):
+    """Input that exists but cannot be read (a torn report.json, a foreign schema)."""
+
+    exit_code = ExitCode.CORRUPT_INPUT
