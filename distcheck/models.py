@@ -214,6 +214,11 @@ class ScenarioResult:
     description: str | None = None
     collectives_compared: int = 0
     log_tail: str | None = None
+    # wall-clock times (epoch seconds) of the launch, for timelines; None in older reports
+    started_at: float | None = None
+    ended_at: float | None = None
+    stall_onset: float | None = None    # last progress before a stall/timeout was declared
+    detected_at: float | None = None    # when the watchdog declared it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -231,6 +236,10 @@ class ScenarioResult:
             "ranks": [r.to_dict() for r in self.ranks],
             "findings": [f.to_dict() for f in self.findings],
             "log_tail": self.log_tail,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "stall_onset": self.stall_onset,
+            "detected_at": self.detected_at,
         }
 
     @classmethod
@@ -243,7 +252,8 @@ class ScenarioResult:
             collectives_compared=d.get("collectives_compared", 0),
             findings=tuple(Finding.from_dict(f) for f in d.get("findings", ())),
             ranks=tuple(RankOutcome.from_dict(r) for r in d.get("ranks", ())),
-            log_tail=d.get("log_tail"),
+            log_tail=d.get("log_tail"), started_at=d.get("started_at"), ended_at=d.get("ended_at"),
+            stall_onset=d.get("stall_onset"), detected_at=d.get("detected_at"),
         )
 
 

@@ -147,6 +147,8 @@ def run_scenario(spec: ScenarioSpec, options: RunOptions, launch_dir: Path, run_
         launch_dir=str(launch_dir), description=spec.description,
         collectives_compared=collectives_compared(events),
         log_tail=None if ok else tail(files.log(log_rank)),
+        started_at=outcome.started_at, ended_at=outcome.ended_at,
+        stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
     )
 
 
