@@ -36,6 +36,7 @@ class RankProgress:
     alive: bool = True
     current: str | None = None   # "all_reduce #12 [group 0]" while inside a collective
     since: float | None = None   # wall time the current collective started
+    label: str | None = None     # entry point of the current collective ("BinaryAUROC.compute")
 
     @property
     def dead(self) -> bool:
@@ -95,7 +96,8 @@ class _TraceCursor:
     offset: int = 0
     partial: bytes = b""
     records: int = 0
-    open: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    open: dict[tuple[str, str], tuple[str, float, str | None]] = field(default_factory=dict)
+    labels: dict[str, str | None] = field(default_factory=dict)   # site id -> label
 
 
 class RankMonitor:
@@ -134,7 +136,10 @@ class RankMonitor:
                         t = float(parts[10])
                     except ValueError:
                         t = time.time()
-                    cur.open[(parts[1], parts[2])] = (f"{parts[3]} #{parts[2]} [group {parts[1]}]", t)
+                    cur.open[(parts[1], parts[2])] = (f"{parts[3]} #{parts[2]} [group {parts[1]}]", t,
+                                                      cur.labels.get(parts[11]) if len(parts) > 11 else None)
+            elif parts[0] == "S" and len(parts) >= 5:
+                cur.labels[parts[1]] = None if parts[4] == "-" else parts[4]
             elif parts[0] == "X" and len(parts) >= 3:
                 cur.records += 1
                 cur.open.pop((parts[1], parts[2]), None)
@@ -150,14 +155,14 @@ class RankMonitor:
             cur = self._read_trace(rank)
             if status is None and cur.records == 0:
                 continue
-            current = since = None
+            current = since = label = None
             if cur.open:
-                current, since = next(reversed(cur.open.values()))
+                current, since, label = next(reversed(cur.open.values()))
             out[rank] = RankProgress(
                 records=cur.records, open_collectives=len(cur.open),
                 phase=status.get("phase") if status else None,
                 alive=procs.is_alive(status.get("pid")) if status else True,
-                current=current, since=since,
+                current=current, since=since, label=label,
             )
         return out
 
