@@ -146,12 +146,12 @@ def list_scenarios(
 def main() -> None:
     """Entry point: one error boundary mapping known failures to a line and an exit code."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)   # returns the typer.Exit code instead of exiting
+        sys.exit(code if isinstance(code, int) else 0)
     except DistcheckError as exc:
-        err = Console(stderr=True, highlight=False)
-        err.print(f"distcheck: error: {exc.message}", markup=False)
+        sys.stderr.write(f"distcheck: error: {exc.message}\n")
         if exc.hint:
-            err.print(f"  hint: {exc.hint}", markup=False, style="dim")
+            sys.stderr.write(f"  hint: {exc.hint}\n")
         sys.exit(int(exc.exit_code))
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

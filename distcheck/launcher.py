@@ -78,14 +78,16 @@ def _worker_environment(extra: dict[str, str]) -> Iterator[None]:
 @contextlib.contextmanager
 def _quiet_elastic() -> Iterator[None]:
     """torchrun logs every worker failure at ERROR; distcheck reports them itself."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level, propagate = logger.level, logger.propagate
-    logger.setLevel(logging.CRITICAL)
+    names = ["torch.distributed.elastic"] + [
+        n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic.")]
+    saved = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
-        logger.propagate = propagate
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,11 @@
 
 This is the I/O half of the post-run step (status files, traces, stack dumps,
 the agent's per-rank failures); ``analysis`` is the pure half.
+
+When one rank dies, its peers usually fail too ("Connection closed by peer",
+SIGTERM from the agent). Those are consequences, not causes: only the first
+*primary* failure is reported as ``crashed``; the others keep the state they
+were in (``stuck`` in the collective they were waiting in, or ``killed``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,17 @@ from typing import Any
 from distcheck.launcher import LaunchOutcome
 from distcheck.models import Event, RankOutcome
 from distcheck.rankfiles import LaunchFiles
-from distcheck.stacks import main_stack, parse_dumps, user_top
+from distcheck.stacks import StackDump, main_stack, parse_dumps, user_top
 from distcheck.tracefile import RankTrace, read_trace_dir
 
 MAX_STACK_CHARS = 6000
+
+# What a healthy rank says when a *peer* died or never came.
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "remote worker", "broken pipe",
+    "communicator was aborted", "timed out", "timeout", "connection refused", "socket closed",
+)
+
 
 @dataclass
 class CollectedRun:
@@ -28,62 +40,106 @@ class CollectedRun:
     outcomes: dict[int, RankOutcome]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)   # scenario results per rank
 
+
+@dataclass
+class _RankFacts:
+    rank: int
+    status: dict[str, Any]
+    trace: RankTrace
+    exit_code: int | None
+    signal: str | None
+    dump: StackDump | None
+    primary: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.status.get("phase") == "error" or self.signal is not None or self.exit_code not in (None, 0)
+
+
 def _torch_dir() -> str:
     torch = sys.modules.get("torch")
     return os.path.dirname(torch.__file__) + os.sep if torch is not None else "/torch/"
 
+
+def _read_dump(files: LaunchFiles, rank: int) -> StackDump | None:
+    path = files.stacks(rank)
+    if not path.exists():
+        return None
+    dumps = parse_dumps(path.read_text(encoding="utf-8", errors="replace"))
+    return dumps[0] if dumps else None
+
+
+def is_peer_failure(exception: str | None) -> bool:
+    text = (exception or "").lower()
+    return any(marker in text for marker in PEER_FAILURE_MARKERS)
+
+
+def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
+    """The root-cause candidates: failures that are not reactions to another failure."""
+    failed = [f for f in facts if f.failed and f.rank not in killed_by_us and f.status.get("phase") != "interrupted"]
+    primary = [f for f in failed
+               if not (f.status.get("phase") == "error" and is_peer_failure(f.status.get("exception")))
+               and f.signal != "SIGTERM"]
+    if not primary:
+        primary = failed   # e.g. every rank was SIGTERMed from outside: report them as they are
+    for f in primary:
+        f.primary = True
+
+
 def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> CollectedRun:
     traces = read_trace_dir(files.traces)
-    outcomes: dict[int, RankOutcome] = {}
-    results: dict[int, dict[str, Any]] = {}
     killed = set(launch.watchdog.killed_ranks)
-    first_deaths = set(launch.watchdog.first_deaths)
+    facts = []
     for rank in range(world_size):
         status = files.read_status(rank) or {}
-        trace = traces.get(rank) or RankTrace(rank=rank)
         failure = launch.failures.get(rank)
-        dump = None
-        stack_path = files.stacks(rank)
-        if stack_path.exists():
-            dumps = parse_dumps(stack_path.read_text(encoding="utf-8", errors="replace"))
-            dump = dumps[0] if dumps else None
-        outcomes[rank] = _outcome(rank, status, trace, failure, dump, launch, rank in killed, rank in first_deaths)
-        if status.get("results"):
-            results[rank] = status["results"]
+        exit_code = failure.exit_code if failure else (0 if launch.end_reason == "completed" else None)
+        f = _RankFacts(rank, status, traces.get(rank) or RankTrace(rank=rank), exit_code,
+                       failure.signal if failure else None, _read_dump(files, rank))
+        facts.append(f)
+    if launch.end_reason != "interrupted":
+        _mark_primary(facts, killed)
+    outcomes = {f.rank: _outcome(f, launch, f.rank in killed) for f in facts}
+    results = {f.rank: f.status["results"] for f in facts if f.status.get("results")}
     return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results)
 
-def _outcome(rank, status, trace, failure, dump, launch, killed_by_us, died_first) -> RankOutcome:
-    phase = status.get("phase")
-    events = trace.events
-    last: Event | None = events[-1] if events else None
-    open_events = [e for e in events if e.t_exit is None and not e.async_op]
-    exit_code = failure.exit_code if failure else (0 if launch.end_reason == "completed" else None)
-    sig = failure.signal if failure else None
-    stack_text = dump.text[:MAX_STACK_CHARS] if dump else None
-    top = None
-    if dump is not None:
-        thread = main_stack(dump, status.get("main_thread"))
-        frame = user_top(thread.frames, _torch_dir()) if thread else None
-        top = f"{frame.file}:{frame.line}:{frame.function}" if frame else None
 
-    if phase == "error":
-        state, where = "crashed", status.get("where") or top
-    elif phase == "finished":
-        state, where = "finished", None
-    elif sig and not killed_by_us and (sig != "SIGTERM" or died_first):
-        state, where = "crashed", (open_events[-1].callsite if open_events else top)
-    elif exit_code not in (None, 0) and not sig and not killed_by_us:
-        state, where = "crashed", top
-    elif open_events:
-        state, where = "stuck", open_events[-1].callsite
-    elif launch.end_reason in ("max_duration",) or (killed_by_us and launch.end_reason in ("stall", "timeout")):
-        state, where = "running", top
-    elif launch.end_reason == "completed":
-        state, where = "finished", None
-    else:
-        state, where = "killed", top
+def _stack_top(f: _RankFacts) -> str | None:
+    if f.dump is None:
+        return None
+    thread = main_stack(f.dump, f.status.get("main_thread"))
+    frame = user_top(thread.frames, _torch_dir()) if thread else None
+    return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
+
+
+def _state(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool, waiting_in: Event | None) -> tuple[str, str | None]:
+    phase = f.status.get("phase")
+    top = _stack_top(f)
+    if f.primary:
+        if phase == "error":
+            return "crashed", f.status.get("where") or top
+        return "crashed", waiting_in.callsite if waiting_in else top
+    if phase == "finished":
+        return "finished", None
+    if waiting_in is not None:
+        return "stuck", waiting_in.callsite
+    if launch.end_reason == "completed":
+        return "finished", None
+    if launch.end_reason == "max_duration" or (killed_by_us and launch.end_reason in ("stall", "timeout")):
+        return "running", top
+    return "killed", top
+
+
+def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOutcome:
+    events = f.trace.events
+    # The collective it was in at the end: still open, or the one that failed under it.
+    waiting_in = next((e for e in reversed(events) if not e.async_op and (e.t_exit is None or e.error)), None)
+    if waiting_in is not None and waiting_in is not (events[-1] if events else None):
+        waiting_in = None if waiting_in.t_exit is not None else waiting_in
+    state, where = _state(f, launch, killed_by_us, waiting_in)
     return RankOutcome(
-        rank=rank, state=state, host=status.get("host", ""), pid=status.get("pid") or (failure.pid if failure else None),
-        exit_code=exit_code, signal=sig, collectives=len(events), last_event=last, where=where,
-        stack=stack_text, exception=status.get("exception"), traceback=status.get("traceback"), phase=phase,
+        rank=f.rank, state=state, host=f.status.get("host", ""), pid=f.status.get("pid"),
+        exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
+        where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
+        exception=f.status.get("exception"), traceback=f.status.get("traceback"), phase=f.status.get("phase"),
     )

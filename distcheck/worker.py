@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         if exc.code not in (0, None):
             _fail(exc, tracer, exit_code=exc.code if isinstance(exc.code, int) else 1)
         results = {}
+    except KeyboardInterrupt:     # the launcher forwards Ctrl-C: not this rank's failure
+        STATUS.update(phase="interrupted", collectives=tracer.count)
+        os._exit(130)
     except BaseException as exc:  # the rank's own failure: report it, then die like the job would
         _fail(exc, tracer, exit_code=1)
     STATUS.update(phase="finished", collectives=tracer.count, results=results)

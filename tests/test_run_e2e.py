@@ -1,0 +1,200 @@
+"""`distcheck run` end to end on real gloo process groups (issue 2's 'done when')."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import kill_tree, survivors
+
+pytestmark = pytest.mark.e2e
+
+CRASH_SCENARIOS = '''
+import os
+import signal
+from distcheck import scenario
+
+
+@scenario(expect="crash")
+def raises_on_rank1(ctx):
+    """Rank 1 raises in the middle of the loop; the others block in the next all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    for step in range(5):
+        if ctx.rank == 1 and step == 2:
+            raise ValueError("bad batch at step 2")
+        dist.all_reduce(t)
+
+
+@scenario(expect="crash")
+def sigkilled_rank2(ctx):
+    """Rank 2 is SIGKILLed (as the OOM killer would) in the middle of the loop."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    for step in range(5):
+        if ctx.rank == 2 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+'''
+
+
+def test_seed_hang_is_attributed_to_rank0_and_BinaryAUROC_compute(distcheck):
+    stall = 5
+    r = distcheck("run", "auroc_rank0_only_compute", "--nproc-per-node", "4", "--backend", "gloo",
+                  "--stall-timeout", str(stall))
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = r.scenario("auroc_rank0_only_compute")
+    assert s["ok"] and s["observed"] == ["hang"]
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    assert hang["waiting_ranks"] == [0]
+    assert hang["absent_ranks"] == [1, 2, 3]
+    assert hang["op"] in ("barrier", "all_gather")
+    assert hang["seq"] >= 1
+    assert hang["label"] == "BinaryAUROC.compute"
+    assert hang["callsite"].split(":")[0].endswith("scenarios/auroc_rank0_only_compute.py")
+    source = Path(hang["callsite"].split(":")[0]).read_text().splitlines()
+    assert "metric.compute()" in source[int(hang["callsite"].split(":")[1]) - 1]
+    assert hang["detected_after_s"] <= stall + 3
+    ranks = {x["rank"]: x for x in s["ranks"]}
+    assert ranks[0]["state"] == "stuck"
+    assert all(ranks[i]["state"] == "finished" for i in (1, 2, 3))
+    assert "BinaryAUROC.compute" in r.stderr + r.stdout
+    launch = Path(s["launch_dir"])
+    assert sorted(p.name for p in (launch / "traces").iterdir()) == [f"rank{i}.trace" for i in range(4)]
+    assert (launch / "stacks" / "rank0.txt").read_text().count("barrier") >= 1
+
+
+def test_pass_scenarios_pass_with_numeric_checks(distcheck):
+    r = distcheck("run", "collectives_sanity", "auroc_all_ranks_compute", "--nproc-per-node", "2",
+                  "--backend", "gloo")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = r.report
+    assert report["schema"] == "distcheck.report/1" and report["verdict"] == "pass"
+    for s in report["scenarios"]:
+        assert s["ok"] and s["observed"] == ["pass"] and s["findings"] == []
+        assert all(x["state"] == "finished" and x["exit_code"] == 0 for x in s["ranks"])
+    assert report["run"]["world_size"] == 2 and report["run"]["backend"] == "gloo"
+
+
+def test_raising_and_sigkilled_ranks_are_crashes_with_the_others_state(distcheck, tmp_path):
+    path = tmp_path / "crashes.py"
+    path.write_text(CRASH_SCENARIOS)
+    r = distcheck("run", str(path), "--nproc-per-node", "4", "--backend", "gloo", "--stall-timeout", "5")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    raised = r.scenario("raises_on_rank1")
+    [crash] = [f for f in raised["findings"] if f["kind"] == "crash"]
+    assert crash["data"]["root_rank"] == 1
+    assert "ValueError: bad batch at step 2" in crash["summary"]
+    assert f"{path}:".replace(str(tmp_path), "") in crash["summary"] or "crashes.py" in crash["summary"]
+    states = {x["rank"]: x["state"] for x in raised["ranks"]}
+    assert states[1] == "crashed"
+    assert all(states[i] in ("stuck", "killed") for i in (0, 2, 3))
+
+    killed = r.scenario("sigkilled_rank2")
+    [crash] = [f for f in killed["findings"] if f["kind"] == "crash"]
+    assert crash["data"]["root_rank"] == 2 and crash["data"]["signal"] == "SIGKILL"
+    ranks = {x["rank"]: x for x in killed["ranks"]}
+    assert ranks[2]["state"] == "crashed" and ranks[2]["signal"] == "SIGKILL"
+    assert ranks[2]["collectives"] == 2
+
+
+def _start(args: list[str], tmp_path: Path, console_script: bool = False) -> subprocess.Popen:
+    cmd = ["distcheck"] if console_script else [sys.executable, "-m", "distcheck"]
+    return subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=tmp_path)
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _ranks_started(run_dir: Path, n: int) -> bool:
+    return len(list(run_dir.glob("*/status/rank*.json"))) >= n
+
+
+def test_ctrl_c_stops_the_run_keeps_traces_and_leaves_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(["run", "auroc_rank0_only_compute", "--nproc-per-node", "2", "--backend", "gloo",
+                   "--stall-timeout", "60", "--run-dir", str(run_dir), "--json", str(tmp_path / "r.json")],
+                  tmp_path, console_script=True)
+    try:
+        assert _wait_for(lambda: _ranks_started(run_dir, 2), 90), "ranks never started"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert list(run_dir.glob("*/traces/rank0.trace"))
+    assert (run_dir / "report.json").exists()
+    assert _wait_for(lambda: not survivors(str(run_dir)), 10), survivors(str(run_dir))
+
+
+def test_ranks_die_with_a_sigkilled_distcheck(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(["run", "auroc_rank0_only_compute", "--nproc-per-node", "2", "--backend", "gloo",
+                   "--stall-timeout", "60", "--run-dir", str(run_dir)], tmp_path)
+    try:
+        assert _wait_for(lambda: _ranks_started(run_dir, 2), 90), "ranks never started"
+        workers = survivors(str(run_dir))
+        assert workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        kill_tree(proc)
+        for p in survivors(str(run_dir)):
+            p.kill()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "no_such_scenario"], "unknown scenario or file: 'no_such_scenario'"),
+    (["run", "collectives_sanity", "--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
+    (["run", "collectives_sanity", "--backend", "mpi"], "unknown backend 'mpi'"),
+    (["run", "collectives_sanity", "--stall-timeout", "-1"], "--stall-timeout must be greater than 0"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(distcheck, args, message):
+    r = distcheck(*args, json=False)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_nccl_without_gpus_is_refused_before_launch(distcheck):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = distcheck("run", "collectives_sanity", "--backend", "nccl", json=False)
+    assert r.returncode == 2
+    assert "needs CUDA GPUs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_scenario_file_with_syntax_error_or_no_scenario(distcheck, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def broken(:\n")
+    r = distcheck("run", str(bad), json=False)
+    assert r.returncode == 2 and "syntax error" in r.stderr and "Traceback" not in r.stderr
+    plain = tmp_path / "plain.py"
+    plain.write_text("x = 1\n")
+    r = distcheck("run", str(plain), json=False)
+    assert r.returncode == 2 and "no @scenario" in r.stderr
