@@ -17,7 +17,7 @@ from distcheck.errors import DistcheckError, ExitCode, UsageError
 EXIT_CODES_HELP = (
     "Exit codes: 0 every scenario behaved as expected (or the script ran clean); "
     "1 findings / unexpected behaviour; 2 usage error; 3 distcheck could not run the job; "
-    "4 the global --timeout ended the run; 130 interrupted."
+    "4 the global --timeout ended the run; 5 a saved run (or dump) is corrupt or incomplete; 130 interrupted."
 )
 
 app = typer.Typer(
@@ -58,13 +58,22 @@ def run(
     stall_timeout: float = typer.Option(10.0, "--stall-timeout", help="Seconds without progress while a rank waits before it is a hang."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds for each launch before distcheck ends it (exit 4)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here (one testcase per scenario)."),
+    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here (Perfetto, chrome://tracing)."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where traces, logs and reports go (default .distcheck/runs/<id>)."),
     seed: int = typer.Option(0, "--seed", help="Seed for the scenarios' data."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
+    module: Optional[str] = typer.Option(None, "--module", "-m", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
+    max_duration: Optional[float] = typer.Option(None, "--max-duration", help="Pre-flight: end a healthy script after S seconds and report that window."),
 ) -> None:
-    """Run scenarios on N ranks under the tracer and watchdog, and report hangs and desyncs."""
-    from distcheck.discovery import resolve_targets
+    """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
+
+    TARGETS: built-in scenario names, scenario files or folders (none: all built-ins), or ONE
+    ordinary script that calls init_process_group itself: distcheck run train.py -- --lr 0.1
+    """
+    from distcheck.discovery import resolve_run_targets
     from distcheck.report import json_report, terminal
+    from distcheck.report.live import LiveView
     from distcheck.runner import RunHooks, RunOptions, resolve_backend, run_targets
 
     if backend not in ("auto", "gloo", "nccl"):
@@ -75,21 +84,26 @@ def run(
     _positive("--timeout", timeout)
     if nproc_per_node is not None and nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1 (got {nproc_per_node})")
-    specs = resolve_targets(list(targets or []))
+    _positive("--max-duration", max_duration)
+    targets, script_args = _split_script_args(list(targets or []))
+    specs = resolve_run_targets(targets, module=module, script_args=script_args)
     nproc = nproc_per_node or _default_nproc(backend)
     resolved = resolve_backend(backend, nproc)
     if device == "cuda":
         _check_cuda(nproc)
     console = Console(stderr=json_path == "-", highlight=False)
     console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {nproc} {resolved} ranks", style="dim")
-    hooks = RunHooks(scenario_finished=lambda result: console.print(terminal.scenario_block(result, verbose)))
+    view = LiveView(console, stall_timeout=stall_timeout, verbose=verbose)
+    hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
+                     on_poll=view.on_poll)
     options = RunOptions(
         nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
-        seed=seed, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
+        max_duration=max_duration, seed=seed, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        report = run_targets(specs, options, hooks)
+        with view:
+            report = run_targets(specs, options, hooks)
     finally:
         signal.signal(signal.SIGTERM, previous)
     console.print(terminal.summary_line(report))
@@ -97,7 +111,33 @@ def run(
         sys.stdout.write(json_report.render(report))
     elif json_path:
         Path(json_path).write_text(json_report.render(report), encoding="utf-8")
+    _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True)
     raise typer.Exit(int(_exit_code(report)))
+
+
+def _write_formats(report, console: Console, *, junit_xml: Path | None, chrome_trace: Path | None,
+                   timeline: bool, html: Path | None = None) -> None:
+    """JUnit, Chrome trace and the HTML timeline (always into the run dir after a run)."""
+    from distcheck.runs import TIMELINE_FILE, load_events, write_outputs
+
+    run_dir = Path(report.run.run_dir)
+    html_path = html or (run_dir / TIMELINE_FILE if timeline else None)
+    if not (junit_xml or chrome_trace or html_path):
+        return
+    events = load_events(report, run_dir)
+    for path in write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace, html_path=html_path):
+        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False)
+
+
+def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
+    """click merges what follows '--' into TARGETS; give it back to the script."""
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        return targets, ()
+    after = argv[argv.index("--") + 1:]
+    if after and targets[-len(after):] == after:
+        return targets[:-len(after)], tuple(after)
+    return targets, tuple(after)
 
 
 def _default_nproc(backend: str) -> int:
@@ -124,7 +164,7 @@ def _exit_code(report) -> ExitCode:
     return ExitCode.OK if report.verdict == "pass" else ExitCode.FINDINGS
 
 
-@app.command("list")
+@app.command("list", epilog=EXIT_CODES_HELP)
 def list_scenarios(
     targets: list[str] = typer.Argument(None, help="Scenario files or folders (none: the built-ins)."),
 ) -> None:
@@ -141,6 +181,70 @@ def list_scenarios(
         console.print(f"{spec.name:<38} expect {'+'.join(spec.expect):<20}{needs}{flag}{backends}")
         if spec.description:
             console.print(f"    {spec.description}", style="dim")
+
+
+@app.command("report", epilog="Exits with the saved run's own code (0 as expected, 1 findings, 4 timeout, 130 "
+             "interrupted); 2 no such run dir; 5 its report.json is corrupt or missing. " + EXIT_CODES_HELP)
+def report_cmd(
+    run_dir: str = typer.Argument(..., help="A run directory (or its report.json, or a run id from 'distcheck runs')."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
+    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Write the HTML timeline here (default: none; every run dir has timeline.html)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
+) -> None:
+    """Re-render a saved run (terminal view and any format) from its report.json and traces, without re-running."""
+    from distcheck.report import json_report, terminal
+    from distcheck.runs import load_run, write_outputs
+
+    saved = load_run(run_dir)
+    console = Console(stderr=json_path == "-", highlight=False)
+    terminal.render(saved.report, console, verbose)
+    if json_path == "-":
+        sys.stdout.write(json_report.render(saved.report))
+    written = write_outputs(saved.report, saved.events, json_path=Path(json_path) if json_path not in (None, "-") else None,
+                            junit_path=junit_xml, chrome_path=chrome_trace, html_path=html)
+    for path in written:
+        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False)
+    raise typer.Exit(int(_exit_code(saved.report)))
+
+
+@app.command("runs", epilog=EXIT_CODES_HELP)
+def runs_cmd(
+    root: Path = typer.Option(Path(".distcheck") / "runs", "--dir", help="Where runs are saved."),
+    limit: int = typer.Option(20, "--limit", "-n", help="Show at most this many runs (newest first)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+) -> None:
+    """List recent saved runs: id, time, verdict, scenarios, backend x ranks."""
+    import json
+
+    from distcheck.report import runs_table
+    from distcheck.runs import list_runs
+
+    if limit < 1:
+        raise UsageError(f"--limit must be at least 1 (got {limit})")
+    runs = list_runs(root, limit)
+    if json_out:
+        sys.stdout.write(json.dumps([r.to_dict() for r in runs], indent=2) + "\n")
+        return
+    runs_table.render(runs, Console(highlight=False), str(root))
+
+
+@app.command("env", epilog=EXIT_CODES_HELP)
+def env_cmd(
+    json_out: bool = typer.Option(False, "--json", help="Print the facts as JSON."),
+) -> None:
+    """Show torch/CUDA/NCCL/gloo availability, GPUs, versions and launch variables (secrets redacted)."""
+    import json
+
+    from distcheck import envinfo
+    from distcheck.report import env_view
+
+    info = envinfo.collect()
+    if json_out:
+        sys.stdout.write(json.dumps(info.to_dict(), indent=2) + "\n")
+        return
+    env_view.render(info, Console(highlight=False))
 
 
 def main() -> None:

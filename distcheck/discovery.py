@@ -7,10 +7,31 @@ scenarios never runs their code or needs their optional dependencies.
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 from distcheck.errors import UsageError
 from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec
+
+
+@dataclass(frozen=True)
+class ScriptSpec:
+    """An ordinary torchrun-style script (or ``-m module``) that calls init_process_group itself."""
+
+    name: str
+    file: str | None = None
+    module: str | None = None
+    args: tuple[str, ...] = ()
+    expect: tuple[str, ...] = ("pass",)
+    description: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.file or f"-m {self.module}"
+
+
+Target = Union[ScenarioSpec, ScriptSpec]
 
 
 def builtin_dir() -> Path:
@@ -97,6 +118,30 @@ def builtin_scenarios() -> list[ScenarioSpec]:
     return specs
 
 
+def resolve_run_targets(targets: list[str], module: str | None = None,
+                        script_args: tuple[str, ...] = ()) -> list[Target]:
+    """What ``distcheck run`` runs: scenarios, or one script/module with its arguments.
+
+    A ``.py`` file without any ``@scenario`` function is an ordinary script, run
+    on every rank the way torchrun would run it.
+    """
+    if module:
+        if targets:
+            raise UsageError("give either -m MODULE or targets, not both",
+                             "pass the module's own arguments after '--'")
+        return [ScriptSpec(name=module.rsplit(".", 1)[-1], module=module, args=script_args,
+                           description=f"python -m {module}")]
+    if len(targets) == 1 and targets[0].endswith(".py") and Path(targets[0]).is_file():
+        path = Path(targets[0])
+        if not scenarios_in_file(path):
+            return [ScriptSpec(name=path.stem, file=str(path.resolve()), args=script_args,
+                               description=f"script {path}")]
+    if script_args:
+        raise UsageError("arguments after '--' are for a script, and no script was given",
+                         "run 'distcheck run path/to/script.py -- ARGS' with a single script")
+    return list(resolve_targets(targets))
+
+
 def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
     """Scenario specs for the command line's targets (none = all built-ins)."""
     if not targets:
@@ -117,8 +162,8 @@ def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
             if not found:
                 raise UsageError(
                     f"{path} has no @scenario function",
-                    "decorate a function with @distcheck.scenario(...), or run it as a script with "
-                    "'distcheck run --script' if it calls init_process_group itself",
+                    "decorate a function with @distcheck.scenario(...), or run it alone as a script "
+                    "('distcheck run path/to/script.py -- ARGS') if it calls init_process_group itself",
                 )
             specs.extend(found)
         else:

@@ -165,6 +165,9 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             end_reason = "timeout"
         elif decision is Decision.MAX_DURATION:
             end_reason = "max_duration"
+        elif decision is Decision.FAILED:
+            raise LaunchError(f"the watchdog failed and ended the job: {watchdog.result.error}",
+                              f"the traces so far are in {files.root}; please report this as a distcheck bug")
         elif failures:
             end_reason = "crash"
         elif error:

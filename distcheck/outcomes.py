@@ -19,6 +19,7 @@ from typing import Any
 from distcheck.launcher import LaunchOutcome
 from distcheck.models import Event, RankOutcome
 from distcheck.rankfiles import LaunchFiles
+from distcheck.samples import read_samples
 from distcheck.stacks import StackDump, main_stack, parse_dumps, user_top
 from distcheck.tracefile import RankTrace, read_trace_dir
 
@@ -39,6 +40,7 @@ class CollectedRun:
     traces: dict[int, RankTrace]
     outcomes: dict[int, RankOutcome]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)   # scenario results per rank
+    initialized_process_group: bool = False
 
 
 @dataclass
@@ -100,8 +102,20 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
     if launch.end_reason != "interrupted":
         _mark_primary(facts, killed)
     outcomes = {f.rank: _outcome(f, launch, f.rank in killed) for f in facts}
-    results = {f.rank: f.status["results"] for f in facts if f.status.get("results")}
-    return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results)
+    results = {f.rank: _results(f.status, files.samples(f.rank)) for f in facts}
+    results = {r: res for r, res in results.items() if res}
+    initialized = any(f.status.get("pg_initialized") for f in facts)
+    return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results,
+                        initialized_process_group=initialized)
+
+
+def _results(status: dict[str, Any], samples_file) -> dict[str, Any]:
+    """The scenario's declared results plus the DataLoader passes the rank recorded."""
+    results = dict(status.get("results") or {})
+    drawn = read_samples(samples_file)
+    if drawn:
+        results["samples"] = list(results.get("samples", [])) + drawn
+    return results
 
 
 def _stack_top(f: _RankFacts) -> str | None:

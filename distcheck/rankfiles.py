@@ -33,6 +33,9 @@ class LaunchFiles:
     def stacks(self, rank: int) -> Path:
         return self.root / "stacks" / f"rank{rank}.txt"
 
+    def samples(self, rank: int) -> Path:
+        return self.root / "samples" / f"rank{rank}.jsonl"
+
     def log(self, rank: int) -> Path:
         return self.root / "logs" / f"rank{rank}.log"
 

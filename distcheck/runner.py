@@ -24,7 +24,8 @@ from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectiv
 from distcheck.errors import UsageError
 from distcheck.launcher import LaunchSpec, launch
 from distcheck.models import Report, RunInfo, ScenarioResult
-from distcheck.outcomes import collect
+from distcheck.discovery import ScriptSpec, Target
+from distcheck.outcomes import CollectedRun, collect
 from distcheck.rankfiles import LaunchFiles, write_json_atomic
 from distcheck.scenario import ScenarioSpec
 from distcheck.watchdog import Limits
@@ -114,24 +115,46 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_scenario(spec: ScenarioSpec, options: RunOptions, launch_dir: Path, run_id: str,
+def worker_args(spec: Target, options: RunOptions, launch_dir: Path) -> tuple[str, ...]:
+    common = ("--launch-dir", str(launch_dir), "--backend", options.backend, "--device", options.device,
+              "--seed", str(options.seed), "--pg-timeout", str(pg_timeout(options)))
+    if isinstance(spec, ScriptSpec):
+        what = ("--module", spec.module) if spec.module else ("--script", spec.file)
+        return (*common, *what, "--", *spec.args)
+    return (*common, "--scenario-file", spec.file, "--scenario-name", spec.name)
+
+
+def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: str) -> None:
+    """A .py file that never touched torch.distributed is neither a scenario nor a job."""
+    if not isinstance(spec, ScriptSpec) or end_reason != "completed":
+        return
+    statuses = [o for o in run.outcomes.values()]
+    if run.traces and any(t.events for t in run.traces.values()):
+        return
+    if statuses and all(o.state == "finished" for o in statuses) and not run.initialized_process_group:
+        raise UsageError(
+            f"{spec.source} ran to the end on every rank without calling init_process_group, "
+            "and it has no @scenario function: there was nothing to check",
+            "point distcheck at a distributed script, or decorate scenario functions with @distcheck.scenario",
+        )
+
+
+def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
                  on_poll: Callable | None = None) -> ScenarioResult:
-    reason = skip_reason(spec, options)
+    source = spec.source if isinstance(spec, ScriptSpec) else spec.file
+    reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options)
     if reason:
-        return ScenarioResult(name=spec.name, source=spec.file, expected=spec.expect, observed=(), ok=True,
+        return ScenarioResult(name=spec.name, source=source, expected=spec.expect, observed=(), ok=True,
                               duration_s=0.0, skipped=reason, description=spec.description)
-    worker_args = (
-        "--launch-dir", str(launch_dir), "--backend", options.backend, "--device", options.device,
-        "--seed", str(options.seed), "--pg-timeout", str(pg_timeout(options)),
-        "--scenario-file", spec.file, "--scenario-name", spec.name,
-    )
     limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
     launch_spec = LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
-                             worker_args=worker_args, limits=limits, run_id=f"{run_id}-{spec.name}",
+                             worker_args=worker_args(spec, options, launch_dir), limits=limits,
+                             run_id=f"{run_id}-{spec.name}",
                              device=options.device)
     outcome = launch(launch_spec, on_poll=on_poll)
     files = LaunchFiles(launch_dir)
     run = collect(files, options.nproc_per_node, outcome)
+    check_script_was_distributed(spec, run, outcome.end_reason)
     facts = RunFacts(world_size=options.nproc_per_node, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout)
@@ -141,7 +164,7 @@ def run_scenario(spec: ScenarioSpec, options: RunOptions, launch_dir: Path, run_
     ok = behaved_as_expected(spec.expect, observed) and outcome.end_reason != "interrupted"
     log_rank = next((o.rank for o in run.outcomes.values() if o.state == "crashed"), 0)
     return ScenarioResult(
-        name=spec.name, source=spec.file, expected=spec.expect, observed=observed, ok=ok,
+        name=spec.name, source=source, expected=spec.expect, observed=observed, ok=ok,
         duration_s=outcome.ended_at - outcome.started_at, findings=tuple(findings),
         ranks=tuple(run.outcomes[r] for r in sorted(run.outcomes)), end_reason=outcome.end_reason,
         launch_dir=str(launch_dir), description=spec.description,
@@ -157,7 +180,7 @@ def pg_timeout(options: RunOptions) -> float:
     return max(options.stall_timeout * 4 + 60, (options.timeout or 0) + 60, 300)
 
 
-def run_targets(specs: list[ScenarioSpec], options: RunOptions, hooks: RunHooks | None = None) -> Report:
+def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None = None) -> Report:
     hooks = hooks or RunHooks()
     if not specs:
         raise UsageError("nothing to run: no scenarios selected")

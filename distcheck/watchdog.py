@@ -26,6 +26,7 @@ class Decision(enum.Enum):
     STALL = "stall"              # no progress while someone waits or died
     TIMEOUT = "timeout"          # the run's --timeout
     MAX_DURATION = "max_duration"  # the pre-flight window ended
+    FAILED = "failed"            # the watchdog itself failed: end the job rather than hang
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class _TraceCursor:
     records: int = 0
     open: dict[tuple[str, str], tuple[str, float, str | None]] = field(default_factory=dict)
     labels: dict[str, str | None] = field(default_factory=dict)   # site id -> label
+    fingerprints: dict[str, tuple[str, str, str]] = field(default_factory=dict)   # fp id -> (op, async, site id)
 
 
 class RankMonitor:
@@ -127,20 +129,34 @@ class RankMonitor:
         data = cur.partial + chunk
         lines = data.split(b"\n")
         cur.partial = lines.pop()
+        fps = cur.fingerprints
         for line in lines:
             parts = line.decode("utf-8", "replace").split("\t")
-            if parts[0] == "E" and len(parts) >= 11:
+            tag = parts[0]
+            if tag == "E" and len(parts) == 5:      # E group seq fp-id t_enter_us (see tracefile)
                 cur.records += 1
-                if parts[9] != "1":   # async calls return at once; their wait is elsewhere
+                op, is_async, site = fps.get(parts[3], ("?", "0", None))
+                if is_async != "1":   # async calls return at once; their wait is elsewhere
+                    try:
+                        t = int(parts[4]) / 1e6
+                    except ValueError:
+                        t = time.time()
+                    cur.open[(parts[1], parts[2])] = (f"{op} #{parts[2]} [group {parts[1]}]", t,
+                                                      cur.labels.get(site))
+            elif tag == "F" and len(parts) == 10:   # F fp-id op reduce_op shapes dtypes device root async site
+                fps[parts[1]] = (parts[2], parts[8], parts[9])
+            elif tag == "E" and len(parts) >= 11:   # the first trace format: the fingerprint inline
+                cur.records += 1
+                if parts[9] != "1":
                     try:
                         t = float(parts[10])
                     except ValueError:
                         t = time.time()
                     cur.open[(parts[1], parts[2])] = (f"{parts[3]} #{parts[2]} [group {parts[1]}]", t,
                                                       cur.labels.get(parts[11]) if len(parts) > 11 else None)
-            elif parts[0] == "S" and len(parts) >= 5:
+            elif tag == "S" and len(parts) >= 5:
                 cur.labels[parts[1]] = None if parts[4] == "-" else parts[4]
-            elif parts[0] == "X" and len(parts) >= 3:
+            elif tag == "X" and len(parts) >= 3:
                 cur.records += 1
                 cur.open.pop((parts[1], parts[2]), None)
         return cur
@@ -176,6 +192,7 @@ class WatchdogResult:
     killed_ranks: tuple[int, ...] = ()   # ranks alive when distcheck ended the run
     first_deaths: tuple[int, ...] = ()   # ranks seen dead first (the likely root cause)
     death_times: dict[int, float] = field(default_factory=dict)   # wall time each rank was first seen dead
+    error: str | None = None             # why the watchdog itself failed
     last_progress: dict[int, RankProgress] = field(default_factory=dict)
 
 
@@ -202,6 +219,15 @@ class Watchdog(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except Exception as exc:   # a watchdog that dies silently would let the job hang forever
+            self.result.error = f"{type(exc).__name__}: {exc}"
+            self.result.decision = Decision.FAILED
+            self.result.detected_at = time.time()
+            self._tear_down({})
+
+    def _watch(self) -> None:
         wall_offset = time.time() - self.clock()
         while not self._stop_event.is_set():
             progress = self.monitor.poll()

@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import datetime
 import faulthandler
+import functools
 import os
 import runpy
 import signal
@@ -23,8 +24,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from distcheck import integrations
 from distcheck.callsite import USER, classify_file
 from distcheck.rankfiles import LaunchFiles, write_json_atomic
+from distcheck.samples import SampleRecorder
 from distcheck.tracer import install
 
 PR_SET_PDEATHSIG = 1
@@ -142,6 +145,23 @@ def run_scenario(args: argparse.Namespace, rank: int, world: int, local_rank: in
     return ctx.results()
 
 
+def note_process_group_init() -> None:
+    """Record in the status file when the job's process group exists."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        STATUS.update(phase="running", pg_initialized=True)
+        return result
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
 def run_script(args: argparse.Namespace) -> dict[str, Any]:
     STATUS.update(phase="running")
     script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
@@ -177,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     STATUS.update(phase="starting")
     install_stack_dumps(files.stacks(rank))
     tracer = install(files.trace(rank), rank)
+    note_process_group_init()
+    if not args.scenario_file:
+        SampleRecorder(files.samples(rank)).install()   # scripts: no code change needed
+        integrations.install()
     try:
         if args.scenario_file:
             results = run_scenario(args, rank, world, local_rank)

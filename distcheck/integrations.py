@@ -1,0 +1,87 @@
+"""Library-aware attribution, without importing the libraries.
+
+Lightning reduces ``self.log(..., sync_dist=True)`` values at the end of the
+epoch, far from the ``self.log`` line that asked for it: the stack then shows
+``trainer.validate(...)`` and ``_ResultMetric.compute``. When (and only when)
+the user's script imports Lightning, a post-import hook wraps
+``LightningModule.log`` to remember the line each logged name came from; the
+tracer then attributes the epoch-end collective to that line.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+# logged name -> "file:line:function" of the user's self.log(...) call
+LOG_SITES: dict[str, str] = {}
+
+LIGHTNING_MODULES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a named module finished executing."""
+
+    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.hooks = hooks
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        hook = self.hooks.get(fullname)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                _wrap_exec(spec.loader, hook)
+                return spec
+        return None
+
+
+def _wrap_exec(loader: Any, hook: Callable[[ModuleType], None]) -> None:
+    original = loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        original(module)
+        try:
+            hook(module)
+        except Exception:   # attribution is a nicety; never break the user's import
+            pass
+
+    loader.exec_module = exec_module
+
+
+def _patch_lightning_log(module: ModuleType) -> None:
+    cls = getattr(module, "LightningModule", None)
+    if cls is None or getattr(cls.log, "__distcheck__", False):
+        return
+    original = cls.log
+
+    @functools.wraps(original)
+    def log(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1)
+        LOG_SITES[name] = f"{caller.f_code.co_filename}:{caller.f_lineno}:{caller.f_code.co_name}"
+        return original(self, name, *args, **kwargs)
+
+    log.__distcheck__ = True  # type: ignore[attr-defined]
+    cls.log = log
+
+
+def install() -> None:
+    """Attribute Lightning's deferred self.log reductions to their lines."""
+    for name in LIGHTNING_MODULES:
+        if name in sys.modules:
+            _patch_lightning_log(sys.modules[name])
+    sys.meta_path.insert(0, _PostImportHook({name: _patch_lightning_log for name in LIGHTNING_MODULES}))
+
+
+def logged_name(target: Any) -> str | None:
+    """The self.log name behind a Lightning _ResultMetric (duck-typed: meta.name)."""
+    meta = getattr(target, "meta", None)
+    name = getattr(meta, "name", None)
+    return name if isinstance(name, str) else None
