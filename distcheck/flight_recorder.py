@@ -1,0 +1,447 @@
+"""Reading PyTorch Flight Recorder dumps into distcheck ``Event`` values.
+
+A dump is one rank's Flight Recorder ring buffer, written when
+``TORCH_FR_BUFFER_SIZE`` is set: the pickle form (``_dump_fr_trace()``, or the
+file NCCL's watchdog writes to ``TORCH_FR_DUMP_TEMP_FILE<rank>`` on a timeout)
+or the JSON form (``_dump_fr_trace_json()``). Both hold one dict:
+``version``, ``pg_config``, ``pg_status``, ``comm_lib_version`` and
+``entries``, one entry per collective with ``process_group`` (name, desc),
+``collective_seq_id``, ``p2p_seq_id``, ``is_p2p``, ``profiling_name``
+(``"gloo:all_reduce"``, ``"nccl:send 0->1"``), ``input_sizes``,
+``input_dtypes``, ``state``, ``retired``, ``time_created_ns``,
+``time_discovered_*_ns`` and (pickle only) ``frames``.
+
+Measured on torch 2.13 with gloo (format version "2.10"):
+
+* every gloo entry stays ``state == "scheduled"`` (gloo has no start/end
+  events); ``retired`` turns True when gloo's worker thread has finished the
+  work, successfully or with an error — and only *after* it woke the caller,
+  so a dump taken right after a collective can show it not yet retired;
+* send/recv (also ``batch_isend_irecv``) are not recorded at all; they use
+  ``op_id``\\ s but no ``collective_seq_id``. ``monitored_barrier`` uses two
+  ``collective_seq_id``\\ s that never appear in the buffer (the ids stay
+  aligned across ranks, with gaps);
+* ``pg_config`` is not usable: one entry keyed ``""``, ranks ``[0..N-1]`` on
+  rank 0 and ``[]`` elsewhere — gloo dumps do not say who is in which group;
+* ``pg_status`` counts ``op_id``\\ s, not ``collective_seq_id``\\ s;
+* names seen: all_reduce (also for ``reduce_scatter_tensor``), all_gather
+  (also ``all_gather_into_tensor`` and the two calls of
+  ``all_gather_object``), all_to_all (``all_to_all_single``), reduce, gather,
+  scatter, broadcast (twice for ``broadcast_object_list``), barrier;
+* dtypes are c10 names (``Float``, ``Long``, ``BFloat16``, ``Bool``);
+* the JSON form has no ``frames`` and writes 0 for unknown times.
+
+No dump records the reduce op, the root (src/dst), the device or async_op;
+the rank is known only from the file name (the number it ends with).
+
+Pickles are untrusted input: they are read by an unpickler that resolves no
+global at all, so nothing but dicts, lists, tuples, strings, numbers, bools
+and None can come out of one, and no code runs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distcheck.errors import CorruptInputError, UsageError
+from distcheck.models import Event
+
+# c10 ScalarType names → torch dtype names (as the tracer writes them).
+DTYPES = {
+    "Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+    "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
+    "Bool": "bool", "ComplexFloat": "complex64", "ComplexDouble": "complex128",
+    "ComplexHalf": "complex32", "Float8_e4m3fn": "float8_e4m3fn", "Float8_e5m2": "float8_e5m2",
+    "UInt16": "uint16", "UInt32": "uint32", "UInt64": "uint64",
+}
+# backend op names → torch.distributed API names where they differ.
+OPS = {
+    "allreduce": "all_reduce", "allgather": "all_gather", "_allgather_base": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "_reduce_scatter_base": "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced":
+    "reduce_scatter_tensor_coalesced", "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
+    "allreduce_coalesced": "all_reduce_coalesced",
+}
+REQUIRED = ("profiling_name", "process_group")
+_P2P_NAME = re.compile(r"^(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
+_RANK_IN_NAME = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin|txt))?$", re.IGNORECASE)
+CANNOT_TELL = ("reduce op", "root (src/dst)", "device", "async_op", "module label")
+
+
+# -- loading --------------------------------------------------------------------
+
+
+class RefusedPickle(pickle.UnpicklingError):
+    """The pickle asked for a global (a class or function): never loaded."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves no global at all: only the pickle VM's own dict/list/tuple/str/
+    bytes/int/float/bool/None values can be built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise RefusedPickle(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedPickle("a persistent id")
+
+
+class _SalvagingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler (its stacks are inspectable after an error),
+    with the same restriction."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise RefusedPickle(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedPickle("a persistent id")
+
+
+def _load_pickle(data: bytes) -> tuple[Any, bool]:
+    """(object, truncated). Raises RefusedPickle, or ValueError when nothing is readable."""
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data)).load(), False
+    except RefusedPickle:
+        raise
+    except Exception:
+        pass
+    # Damaged or cut short: replay with the inspectable unpickler and keep what was built.
+    up = _SalvagingUnpickler(io.BytesIO(data))
+    try:
+        return up.load(), False
+    except RefusedPickle:
+        raise
+    except Exception:
+        pass
+    frames = [*getattr(up, "metastack", []), getattr(up, "stack", [])]
+    partial: set[int] = set()
+    for frame in frames:
+        for item in frame:
+            if isinstance(item, dict) and not item:
+                partial.add(id(item))   # dicts still being filled: their items were never set
+    for i in range(len(frames) - 1, 0, -1):
+        owner = frames[i - 1][-1] if frames[i - 1] else None
+        items = frames[i]
+        if isinstance(owner, dict):
+            for k, v in zip(items[0::2], items[1::2]):
+                try:
+                    owner[k] = v
+                except TypeError:
+                    pass
+        elif isinstance(owner, list):
+            owner.extend(items)
+    top = frames[0][0] if frames and frames[0] else None
+    if not isinstance(top, dict):
+        raise ValueError("no readable content")
+    entries = top.get("entries")
+    if isinstance(entries, list):
+        top["entries"] = [e for e in entries if not (isinstance(e, dict) and id(e) in partial)]
+    return top, True
+
+
+def _load_json(text: str) -> tuple[Any, bool]:
+    try:
+        return json.loads(text), False
+    except ValueError:
+        pass
+    # Cut short: keep the top-level values and the entries that parse whole.
+    m = re.search(r'"entries"\s*:\s*\[', text)
+    if not m:
+        raise ValueError("no readable content")
+    decoder = json.JSONDecoder()
+    entries = []
+    pos = m.end()
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        entries.append(obj)
+    top: dict[str, Any] = {"entries": entries}
+    for key in ("version", "comm_lib_version"):
+        km = re.search(rf'"{key}"\s*:\s*("(?:[^"\\]|\\.)*")', text[: m.start()])
+        if km:
+            top[key] = json.loads(km.group(1))
+    return top, True
+
+
+def sniff(data: bytes) -> str | None:
+    """'pickle', 'json' or None."""
+    if data[:1] == b"\x80":
+        return "pickle"
+    if data.lstrip()[:1] == b"{":
+        return "json"
+    return None
+
+
+def rank_from_name(path: Path) -> int | None:
+    m = _RANK_IN_NAME.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class Dump:
+    """One rank's Flight Recorder dump, as read."""
+
+    path: Path
+    rank: int
+    form: str                                   # pickle | json
+    version: str = ""
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    pg_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)   # pg name → global ranks
+    comm_lib_version: str = ""
+    truncated: bool = False
+    skipped_entries: int = 0                    # entries without the fields we need
+
+    @property
+    def backends(self) -> set[str]:
+        return {str(e["profiling_name"]).split(":", 1)[0] for e in self.entries if ":" in str(e["profiling_name"])}
+
+    @property
+    def wrapped(self) -> bool:
+        """The ring buffer overflowed: older entries are gone."""
+        first = self.entries[0].get("record_id") if self.entries else 0
+        return isinstance(first, int) and first > 0
+
+
+def load_dump(path: Path, rank: int | None = None) -> Dump:
+    """Read one dump. UsageError for a refused pickle or a nameless file,
+    CorruptInputError for a file with nothing readable in it."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    if rank is None:
+        rank = rank_from_name(path)
+        if rank is None:
+            raise UsageError(f"{path}: cannot tell which rank wrote this dump",
+                             "name dumps PREFIX<rank> (as PyTorch does: TORCH_FR_DUMP_TEMP_FILE + rank)")
+    form = sniff(data)
+    try:
+        if form == "pickle":
+            obj, truncated = _load_pickle(data)
+        elif form == "json":
+            obj, truncated = _load_json(data.decode("utf-8", errors="replace"))
+        else:
+            raise ValueError("neither a pickle nor JSON")
+    except RefusedPickle as exc:
+        raise UsageError(
+            f"{path}: refused to load this pickle: it asks to import {exc}; a Flight Recorder dump holds "
+            f"only dicts, lists, strings and numbers", "do not load pickles of unknown origin") from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise CorruptInputError(f"{path}: not a readable Flight Recorder dump ({exc})",
+                                "pass the files PyTorch wrote (pickle or JSON), or distcheck traces") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("entries", []), list):
+        raise CorruptInputError(f"{path}: not a Flight Recorder dump (no 'entries' list)",
+                                "pass the files PyTorch wrote (pickle or JSON), or distcheck traces")
+    dump = Dump(path=path, rank=rank, form=form or "", version=str(obj.get("version", "")),
+                comm_lib_version=str(obj.get("comm_lib_version") or ""), truncated=truncated)
+    for e in obj.get("entries", []):
+        if isinstance(e, dict) and all(k in e for k in REQUIRED) and _seq_of(e) is not None:
+            dump.entries.append(e)
+        else:
+            dump.skipped_entries += 1
+    dump.pg_ranks = _pg_ranks(obj.get("pg_config"))
+    return dump
+
+
+def _pg_ranks(config: Any) -> dict[str, tuple[int, ...]]:
+    """pg name → global ranks, from pg_config where it says (NCCL); gloo's is empty."""
+    out: dict[str, tuple[int, ...]] = {}
+    if not isinstance(config, dict):
+        return out
+    for key, pg in config.items():
+        if not isinstance(pg, dict):
+            continue
+        name = str(pg.get("name") or key or "")
+        ranks = pg.get("ranks")
+        if isinstance(ranks, str):
+            try:
+                ranks = json.loads(ranks)       # "[0, 1, 2]" — never eval()
+            except ValueError:
+                continue
+        if name and isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
+            out[name] = tuple(ranks)
+    return out
+
+
+# -- conversion -----------------------------------------------------------------
+
+
+def _seq_of(e: dict[str, Any]) -> int | None:
+    seq = e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id", e.get("seq_id"))
+    return seq if isinstance(seq, int) else None
+
+
+def pg_of(e: dict[str, Any]) -> tuple[str, str]:
+    pg = e.get("process_group")
+    if isinstance(pg, (list, tuple)) and pg:
+        return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+    return str(e.get("pg_id", pg)), ""
+
+
+def group_label(name: str, desc: str) -> str:
+    return f"{name}:{desc}" if desc and desc != "undefined" else name
+
+
+def op_name(profiling_name: str) -> tuple[str, str | None]:
+    """("all_reduce", "gloo") from "gloo:all_reduce"."""
+    backend, sep, op = str(profiling_name).partition(":")
+    if not sep:
+        backend, op = None, backend
+    op = op.strip()
+    return OPS.get(op, op), backend
+
+
+def _dtype(name: Any) -> str:
+    return DTYPES.get(str(name), str(name).lower())
+
+
+def _shapes(sizes: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(sizes, list):
+        return ()
+    out = []
+    for s in sizes:
+        if isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s):
+            out.append(tuple(s))
+    return tuple(out)
+
+
+_SITE_PKG = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
+_STDLIB = re.compile(r"[/\\]lib[/\\]python\d+\.\d+[/\\]")
+_DISTCHECK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _frame_kind(filename: str) -> str:
+    """user | library | torch | skip — from the path alone (dumps come from other machines)."""
+    if not filename or filename.startswith("<"):
+        return "skip"
+    m = _SITE_PKG.search(filename)
+    if m:
+        return "torch" if m.group(1) == "torch" else "library"
+    if re.search(r"[/\\]torch[/\\](distributed|nn|utils|_dynamo|autograd|cuda)[/\\]", filename):
+        return "torch"
+    if filename.startswith(_DISTCHECK_DIR) and "builtin_scenarios" not in filename:
+        return "skip"
+    if _STDLIB.search(filename):
+        return "skip"
+    return "user"
+
+
+def callsites(frames: Any) -> tuple[str | None, str | None]:
+    """(innermost user frame, innermost library frame) as 'file:line:function'."""
+    user = library = None
+    if not isinstance(frames, list):
+        return None, None
+    for f in frames:                               # innermost first
+        if not isinstance(f, dict):
+            continue
+        kind = _frame_kind(str(f.get("filename", "")))
+        text = f"{f.get('filename')}:{f.get('line')}:{f.get('name')}"
+        if kind == "library" and library is None and user is None:
+            library = text
+        elif kind == "user":
+            user = text
+            break
+    return user, library
+
+
+def _ns(value: Any) -> float | None:
+    return value / 1e9 if isinstance(value, (int, float)) and value > 0 else None
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who is in which process group, as far as the dumps tell."""
+
+    world: tuple[int, ...]
+    groups: dict[str, tuple[int, ...]]          # pg name → global ranks
+    inferred: tuple[str, ...] = ()              # pg labels whose members were inferred
+
+
+def membership(dumps: list[Dump], world: tuple[int, ...]) -> Membership:
+    """pg_config where it names the ranks (NCCL); otherwise the world for the
+    default group and, for other groups, the ranks whose dumps mention them."""
+    groups: dict[str, tuple[int, ...]] = {}
+    for d in dumps:
+        for name, ranks in d.pg_ranks.items():
+            groups.setdefault(name, ranks)
+    seen: dict[str, set[int]] = {}
+    descs: dict[str, str] = {}
+    for d in dumps:
+        for e in d.entries:
+            if e.get("is_p2p"):
+                continue
+            name, desc = pg_of(e)
+            seen.setdefault(name, set()).add(d.rank)
+            descs.setdefault(name, desc)
+    inferred = []
+    for name, ranks in seen.items():
+        if name in groups:
+            continue
+        if descs.get(name) == "default_pg" or name == "0":
+            groups[name] = world
+        else:
+            groups[name] = tuple(sorted(ranks))
+            inferred.append(group_label(name, descs.get(name, "")))
+    return Membership(world=world, groups=groups, inferred=tuple(sorted(inferred)))
+
+
+def to_events(dump: Dump, members: Membership) -> list[Event]:
+    """One rank's entries as Events, in the order the rank issued them.
+
+    An entry counts as completed when its state says so, when it is retired,
+    or when a later entry of the same group on this rank completed (collectives
+    of one group finish in order; gloo retires on its worker thread just after
+    waking the caller, so the newest finished entry may not show it yet).
+    """
+    entries = sorted(dump.entries, key=lambda e: e.get("record_id", 0) if isinstance(e.get("record_id"), int) else 0)
+    done = [e.get("state") == "completed" or e.get("retired") is True for e in entries]
+    later_done: set[str] = set()
+    for i in range(len(entries) - 1, -1, -1):
+        key = "p2p" if entries[i].get("is_p2p") else pg_of(entries[i])[0]
+        if done[i]:
+            later_done.add(key)
+        elif key in later_done:
+            done[i] = True
+    p2p_counts: dict[str, int] = {}
+    events = []
+    for e, completed in zip(entries, done):
+        name, desc = pg_of(e)
+        op, _backend = op_name(e["profiling_name"])
+        group_ranks = members.groups.get(name, ())
+        group, seq = group_label(name, desc), _seq_of(e)
+        if e.get("is_p2p"):
+            m = _P2P_NAME.match(op)
+            if m is None:
+                continue
+            kind, a, arrow, b = m.group(1), int(m.group(2)), m.group(3), int(m.group(4))
+            src, dst = (a, b) if arrow == "->" else (b, a)
+            if group_ranks:                           # group-local → global ranks
+                src = group_ranks[src] if src < len(group_ranks) else src
+                dst = group_ranks[dst] if dst < len(group_ranks) else dst
+            group = f"p2p:{src}>{dst}"
+            seq = p2p_counts[group] = p2p_counts.get(group, 0) + 1
+            op, group_ranks = kind, (src, dst)
+        t_enter = _ns(e.get("time_created_ns")) or 0.0
+        t_exit = (_ns(e.get("time_discovered_completed_ns")) or t_enter) if completed else None
+        callsite, library_callsite = callsites(e.get("frames"))
+        events.append(Event(
+            rank=dump.rank, group=group, seq=seq, op=op, reduce_op=None,
+            shapes=_shapes(e.get("input_sizes")),
+            dtypes=tuple(_dtype(d) for d in e.get("input_dtypes") or ()),
+            device=None, root=None, group_ranks=group_ranks, async_op=False,
+            t_enter=t_enter, t_exit=t_exit, callsite=callsite, library_callsite=library_callsite,
+        ))
+    return events
