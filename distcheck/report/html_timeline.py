@@ -1,0 +1,288 @@
+"""A self-contained HTML page with one inline-SVG timeline per scenario.
+
+For people who never open Perfetto: one lane per rank, one box per collective,
+the stuck / mismatched collective in red, ranks that never came and crashes
+flagged, the stall window shaded. No script, no network, no CDN: the page is
+one file that a browser (or a bug tracker attachment) shows as is. Hover a box
+for its fingerprint (SVG ``<title>``).
+
+Layout only: what is marked, and why, comes from the findings via
+``distcheck.timeline``.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Mapping, Sequence
+
+from distcheck.models import Event, Report, ScenarioResult
+from distcheck.text import short_path
+from distcheck.timeline import ScenarioTimeline, Slice, build_all
+
+WIDTH = 1180
+GUTTER = 190          # lane labels
+RIGHT = 24
+LANE_H = 30
+LANE_GAP = 10
+AXIS_H = 28
+PLOT_W = WIDTH - GUTTER - RIGHT
+
+OP_CLASS = {
+    "all_reduce": "op-ar", "all_gather": "op-ag", "all_gather_into_tensor": "op-ag", "all_gather_object": "op-ag",
+    "barrier": "op-bar", "monitored_barrier": "op-bar", "broadcast": "op-bc", "broadcast_object_list": "op-bc",
+    "reduce_scatter": "op-rs", "reduce_scatter_tensor": "op-rs", "reduce": "op-rs",
+    "gather": "op-ga", "scatter": "op-ga", "all_to_all": "op-a2a", "all_to_all_single": "op-a2a",
+}
+
+CSS = """
+body{font:14px/1.45 -apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;
+     margin:24px auto;max-width:1240px;color:#1f2328;background:#fff;padding:0 16px}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 6px}
+.meta{color:#59636e;font-size:12.5px}
+.badge{display:inline-block;padding:1px 8px;border-radius:10px;font-weight:600;font-size:12px;color:#fff}
+.pass{background:#1a7f37}.fail{background:#cf222e}.skip{background:#8c959f}
+.finding{margin:4px 0 4px 0;padding:6px 10px;border-left:4px solid #cf222e;background:#fff5f5;font-size:13px}
+.finding.warning{border-color:#bf8700;background:#fffbe6}
+.finding .kind{font-weight:700;margin-right:6px}
+.scenario{border:1px solid #d1d9e0;border-radius:8px;padding:10px 14px 14px;margin:18px 0}
+.desc{color:#59636e;font-size:13px;margin:2px 0 8px}
+svg{display:block;margin-top:8px}
+svg text{font:11.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;fill:#1f2328}
+svg .lane-label{font-weight:600} svg .lane-state{fill:#59636e;font-size:10.5px}
+svg .axis{stroke:#d1d9e0} svg .tick{fill:#59636e;font-size:10px}
+svg .lane-bg{fill:#f6f8fa}
+svg .op{stroke:#fff;stroke-width:.5}
+svg .op-ar{fill:#4f8ff7} svg .op-ag{fill:#2da44e} svg .op-bar{fill:#8c959f} svg .op-bc{fill:#8250df}
+svg .op-rs{fill:#1b7c83} svg .op-ga{fill:#bc4c00} svg .op-a2a{fill:#9a6700} svg .op-p2p{fill:#d4a72c}
+svg .op-other{fill:#6e7781}
+svg .m-stuck,svg .m-crashed{fill:#cf222e;stroke:#82071e;stroke-width:1.5}
+svg .m-odd{fill:#bf3989;stroke:#6e1150;stroke-width:2}
+svg .m-majority{stroke:#bf3989;stroke-width:2}
+svg .open-tail{fill:url(#hatch)}
+svg .slice-text{fill:#fff;font-size:10.5px;pointer-events:none}
+svg .stall{fill:#cf222e;fill-opacity:.07;stroke:#cf222e;stroke-opacity:.35;stroke-dasharray:4 3}
+svg .stall-text{fill:#82071e;font-size:10.5px}
+svg .absent{fill:#fff;stroke:#bf8700;stroke-width:2} svg .absent-text{fill:#7d4e00;font-size:11px}
+svg .crash{stroke:#cf222e;stroke-width:3} svg .crash-text{fill:#82071e;font-size:11px;font-weight:600}
+.legend{font-size:12px;color:#59636e;margin-top:6px}
+.legend span{display:inline-block;margin-right:14px}
+.legend i{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-2px;margin-right:4px}
+.empty{color:#59636e;font-style:italic;font-size:13px}
+"""
+
+LEGEND = (
+    '<div class="legend">'
+    '<span><i style="background:#4f8ff7"></i>all_reduce</span>'
+    '<span><i style="background:#2da44e"></i>all_gather</span>'
+    '<span><i style="background:#8c959f"></i>barrier</span>'
+    '<span><i style="background:#8250df"></i>broadcast</span>'
+    '<span><i style="background:#1b7c83"></i>reduce(_scatter)</span>'
+    '<span><i style="background:#d4a72c"></i>send/recv</span>'
+    '<span><i style="background:#cf222e"></i>stuck / crashed</span>'
+    '<span><i style="background:#bf3989"></i>odd one out (mismatch / order)</span>'
+    '<span><i style="background:#fff;border:2px solid #bf8700;border-radius:50%"></i>never entered</span>'
+    '<span><i style="background:rgba(207,34,46,.12);border:1px dashed #cf222e"></i>no progress (stall)</span>'
+    "</div>"
+)
+
+
+def _nice_step(span: float, target: int = 8) -> float:
+    raw = span / target if span > 0 else 1.0
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def _fmt_t(t: float, step: float) -> str:
+    if step >= 1:
+        return f"{t:.0f} s"
+    if step >= 0.1:
+        return f"{t:.1f} s"
+    if step >= 0.01:
+        return f"{t:.2f} s"
+    return f"{t * 1000:.0f} ms"
+
+
+def _op_class(e: Event) -> str:
+    if e.is_p2p or e.op in ("send", "recv", "isend", "irecv", "batch_isend_irecv"):
+        return "op-p2p"
+    return OP_CLASS.get(e.op, "op-other")
+
+
+def _tooltip(tl: ScenarioTimeline, s: Slice) -> str:
+    e = s.event
+    fp = e.fingerprint()
+    lines = [f"rank {s.rank}: {s.name}", f"group {e.group} {list(e.group_ranks)}"]
+    if fp["reduce_op"]:
+        lines.append(f"reduce_op {fp['reduce_op']}")
+    if e.shapes:
+        lines.append("shapes " + ", ".join(str(list(x)) for x in e.shapes))
+    if e.dtypes:
+        lines.append("dtypes " + ", ".join(e.dtypes))
+    if e.device:
+        lines.append(f"device {e.device}")
+    if e.root is not None:
+        lines.append(f"root {e.root}")
+    if e.callsite:
+        lines.append(f"at {short_path(e.callsite)}")
+    if e.library_callsite:
+        lines.append(f"via {short_path(e.library_callsite)}")
+    lines.append(f"{(s.end - s.start) * 1000:.2f} ms" + ("" if s.returned else " and never returned"))
+    if s.finding is not None:
+        lines.append("")
+        lines.append(f"{tl.result.findings[s.finding].kind.upper()}: {tl.result.findings[s.finding].summary}")
+    return escape("\n".join(lines))
+
+
+def _svg(tl: ScenarioTimeline) -> str:
+    lanes = {lane.rank: i for i, lane in enumerate(tl.lanes)}
+    height = AXIS_H + len(tl.lanes) * (LANE_H + LANE_GAP) + 8
+    scale = PLOT_W / tl.end if tl.end > 0 else 1.0
+
+    def x(t: float) -> float:
+        return GUTTER + max(0.0, min(t, tl.end)) * scale
+
+    def y(rank: int) -> float:
+        return AXIS_H + lanes[rank] * (LANE_H + LANE_GAP)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+           f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="timeline of {escape(tl.result.name)}">',
+           '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+           'patternTransform="rotate(45)"><rect width="6" height="6" fill="#cf222e" fill-opacity=".55"/>'
+           '<line x1="0" y1="0" x2="0" y2="6" stroke="#82071e" stroke-width="2.5"/></pattern></defs>']
+    # axis
+    step = _nice_step(tl.end)
+    out.append(f'<line class="axis" x1="{GUTTER}" y1="{AXIS_H - 6}" x2="{GUTTER + PLOT_W}" y2="{AXIS_H - 6}"/>')
+    n = int(tl.end / step) + 1
+    for i in range(n + 1):
+        t = i * step
+        if t > tl.end:
+            break
+        out.append(f'<line class="axis" x1="{x(t):.1f}" y1="{AXIS_H - 10}" x2="{x(t):.1f}" y2="{height - 4}" '
+                   f'stroke-opacity=".45"/>')
+        out.append(f'<text class="tick" x="{x(t) + 3:.1f}" y="{AXIS_H - 12}">{_fmt_t(t, step)}</text>')
+    # lanes
+    for lane in tl.lanes:
+        ly = y(lane.rank)
+        out.append(f'<rect class="lane-bg" x="{GUTTER}" y="{ly:.1f}" width="{PLOT_W}" height="{LANE_H}" rx="3"/>')
+        out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">rank {lane.rank}</text>')
+        note = f"{lane.state}" + (f" · {short_path(lane.note)}" if lane.note and lane.state != "finished" else "")
+        if len(note) > 30:
+            note = note[:29] + "…"
+        out.append(f'<text class="lane-state" x="8" y="{ly + 26:.1f}">{escape(note)}'
+                   f'<title>{escape(lane.state + (": " + lane.note if lane.note else ""))}</title></text>')
+    # the stall window, under the slices
+    if tl.stall is not None:
+        x0, x1 = x(tl.stall[0]), x(tl.stall[1])
+        out.append(f'<rect class="stall" x="{x0:.1f}" y="{AXIS_H - 4}" width="{max(x1 - x0, 1):.1f}" '
+                   f'height="{height - AXIS_H}"><title>no rank made progress from here until the watchdog '
+                   f'declared the stall</title></rect>')
+    # slices
+    for s in tl.slices:
+        if s.rank not in lanes:
+            continue
+        x0, x1 = x(s.start), x(s.end)
+        w = max(x1 - x0, 2.0)
+        ly = y(s.rank) + 3
+        h = LANE_H - 6
+        mark = f" m-{s.mark}" if s.mark else ""
+        out.append(f'<g><title>{_tooltip(tl, s)}</title>')
+        if not s.returned and w > 14:
+            head = min(12.0, w / 3)
+            out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{head:.1f}" '
+                       f'height="{h}" rx="2"/>')
+            out.append(f'<rect class="open-tail{mark}" x="{x0 + head:.1f}" y="{ly:.1f}" width="{w - head:.1f}" '
+                       f'height="{h}" rx="2"/>')
+        else:
+            out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{w:.1f}" '
+                       f'height="{h}" rx="2"/>')
+        text = s.name if s.returned else f"{s.name} — never returned"
+        if w > 7 * len(text) + 16:
+            out.append(f'<text class="slice-text" x="{x0 + 16:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
+        elif s.mark and w <= 7 * len(text) + 16:
+            # marked but narrow: put the name beside it
+            out.append(f'<text class="absent-text" x="{x1 + 4:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
+        out.append("</g>")
+    # markers
+    for m in tl.markers:
+        if m.kind == "stall":
+            tx = x(m.t)
+            anchor = "end" if tx > GUTTER + PLOT_W / 2 else "start"
+            dx = -4 if anchor == "end" else 4
+            out.append(f'<text class="stall-text" x="{tx + dx:.1f}" y="{height - 6}" text-anchor="{anchor}">'
+                       f'{escape(m.text)}</text>')
+            continue
+        if m.rank is None or m.rank not in lanes:
+            continue
+        mx, my = x(m.t), y(m.rank) + LANE_H / 2
+        anchor = "end" if mx > GUTTER + PLOT_W * 0.6 else "start"
+        dx = -12 if anchor == "end" else 12
+        if m.kind == "absent":
+            out.append(f'<g><title>{escape(m.text)}</title><circle class="absent" cx="{mx:.1f}" cy="{my:.1f}" r="7"/>'
+                       f'<text class="absent-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
+                       f'{escape(m.text)}</text></g>')
+        elif m.kind == "crash":
+            out.append(f'<g><title>{escape(m.text)}</title>'
+                       f'<line class="crash" x1="{mx - 7:.1f}" y1="{my - 7:.1f}" x2="{mx + 7:.1f}" y2="{my + 7:.1f}"/>'
+                       f'<line class="crash" x1="{mx - 7:.1f}" y1="{my + 7:.1f}" x2="{mx + 7:.1f}" y2="{my - 7:.1f}"/>'
+                       f'<text class="crash-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
+                       f'{escape(m.text)}</text></g>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _badge(result: ScenarioResult) -> str:
+    if result.skipped:
+        return '<span class="badge skip">SKIP</span>'
+    return '<span class="badge pass">OK</span>' if result.ok else '<span class="badge fail">FAIL</span>'
+
+
+def _scenario(tl: ScenarioTimeline | None, result: ScenarioResult) -> str:
+    expected = "+".join(result.expected) or "pass"
+    observed = "+".join(result.observed) or "pass"
+    parts = [f'<section class="scenario" id="{escape(result.name)}">',
+             f"<h2>{_badge(result)} {escape(result.name)}</h2>"]
+    if result.skipped:
+        parts.append(f'<div class="desc">skipped: {escape(result.skipped)}</div></section>')
+        return "\n".join(parts)
+    parts.append(f'<div class="meta">expected <b>{escape(expected)}</b>, observed <b>{escape(observed)}</b> · '
+                 f"ended: {escape(result.end_reason)} · {result.duration_s:.1f} s · "
+                 f"{len(result.ranks)} ranks · source {escape(short_path(result.source))}</div>")
+    if result.description:
+        parts.append(f'<div class="desc">{escape(result.description)}</div>')
+    for f in result.findings:
+        parts.append(f'<div class="finding {escape(f.severity)}"><span class="kind">{escape(f.kind.upper())}</span>'
+                     f"{escape(f.summary)}</div>")
+    if tl is None or not tl.slices and not tl.markers:
+        parts.append('<div class="empty">no collective was recorded for this scenario</div>')
+    else:
+        parts.append(_svg(tl))
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+_VERDICT_BADGE = {"pass": '<span class="badge pass">PASS</span>', "fail": '<span class="badge fail">FAIL</span>'}
+
+
+def render(report: Report, events: Mapping[str, Mapping[int, Sequence[Event]]]) -> str:
+    timelines = {tl.result.name: tl for tl in build_all(report, events)}
+    run = report.run
+    verdict = report.verdict
+    title = f"distcheck {verdict.upper()} · {run.backend} × {run.world_size} ranks · {run.started_at}"
+    body = [
+        f"<h1>{_VERDICT_BADGE[verdict]} distcheck timeline</h1>",
+        f'<div class="meta">{escape(run.backend)} × {run.world_size} ranks ({run.nnodes} node(s)) · '
+        f"torch {escape(run.torch_version)} · distcheck {escape(run.distcheck_version)} · seed {run.seed} · "
+        f"started {escape(run.started_at)} on {escape(run.hostname or '?')} · {run.duration_s:.1f} s"
+        + (" · interrupted" if report.interrupted else "") + "</div>",
+        f'<div class="meta">command: <code>{escape(run.command)}</code></div>',
+        LEGEND,
+    ]
+    for result in report.scenarios:
+        body.append(_scenario(timelines.get(result.name), result))
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{escape(title)}</title><style>{CSS}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")

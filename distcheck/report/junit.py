@@ -1,0 +1,133 @@
+"""JUnit XML in pytest's shape: one testcase per scenario.
+
+``testsuites > testsuite(name, tests, failures, errors, skipped, time,
+timestamp, hostname) > properties + testcase(classname, name, file, time)``.
+A scenario that did not behave as expected is a ``<failure>`` whose message is
+the first finding's summary and whose text lists every finding with its
+per-rank detail; an interrupted one is an ``<error>``; a skipped one is
+``<skipped>``. ``<system-out>`` carries the log tail.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+from distcheck.models import Finding, Report, ScenarioResult
+from distcheck.text import short_path
+
+# characters XML 1.0 cannot carry, even escaped (pytest's bin_xml_escape does the same)
+_ILLEGAL = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _x(text: object) -> str:
+    return _ILLEGAL.sub(lambda m: f"#x{ord(m.group()):02X}", str(text))
+
+
+def _finding_text(f: Finding) -> str:
+    head = f"{f.kind.upper()} [{f.severity}]"
+    where = " ".join(p for p in (
+        f"{f.op} #{f.seq}" if f.op and f.seq is not None else (f.op or ""),
+        f"(group {f.group})" if f.group is not None else "",
+        f"[{f.label}]" if f.label else "",
+        f"at {short_path(f.callsite)}" if f.callsite else "",
+    ) if p)
+    lines = [f"{head} {f.summary}"]
+    if where:
+        lines.append(f"    collective: {where}")
+    if f.fields:
+        lines.append(f"    differs in: {', '.join(f.fields)}")
+    for d in f.ranks:
+        parts = [f"    rank {d.rank} ({d.role})"]
+        if d.op:
+            parts.append(f"{d.op} #{d.seq}" if d.seq is not None else d.op)
+        if d.label:
+            parts.append(f"[{d.label}]")
+        if d.callsite:
+            parts.append(f"at {short_path(d.callsite)}")
+        elif d.where:
+            parts.append(f"at {short_path(d.where)}")
+        if d.state:
+            parts.append(f"state={d.state}")
+        if d.note:
+            parts.append(f"- {d.note}")
+        lines.append(" ".join(parts))
+    if f.detected_after_s is not None:
+        lines.append(f"    detected {f.detected_after_s:.1f} s after the last progress")
+    return "\n".join(lines)
+
+
+def _ranks_text(result: ScenarioResult) -> str:
+    lines = ["ranks:"]
+    for r in result.ranks:
+        where = r.exception or (f"killed by {r.signal}" if r.signal else "")
+        at = r.where or (r.last_event.callsite if r.last_event else None)
+        if at:
+            where = f"{where} at {short_path(at)}" if where else short_path(at)
+        lines.append(f"    rank {r.rank}: {r.state}, {r.collectives} collectives" + (f", {where}" if where else ""))
+    return "\n".join(lines)
+
+
+def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None:
+    case = ET.SubElement(suite, "testcase", {
+        "classname": classname, "name": _x(result.name), "file": _x(short_path(result.source)),
+        "time": f"{result.duration_s:.3f}",
+    })
+    expected = "+".join(result.expected) or "pass"
+    observed = "+".join(result.observed) or "pass"
+    if result.skipped:
+        ET.SubElement(case, "skipped", {"type": "distcheck.skip", "message": _x(result.skipped)}).text = _x(
+            f"{result.name}: {result.skipped}")
+        return
+    findings = "\n\n".join(_finding_text(f) for f in result.findings)
+    if not result.ok:
+        first = result.findings[0].summary if result.findings else f"no finding; {result.end_reason}"
+        tag = "error" if result.end_reason == "interrupted" else "failure"
+        body = f"expected {expected}, observed {observed} (ended: {result.end_reason})\n\n"
+        body += (findings + "\n\n" if findings else "") + _ranks_text(result)
+        ET.SubElement(case, tag, {
+            "type": f"distcheck.{observed}", "message": _x(f"expected {expected}, observed {observed}: {first}"),
+        }).text = _x(body)
+    out = []
+    if result.ok and result.findings:
+        out.append(f"expected {expected}, observed {observed}:\n\n{findings}")
+    if result.log_tail:
+        out.append("log tail:\n" + result.log_tail)
+    if out:
+        ET.SubElement(case, "system-out").text = _x("\n\n".join(out))
+
+
+def render(report: Report, suite_name: str = "distcheck") -> str:
+    run = report.run
+    ran = [s for s in report.scenarios if not s.skipped]
+    failures = sum(1 for s in ran if not s.ok and s.end_reason != "interrupted")
+    errors = sum(1 for s in ran if not s.ok and s.end_reason == "interrupted")
+    # a run cut short between scenarios must not look green in CI
+    cut_short = report.interrupted and not errors
+    skipped = len(report.scenarios) - len(ran)
+    attrs = {
+        "name": suite_name, "errors": str(errors + cut_short), "failures": str(failures), "skipped": str(skipped),
+        "tests": str(len(report.scenarios) + cut_short), "time": f"{run.duration_s:.3f}", "timestamp": run.started_at,
+        "hostname": _x(run.hostname or "unknown"),
+    }
+    root = ET.Element("testsuites", {"name": "distcheck"})
+    suite = ET.SubElement(root, "testsuite", attrs)
+    props = ET.SubElement(suite, "properties")
+    values = {
+        "seed": run.seed, "backend": run.backend, "world_size": run.world_size, "nnodes": run.nnodes,
+        "nproc_per_node": run.nproc_per_node, "torch": run.torch_version, "distcheck": run.distcheck_version,
+        "python": run.python_version, **{name: v for name, v in sorted(run.versions.items())},
+        "command": run.command, "run_dir": run.run_dir, "verdict": report.verdict,
+    }
+    for name, value in values.items():
+        if value not in (None, ""):
+            ET.SubElement(props, "property", {"name": name, "value": _x(value)})
+    classname = f"distcheck.{run.backend}.{run.world_size}ranks"
+    for result in report.scenarios:
+        _testcase(suite, result, classname)
+    if cut_short:
+        case = ET.SubElement(suite, "testcase", {"classname": classname, "name": "(run interrupted)", "time": "0.000"})
+        ET.SubElement(case, "error", {"type": "distcheck.interrupted",
+                                      "message": "the run was interrupted before every scenario ran"})
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

@@ -1,0 +1,194 @@
+"""The live view while ``distcheck run`` works: a status line per scenario and,
+during a stall, what every rank is doing (grouped, so 1000 ranks stay readable).
+
+On a terminal it is a rich ``Live`` display; elsewhere (CI logs, pipes) it is
+plain lines: one when a scenario starts, one when a stall is suspected, and the
+scenario's result block. It renders what the watchdog observed
+(``RankProgress``); it decides nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from distcheck.report import terminal
+from distcheck.text import rank_list
+from distcheck.watchdog import RankProgress
+
+MAX_ROWS = 12
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What the view knows at one moment."""
+
+    name: str | None = None
+    index: int = 0
+    total: int = 0
+    started: float | None = None                  # wall time the scenario started
+    progress: Mapping[int, RankProgress] | None = None
+    idle_s: float = 0.0                           # seconds since any rank made progress
+
+
+def rank_state(p: RankProgress) -> tuple[str, str]:
+    """(text, style) of one rank's state."""
+    if p.dead:
+        return "dead", "bold red"
+    if p.open_collectives:
+        return "in collective", "yellow"
+    if p.phase is None or p.phase == "starting":
+        return "starting", "dim"
+    if p.phase == "finished":
+        return "finished (idle)", "green"
+    return p.phase, ""
+
+
+def _counts(progress: Mapping[int, RankProgress]) -> str:
+    by: dict[str, int] = {}
+    for p in progress.values():
+        text, _ = rank_state(p)
+        by[text] = by.get(text, 0) + 1
+    return ", ".join(f"{n} {text}" for text, n in sorted(by.items()))
+
+
+def status_line(state: LiveState, now: float, stall_timeout: float) -> Text:
+    if state.name is None:
+        return Text("  starting…", style="dim")
+    elapsed = now - state.started if state.started else 0.0
+    line = Text.assemble(("  RUN  ", "bold cyan"), (state.name, "bold"),
+                         (f"  [{state.index + 1}/{state.total}]  {elapsed:.1f} s", "dim"))
+    if state.progress:
+        line.append(f"  · {_counts(state.progress)}", style="dim")
+    if state.idle_s >= 1.0 and state.progress:
+        line.append(f"  · no progress for {state.idle_s:.1f} s (hang at {stall_timeout:g} s)",
+                    style="bold yellow" if state.idle_s >= stall_timeout / 2 else "yellow")
+    return line
+
+
+def rank_rows(progress: Mapping[int, RankProgress], now: float) -> list[tuple[str, str, str, str, str, str]]:
+    """(ranks, state, style, collective, label, for) rows, ranks with the same state merged."""
+    groups: dict[tuple[str, str | None, str | None], list[int]] = {}
+    styles: dict[tuple, str] = {}
+    longest: dict[tuple, float] = {}
+    for rank, p in sorted(progress.items()):
+        text, style = rank_state(p)
+        key = (text, p.current, p.label)
+        groups.setdefault(key, []).append(rank)
+        styles[key] = style
+        if p.since is not None:
+            longest[key] = max(longest.get(key, 0.0), now - p.since)
+    rows = []
+    for key, ranks in groups.items():
+        text, current, label = key
+        waited = f"{longest[key]:.1f} s" if key in longest else ""
+        rows.append((rank_list(ranks), text, styles[key], current or "", label or "", waited))
+    return rows
+
+
+def rank_table(progress: Mapping[int, RankProgress], now: float) -> Table:
+    table = Table(show_header=True, header_style="dim", box=None, padding=(0, 2), pad_edge=False)
+    table.add_column("      ranks", no_wrap=True)
+    table.add_column("state")
+    table.add_column("collective")
+    table.add_column("label")
+    table.add_column("for", justify="right")
+    rows = rank_rows(progress, now)
+    for ranks, text, style, current, label, waited in rows[:MAX_ROWS]:
+        table.add_row("      " + ranks, Text(text, style=style), escape(current), escape(label), waited)
+    if len(rows) > MAX_ROWS:
+        table.add_row("      …", f"{len(rows) - MAX_ROWS} more states", "", "", "")
+    return table
+
+
+def renderable(state: LiveState, now: float, stall_timeout: float) -> Group:
+    parts: list = [status_line(state, now, stall_timeout)]
+    if state.progress and state.idle_s >= 1.0:
+        parts.append(rank_table(state.progress, now))
+    return Group(*parts)
+
+
+def stall_line(state: LiveState, now: float) -> str:
+    """The plain-output line for a suspected stall."""
+    rows = rank_rows(state.progress or {}, now)
+    parts = []
+    for ranks, text, _, current, label, waited in rows:
+        what = f"in {current}" if current else text
+        if label:
+            what += f" [{label}]"
+        if waited:
+            what += f" for {waited}"
+        parts.append(f"{ranks} {what}")
+    return f"        no progress for {state.idle_s:.1f} s: " + "; ".join(parts)
+
+
+class LiveView:
+    """Plugs into ``RunHooks``: ``scenario_started``, ``scenario_finished``, ``on_poll``.
+
+    ``on_poll`` runs on the watchdog thread; it only stores what it was given
+    (and, in plain mode, prints one line when a stall is suspected).
+    """
+
+    def __init__(self, console: Console, *, stall_timeout: float, verbose: bool = False,
+                 clock: Callable[[], float] = time.time, interactive: bool | None = None) -> None:
+        self.console = console
+        self.stall_timeout = stall_timeout
+        self.verbose = verbose
+        self.clock = clock
+        self.interactive = (console.is_terminal and not console.is_dumb_terminal) if interactive is None \
+            else interactive
+        self.state = LiveState()
+        self._stall_reported = False
+        self._lock = threading.Lock()
+        self._live: Live | None = None
+
+    # rich calls this on every refresh
+    def __rich__(self) -> Group:
+        return renderable(self.state, self.clock(), self.stall_timeout)
+
+    def __enter__(self) -> LiveView:
+        if self.interactive:
+            self._live = Live(self, console=self.console, refresh_per_second=4, transient=True,
+                              redirect_stdout=False, redirect_stderr=False)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def scenario_started(self, spec, index: int, total: int) -> None:
+        with self._lock:
+            self.state = LiveState(name=spec.name, index=index, total=total, started=self.clock())
+            self._stall_reported = False
+        if not self.interactive:
+            self.console.print(f"  RUN  {spec.name}  [{index + 1}/{total}]", style="dim", markup=False,
+                               highlight=False)
+
+    def on_poll(self, progress: Mapping[int, RankProgress], idle_s: float) -> None:
+        with self._lock:
+            state = LiveState(name=self.state.name, index=self.state.index, total=self.state.total,
+                              started=self.state.started, progress=dict(progress), idle_s=idle_s)
+            self.state = state
+            report = False
+            threshold = max(1.0, self.stall_timeout / 2)
+            if idle_s < threshold:
+                self._stall_reported = False
+            elif not self._stall_reported and progress:
+                self._stall_reported = report = True
+        if report and not self.interactive:
+            self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False)
+
+    def scenario_finished(self, result) -> None:
+        with self._lock:
+            self.state = LiveState(name=None, index=self.state.index, total=self.state.total)
+        self.console.print(terminal.scenario_block(result, self.verbose))

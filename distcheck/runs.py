@@ -1,0 +1,183 @@
+"""Saved runs: load a run dir back into a Report plus its traces, list recent runs,
+and write every output format of a report.
+
+A run dir holds ``report.json`` and, per scenario, ``traces/rank*.trace``,
+``status/``, ``stacks/`` and ``logs/``: everything ``distcheck report`` needs to
+re-render without re-running (pyinstrument's ``Session.load``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from distcheck.errors import CorruptInputError, UsageError
+from distcheck.models import Event, Report
+from distcheck.tracefile import read_trace_dir
+
+RUNS_ROOT = Path(".distcheck") / "runs"
+REPORT_FILE = "report.json"
+TIMELINE_FILE = "timeline.html"
+
+Events = dict[str, dict[int, list[Event]]]
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    path: Path
+    report: Report
+    events: Events            # scenario name -> rank -> events, as read from the traces
+
+
+def resolve_run_dir(target: str | Path, root: Path = RUNS_ROOT) -> Path:
+    """A run dir, a path to its report.json, or a run id under ``root``."""
+    path = Path(target)
+    if path.is_file() and path.name == REPORT_FILE:
+        return path.parent
+    if path.is_dir():
+        return path
+    by_id = root / str(target)
+    if not path.is_absolute() and by_id.is_dir():
+        return by_id
+    if path.exists():
+        raise UsageError(f"{path} is not a run directory", "pass the directory that holds report.json")
+    raise UsageError(f"no run directory at {path}", "list saved runs with 'distcheck runs'")
+
+
+def _looks_like_run(path: Path) -> bool:
+    return any(path.glob("*/traces")) or any(path.glob("*/status"))
+
+
+def load_report(run_dir: Path) -> Report:
+    report_path = run_dir / REPORT_FILE
+    if not report_path.exists():
+        if _looks_like_run(run_dir):
+            raise CorruptInputError(f"{run_dir} has no {REPORT_FILE}: the run did not finish writing it",
+                                    "its traces and logs are still there; re-run to get a report")
+        raise UsageError(f"{run_dir} is not a distcheck run directory (no {REPORT_FILE})",
+                         "list saved runs with 'distcheck runs'")
+    try:
+        data = json.loads(report_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise CorruptInputError(f"{report_path} is not text", "the file is damaged; re-run the scenarios") from None
+    except json.JSONDecodeError as exc:
+        raise CorruptInputError(f"{report_path} is not valid JSON (line {exc.lineno}: {exc.msg})",
+                                "the file is damaged or was cut short; re-run the scenarios") from None
+    except OSError as exc:
+        raise CorruptInputError(f"cannot read {report_path}: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise CorruptInputError(f"{report_path} is not a distcheck report (top level is not an object)")
+    try:
+        return Report.from_dict(data)
+    except ValueError as exc:
+        raise CorruptInputError(f"{report_path}: {exc}", "re-render it with the distcheck that wrote it") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CorruptInputError(f"{report_path} is not a complete distcheck report ({type(exc).__name__}: {exc})",
+                                "the file is damaged; re-run the scenarios") from None
+
+
+def scenario_dir(run_dir: Path, name: str, launch_dir: str | None) -> Path:
+    """Where a scenario's files are, also after the run dir was moved or copied."""
+    local = run_dir / (Path(launch_dir).name if launch_dir else name)
+    if local.is_dir() or not launch_dir:
+        return local
+    return Path(launch_dir)
+
+
+def load_events(report: Report, run_dir: Path) -> Events:
+    events: Events = {}
+    for s in report.scenarios:
+        if s.skipped:
+            continue
+        traces = read_trace_dir(scenario_dir(run_dir, s.name, s.launch_dir) / "traces")
+        events[s.name] = {rank: t.events for rank, t in traces.items()}
+    return events
+
+
+def load_run(target: str | Path, root: Path = RUNS_ROOT) -> SavedRun:
+    run_dir = resolve_run_dir(target, root)
+    report = load_report(run_dir)
+    return SavedRun(path=run_dir, report=report, events=load_events(report, run_dir))
+
+
+# -- listing -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    id: str
+    path: str
+    started_at: str | None
+    verdict: str               # pass, fail, incomplete, corrupt
+    scenarios: int = 0
+    ok: int = 0
+    skipped: int = 0
+    names: tuple[str, ...] = ()
+    backend: str | None = None
+    world_size: int | None = None
+    duration_s: float | None = None
+    problem: str | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["names"] = list(self.names)
+        return d
+
+
+def summarize(run_dir: Path) -> RunSummary:
+    try:
+        report = load_report(run_dir)
+    except CorruptInputError as exc:
+        verdict = "incomplete" if not (run_dir / REPORT_FILE).exists() else "corrupt"
+        return RunSummary(id=run_dir.name, path=str(run_dir), started_at=None, verdict=verdict, problem=exc.message)
+    ran = [s for s in report.scenarios if not s.skipped]
+    return RunSummary(
+        id=run_dir.name, path=str(run_dir), started_at=report.run.started_at, verdict=report.verdict,
+        scenarios=len(report.scenarios), ok=sum(1 for s in ran if s.ok), skipped=len(report.scenarios) - len(ran),
+        names=tuple(s.name for s in report.scenarios), backend=report.run.backend,
+        world_size=report.run.world_size, duration_s=report.run.duration_s,
+    )
+
+
+def list_runs(root: Path = RUNS_ROOT, limit: int | None = 20) -> list[RunSummary]:
+    """Recent runs under ``root``, newest first (run ids start with their time)."""
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and ((p / REPORT_FILE).exists() or _looks_like_run(p))]
+    dirs.sort(key=lambda p: ((p / REPORT_FILE).stat().st_mtime if (p / REPORT_FILE).exists() else p.stat().st_mtime,
+                             p.name), reverse=True)
+    if limit is not None:
+        dirs = dirs[:limit]
+    return [summarize(p) for p in dirs]
+
+
+# -- writing -----------------------------------------------------------------
+
+
+def _write(path: Path, text: str) -> Path:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}", "pick a writable path") from None
+    return path
+
+
+def write_outputs(report: Report, events: Mapping[str, Mapping[int, Sequence[Event]]], *,
+                  json_path: Path | None = None, junit_path: Path | None = None,
+                  chrome_path: Path | None = None, html_path: Path | None = None) -> list[Path]:
+    """Render and write each requested format; returns the files written."""
+    from distcheck.report import chrome_trace, html_timeline, json_report, junit
+
+    written = []
+    if json_path is not None:
+        written.append(_write(json_path, json_report.render(report)))
+    if junit_path is not None:
+        written.append(_write(junit_path, junit.render(report)))
+    if chrome_path is not None:
+        written.append(_write(chrome_path, chrome_trace.render(report, events)))
+    if html_path is not None:
+        written.append(_write(html_path, html_timeline.render(report, events)))
+    return written
