@@ -227,14 +227,16 @@ def load_dump(path: Path, rank: int | None = None) -> Dump:
         if rank is None:
             raise UsageError(f"{path}: cannot tell which rank wrote this dump",
                              "name dumps PREFIX<rank> (as PyTorch does: TORCH_FR_DUMP_TEMP_FILE + rank)")
-    form = sniff(data)
+    if not data:                                # a rank that died before writing a byte
+        return Dump(path=path, rank=rank, form="empty", truncated=True)
+    # Anything that is not JSON goes through the restricted unpickler (protocol 0
+    # and 1 pickles have no header): it cannot run code, only fail.
+    form = "json" if sniff(data) == "json" else "pickle"
     try:
         if form == "pickle":
             obj, truncated = _load_pickle(data)
-        elif form == "json":
-            obj, truncated = _load_json(data.decode("utf-8", errors="replace"))
         else:
-            raise ValueError("neither a pickle nor JSON")
+            obj, truncated = _load_json(data.decode("utf-8", errors="replace"))
     except RefusedPickle as exc:
         raise UsageError(
             f"{path}: refused to load this pickle: it asks to import {exc}; a Flight Recorder dump holds "
@@ -372,14 +374,21 @@ class Membership:
 
 def membership(dumps: list[Dump], world: tuple[int, ...]) -> Membership:
     """pg_config where it names the ranks (NCCL); otherwise the world for the
-    default group and, for other groups, the ranks whose dumps mention them."""
+    default group and, for other groups, the ranks whose dumps mention them.
+
+    Only ranks in ``world`` are members: a rank without a (complete) dump is
+    left out, or the analysis would take it for a rank that never came.
+    """
+    keep = set(world)
     groups: dict[str, tuple[int, ...]] = {}
     for d in dumps:
         for name, ranks in d.pg_ranks.items():
-            groups.setdefault(name, ranks)
+            groups.setdefault(name, tuple(r for r in ranks if r in keep))
     seen: dict[str, set[int]] = {}
     descs: dict[str, str] = {}
     for d in dumps:
+        if d.rank not in keep:
+            continue
         for e in d.entries:
             if e.get("is_p2p"):
                 continue

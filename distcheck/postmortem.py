@@ -115,20 +115,26 @@ def analyze_paths(paths: Sequence[Path], world_size: int | None = None, command:
         events[result.name] = launch_events
         world = max(world, launch_world)
     run_dir = _common_dir([*sources.dumps, *sources.launches])
-    report_info = read_json(run_dir / "report.json") if sources.launches and not sources.dumps else None
-    saved_run = (report_info or {}).get("run") or {}
+    saved_run: dict[str, Any] = {}
+    if sources.launches and not sources.dumps:
+        run_dir = _common_dir([p.parent for p in sources.launches])
+        saved_run = (read_json(run_dir / "report.json") or {}).get("run") or {}
     if saved_run.get("backend"):
         backends.add(saved_run["backend"])
     info = RunInfo(
-        backend="+".join(sorted(backends)) or "unknown", world_size=world, nnodes=int(saved_run.get("nnodes", 0)),
-        nproc_per_node=int(saved_run.get("nproc_per_node", 0)),
+        backend="+".join(sorted(backends)) or "unknown", world_size=world, nnodes=_int(saved_run.get("nnodes")),
+        nproc_per_node=_int(saved_run.get("nproc_per_node")),
         torch_version=str(saved_run.get("torch_version", "unknown")), distcheck_version=__version__,
-        command=command, run_dir=str(run_dir), seed=int(saved_run.get("seed", 0)),
+        command=command, run_dir=str(run_dir), seed=_int(saved_run.get("seed")),
         duration_s=time.time() - started,
         started_at=datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         hostname=socket.gethostname(), python_version=platform.python_version(), versions=versions,
     )
     return PostMortem(report=Report(run=info, scenarios=tuple(results)), events=events)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else 0
 
 
 def _common_dir(paths: Sequence[Path]) -> Path:
@@ -164,14 +170,17 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
         world = tuple(range(max([*dumps, *named]) + 1))
     present = tuple(sorted(dumps))
     missing = tuple(r for r in world if r not in dumps)
+    cut_short = tuple(r for r in present if dumps[r].truncated)
     ordered = [dumps[r] for r in present]
-    members = membership(ordered, present)
+    # Ranks with no dump, or a cut-short one, are no group's members for matching:
+    # what they did after their last readable entry is unknown, not "never came".
+    members = membership(ordered, tuple(r for r in present if r not in cut_short))
     traces = {d.rank: to_events(d, members) for d in ordered}
     traces, renumbered = _close_gaps(traces, {d.rank for d in ordered if d.wrapped})
     outcomes = {r: _fr_outcome(r, events) for r, events in traces.items()}
     stuck = any(o.state == "stuck" for o in outcomes.values())
     facts = RunFacts(world_size=len(world), end_reason="stall" if stuck else "completed")
-    findings = attribute_by_majority(analyze(traces, outcomes, facts), missing)
+    findings = attribute_by_majority(analyze(traces, outcomes, facts), missing, cut_short)
     observed = observed_kinds(findings)
 
     backends = set().union(*(d.backends for d in ordered))
@@ -287,17 +296,19 @@ def _dump_notes(dumps: list[Dump], missing: tuple[int, ...], world: int, world_g
 # -- blame by majority -----------------------------------------------------------------
 
 
-def attribute_by_majority(findings: list[Finding], missing: Sequence[int] = ()) -> list[Finding]:
-    """Name the odd side of each hang by majority, and say which members left no dump.
+def attribute_by_majority(findings: list[Finding], missing: Sequence[int] = (),
+                          cut_short: Sequence[int] = ()) -> list[Finding]:
+    """Name the odd side of each hang by majority, and say which ranks cannot be judged.
 
     The analysis lists who waits and who never came; this adds which side is the
     odd one out (the smaller), never "whichever file was read first". A tie is
-    stated as a tie.
+    stated as a tie. ``missing`` ranks left no dump, ``cut_short`` ones a partial
+    one: they are neither side.
     """
     out = []
     for f in findings:
         if f.kind != "hang" or not f.waiting_ranks or not f.absent_ranks or f.odd_ranks:
-            out.append(_with_missing(f, missing))
+            out.append(_with_unknown(f, missing, cut_short))
             continue
         waiting, absent = f.waiting_ranks, f.absent_ranks
         total = len(waiting) + len(absent)
@@ -317,18 +328,24 @@ def attribute_by_majority(findings: list[Finding], missing: Sequence[int] = ()) 
                 sentence = (f"By majority, {rank_list(odd)} {verb} the odd one out: {rest} of {total} ranks "
                             f"are waiting in {what}, which {rank_list(odd)} never entered.")
             f = dataclasses.replace(f, odd_ranks=tuple(odd), summary=f"{f.summary} {sentence}")
-        out.append(_with_missing(f, missing))
+        out.append(_with_unknown(f, missing, cut_short))
     return out
 
 
-def _with_missing(f: Finding, missing: Sequence[int]) -> Finding:
-    if f.kind != "hang" or not missing or f.op is None:
+def _with_unknown(f: Finding, missing: Sequence[int], cut_short: Sequence[int]) -> Finding:
+    if f.kind != "hang" or f.op is None or not (missing or cut_short):
         return f
     extra = tuple(RankDetail(rank=r, role="no dump", note="left no dump") for r in missing)
-    return dataclasses.replace(
-        f, ranks=f.ranks + extra,
-        summary=f"{f.summary} {rank_list(missing).capitalize()} left no dump, so whether "
-                f"{'it' if len(missing) == 1 else 'they'} entered it cannot be told.")
+    extra += tuple(RankDetail(rank=r, role="cut short", note="dump cut short") for r in cut_short)
+    parts = []
+    if missing:
+        parts.append(f"{rank_list(missing)} left no dump")
+    if cut_short:
+        parts.append(f"{rank_list(cut_short)} left a dump that is cut short")
+    unknown = [*missing, *cut_short]
+    sentence = (f"{' and '.join(parts)}, so whether {'it' if len(unknown) == 1 else 'they'} entered it "
+                f"cannot be told.")
+    return dataclasses.replace(f, ranks=f.ranks + extra, summary=f"{f.summary} {sentence[0].upper()}{sentence[1:]}")
 
 
 # -- distcheck traces ----------------------------------------------------------------
