@@ -209,6 +209,38 @@ def report_cmd(
     raise typer.Exit(int(_exit_code(saved.report)))
 
 
+@app.command("analyze", epilog="Exits 0 when the dumps/traces show no problem, 1 when they do; 2 a path is missing "
+             "or a pickle is refused; 5 a file is not a readable dump. " + EXIT_CODES_HELP)
+def analyze_cmd(
+    paths: list[Path] = typer.Argument(..., help="Flight Recorder dumps (pickle or JSON, one per rank, named PREFIX<rank>), their directory, or distcheck run/launch/trace dirs."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks in the job (dumps do not record it; default: from the file names)."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
+    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table even when nothing is wrong."),
+) -> None:
+    """Post-mortem: read PyTorch Flight Recorder dumps (NCCL or gloo) or distcheck traces and report hangs,
+    missing ranks and mismatches with the same analysis as a live run. Pickles are loaded without running code."""
+    from distcheck.postmortem import analyze_paths
+    from distcheck.report import json_report, terminal
+    from distcheck.runs import write_outputs
+
+    result = analyze_paths(list(paths), world_size, command=shlex.join(["distcheck", *sys.argv[1:]]))
+    console = Console(stderr=json_path == "-", highlight=False)
+    for scenario in result.report.scenarios:
+        console.print(terminal.scenario_block(scenario, verbose))
+        for line in (scenario.description or "").splitlines():
+            console.print(f"    note: {line}", style="dim", markup=False, highlight=False)
+    console.print(terminal.summary_line(result.report))
+    if json_path == "-":
+        sys.stdout.write(json_report.render(result.report))
+    written = write_outputs(result.report, result.events, json_path=Path(json_path) if json_path not in (None, "-") else None,
+                            junit_path=junit_xml, chrome_path=chrome_trace)
+    for path in written:
+        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False)
+    raise typer.Exit(int(_exit_code(result.report)))
+
+
 @app.command("runs", epilog=EXIT_CODES_HELP)
 def runs_cmd(
     root: Path = typer.Option(Path(".distcheck") / "runs", "--dir", help="Where runs are saved."),
