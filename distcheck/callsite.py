@@ -7,6 +7,12 @@
 * label — the entry point into the ``nn.Module`` that issued the call: the
   outermost frame on the stack whose ``self`` is the module seen innermost
   (``BinaryAUROC.compute``, not ``BinaryAUROC._sync_dist``).
+
+This runs on every traced call, so the walk is cheap: everything that depends
+only on a code object (its file's kind, whether it has a ``self``, whether that
+``self`` has been an ``nn.Module``) is computed once per code object, and
+``frame.f_locals`` — which copies every local on Python < 3.13 — is read only
+on frames of module methods, where the identity of ``self`` matters.
 """
 
 from __future__ import annotations
@@ -16,10 +22,16 @@ import sys
 import sysconfig
 from types import CodeType, FrameType
 
+from distcheck import integrations
+
 USER, LIBRARY, TORCH, SKIP = 0, 1, 2, 3
 
 _DISTCHECK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BUILTIN_SCENARIOS_DIR = os.path.join(_DISTCHECK_DIR, "builtin_scenarios") + os.sep
+MAX_DEPTH = 96
+
+# What a code object's ``self`` is: none, not yet seen, an nn.Module.
+_NO_SELF, _SELF_UNKNOWN, _SELF_MODULE = 0, 1, 2
 
 
 def _dirs(*names: str) -> tuple[str, ...]:
@@ -59,74 +71,114 @@ def classify_file(filename: str, torch_dir: str) -> int:
 # Module methods that stand for "the module was called".
 _CALL_ENTRY = {"_wrapped_call_impl": "forward", "_call_impl": "forward"}
 
+# (id of the callsite's code, line, id of the library frame's code, line, label).
+SiteKey = tuple
+
 
 class CallsiteResolver:
-    """Resolves call sites with per-code-object caches (the hot path)."""
+    """Resolves call sites with per-code-object caches (the hot path).
+
+    ``key(frame)`` walks the stack once and returns a small hashable key;
+    ``describe(key)`` turns a key into ``(callsite, library_callsite, label)``
+    strings and is only needed the first time a key is seen.
+    """
 
     def __init__(self) -> None:
-        self._kind: dict[str, int] = {}
-        self._has_self: dict[CodeType, bool] = {}
+        # id(code) -> [code, file kind, self mode]; the code object is kept so its id stays valid.
+        self._codes: dict[int, list] = {}
+        self._labels: dict[tuple[type, int], str] = {}
         self._torch_dir = _torch_dir()
         self._module_type: type | None = None
 
-    def _file_kind(self, filename: str) -> int:
-        kind = self._kind.get(filename)
-        if kind is None:
-            kind = self._kind[filename] = classify_file(filename, self._torch_dir)
-        return kind
+    def _code_info(self, code: CodeType) -> list:
+        kind = classify_file(code.co_filename, self._torch_dir)
+        has_self = (code.co_argcount > 0 and code.co_varnames[:1] == ("self",)) or "self" in code.co_freevars
+        info = [code, kind, _SELF_UNKNOWN if has_self and kind != SKIP else _NO_SELF]
+        self._codes[id(code)] = info
+        return info
 
-    def _code_has_self(self, code: CodeType) -> bool:
-        has = self._has_self.get(code)
-        if has is None:
-            has = self._has_self[code] = (
-                (code.co_argcount > 0 and code.co_varnames[:1] == ("self",))
-                or "self" in code.co_freevars
-            )
-        return has
-
-    def _is_module(self, obj: object) -> bool:
+    def _module(self) -> type:
         if self._module_type is None:
             import torch.nn
             self._module_type = torch.nn.Module
-        return isinstance(obj, self._module_type)
+        return self._module_type
+
+    def key(self, frame: FrameType | None) -> SiteKey:
+        """A hashable key for the call site of the stack starting at ``frame``."""
+        codes = self._codes
+        user = user_line = lib = lib_line = None
+        target = label_frame = None
+        depth = 0
+        while frame is not None and depth < MAX_DEPTH:
+            code = frame.f_code
+            info = codes.get(id(code))
+            if info is None or info[0] is not code:
+                info = self._code_info(code)
+            if user is None:
+                kind = info[1]
+                if kind == USER:
+                    user, user_line = code, frame.f_lineno
+                elif kind == LIBRARY and lib is None:
+                    lib, lib_line = code, frame.f_lineno
+            mode = info[2]
+            if mode:
+                obj = frame.f_locals.get("self")
+                if mode == _SELF_UNKNOWN:
+                    # A method's self is of its class: decide once whether that is a module.
+                    mode = info[2] = _SELF_MODULE if isinstance(obj, self._module()) else _NO_SELF
+                if mode == _SELF_MODULE:
+                    if target is None:
+                        if obj is not None:
+                            target, label_frame = obj, frame
+                    elif obj is target:
+                        label_frame = frame
+            frame = frame.f_back
+            depth += 1
+        label = log_site = None
+        if target is not None:
+            label = self._label(target, label_frame)
+            logged = integrations.LOG_SITES and integrations.logged_name(target)
+            if logged:   # Lightning's deferred self.log reduction: blame the self.log line
+                log_site = integrations.LOG_SITES.get(logged)
+                label = f"{label} (self.log {logged!r})"
+        # ids, not code objects: a code object's hash is computed from its contents on every lookup.
+        return (None if user is None else id(user), user_line, None if lib is None else id(lib), lib_line, label,
+                log_site)
+
+    def _label(self, target: object, frame: FrameType) -> str:
+        cache_key = (type(target), id(frame.f_code))
+        label = self._labels.get(cache_key)
+        if label is None:
+            label, stable = _label_for(target, frame)
+            if stable:   # depends only on the class and the code object (codes are kept alive)
+                self._labels[cache_key] = label
+        return label
+
+    def describe(self, key: SiteKey) -> tuple[str | None, str | None, str | None]:
+        user_id, user_line, lib_id, lib_line, label, log_site = key
+        user = self._codes[user_id][0] if user_id is not None else None
+        lib = self._codes[lib_id][0] if lib_id is not None else None
+        callsite = f"{user.co_filename}:{user_line}:{user.co_name}" if user is not None else None
+        callsite = log_site or callsite
+        library = f"{lib.co_filename}:{lib_line}:{lib.co_name}" if lib is not None else None
+        return callsite, library, label
 
     def resolve(self, frame: FrameType | None) -> tuple[str | None, str | None, str | None]:
         """(callsite, library_callsite, label) for the stack starting at ``frame``."""
-        callsite = library = None
-        target = None
-        label_frame = None
-        depth = 0
-        while frame is not None and depth < 96:
-            code = frame.f_code
-            kind = self._file_kind(code.co_filename)
-            if callsite is None:
-                if kind == USER:
-                    callsite = f"{code.co_filename}:{frame.f_lineno}:{code.co_name}"
-                elif kind == LIBRARY and library is None:
-                    library = f"{code.co_filename}:{frame.f_lineno}:{code.co_name}"
-            if kind != SKIP and self._code_has_self(code):
-                obj = frame.f_locals.get("self")
-                if target is None:
-                    if obj is not None and self._is_module(obj):
-                        target, label_frame = obj, frame
-                elif obj is target:
-                    label_frame = frame
-            frame = frame.f_back
-            depth += 1
-        label = _label_for(target, label_frame) if target is not None else None
-        return callsite, library, label
+        return self.describe(self.key(frame))
 
 
-def _label_for(target: object, frame: FrameType) -> str:
+def _label_for(target: object, frame: FrameType) -> tuple[str, bool]:
+    """The label, and whether it depends only on (class, code object)."""
     cls = type(target)
     name = frame.f_code.co_name
     if name in _CALL_ENTRY:
-        name = _CALL_ENTRY[name]
-    elif not hasattr(cls, name):
-        # A closure around a bound method (torchmetrics wraps compute/update this
-        # way): name it after the method it wraps.
-        for value in frame.f_locals.values():
-            if getattr(value, "__self__", None) is target and hasattr(value, "__name__"):
-                name = value.__name__
-                break
-    return f"{cls.__name__}.{name}"
+        return f"{cls.__name__}.{_CALL_ENTRY[name]}", True
+    if hasattr(cls, name):
+        return f"{cls.__name__}.{name}", True
+    # A closure around a bound method (torchmetrics wraps compute/update this
+    # way): name it after the method it wraps, which this frame's locals say.
+    for value in frame.f_locals.values():
+        if getattr(value, "__self__", None) is target and hasattr(value, "__name__"):
+            return f"{cls.__name__}.{value.__name__}", False
+    return f"{cls.__name__}.{name}", False

@@ -78,12 +78,14 @@ def is_peer_failure(exception: str | None) -> bool:
 
 def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
     """The root-cause candidates: failures that are not reactions to another failure."""
-    failed = [f for f in facts if f.failed and f.rank not in killed_by_us and f.status.get("phase") != "interrupted"]
-    primary = [f for f in failed
-               if not (f.status.get("phase") == "error" and is_peer_failure(f.status.get("exception")))
-               and f.signal != "SIGTERM"]
-    if not primary:
+    failed = [f for f in facts if f.failed and f.rank not in killed_by_us
+              and f.status.get("phase") not in ("interrupted", "finished")]
+    reactions = [f for f in failed if f.status.get("phase") == "error" and is_peer_failure(f.status.get("exception"))]
+    primary = [f for f in failed if f not in reactions and f.signal != "SIGTERM"]
+    if not primary and not reactions:
         primary = failed   # e.g. every rank was SIGTERMed from outside: report them as they are
+    # Only reactions (a peer left, e.g. it finished and destroyed its process group):
+    # no rank crashed on its own, and the traces tell who never came.
     for f in primary:
         f.primary = True
 
@@ -135,6 +137,8 @@ def _state(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool, waiting_in:
         return "crashed", waiting_in.callsite if waiting_in else top
     if phase == "finished":
         return "finished", None
+    if launch.end_reason == "max_duration":   # cut at the end of the window, mid-work is normal
+        return "running", waiting_in.callsite if waiting_in else top
     if waiting_in is not None:
         return "stuck", waiting_in.callsite
     if launch.end_reason == "completed":

@@ -72,10 +72,13 @@ def distcheck(tmp_path):
         run_dir = tmp_path / "run"
         json_path = tmp_path / "report.json" if json else None
         if args and args[0] == "run":
-            if "--run-dir" not in args:
-                args += ["--run-dir", str(run_dir)]
-            if json and "--json" not in args:
-                args += ["--json", str(json_path)]
+            cut = args.index("--") if "--" in args else len(args)   # after '--' is the script's
+            ours, script = args[:cut], args[cut:]
+            if "--run-dir" not in ours:
+                ours += ["--run-dir", str(run_dir)]
+            if json and "--json" not in ours:
+                ours += ["--json", str(json_path)]
+            args = ours + script
         proc = subprocess.Popen(
             [sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True, cwd=cwd or tmp_path, env={**os.environ, **(env or {})},

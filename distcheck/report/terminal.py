@@ -25,10 +25,15 @@ def scenario_line(result: ScenarioResult) -> Text:
     mark = ("  OK   ", "bold green") if result.ok else ("  FAIL ", "bold red")
     expected = "+".join(result.expected)
     observed = "+".join(result.observed)
-    return Text.assemble(
+    line = Text.assemble(
         mark, (result.name, "bold"), f"  expected {expected}, observed ",
         (observed, "green" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"),
     )
+    if result.observed == ("pass",) and result.collectives_compared:
+        window = " in the --max-duration window" if result.end_reason == "max_duration" else ""
+        line.append(f"\n         clean{window}: {result.collectives_compared:,} collectives on "
+                    f"{len(result.ranks)} ranks matched, no stall", style="green")
+    return line
 
 
 def _rank_table(ranks: tuple[RankOutcome, ...]) -> Table:

@@ -1,0 +1,101 @@
+"""Pre-flight on users' own scripts (issue 4): torchrun-style scripts and Lightning under distcheck."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SCRIPTS = Path(__file__).parent / "scripts"
+RANK0_COMPUTE = SCRIPTS / "rank0_compute.py"
+LIGHTNING_VAL = SCRIPTS / "lightning_val.py"
+
+
+def _only(report: dict) -> dict:
+    [s] = report["scenarios"]
+    return s
+
+
+def test_script_with_rank0_only_compute_is_a_hang_on_the_scripts_own_line(distcheck):
+    r = distcheck("run", str(RANK0_COMPUTE), "--nproc-per-node", "2", "--stall-timeout", "4", "--", "--steps", "12")
+    assert r.returncode == 1, r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["name"] == "rank0_compute" and s["source"] == str(RANK0_COMPUTE)
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
+    assert hang["label"] == "BinaryAUROC.compute"
+    file, line, _ = hang["callsite"].split(":")
+    assert file == str(RANK0_COMPUTE)
+    assert "metric.compute()" in RANK0_COMPUTE.read_text().splitlines()[int(line) - 1]
+    launch = Path(s["launch_dir"])
+    assert (launch / "logs" / "rank0.log").read_text().count("rank 0 evaluating") == 1   # the script's own output is kept
+
+
+def test_healthy_script_under_max_duration_is_clean_with_its_collective_count(distcheck):
+    r = distcheck("run", str(RANK0_COMPUTE), "--nproc-per-node", "2", "--max-duration", "15",
+                  "--", "--fixed", "--forever", "--compute-at", "3")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["ok"] and s["end_reason"] == "max_duration" and s["findings"] == []
+    assert s["collectives_compared"] > 10
+    assert all(x["state"] == "running" for x in s["ranks"])
+    assert "clean" in r.stdout
+
+
+def test_script_that_finishes_early_ends_the_run_normally(distcheck):
+    r = distcheck("run", str(RANK0_COMPUTE), "--nproc-per-node", "2", "--max-duration", "120",
+                  "--", "--fixed", "--steps", "6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["end_reason"] == "completed" and s["duration_s"] < 60
+
+
+def test_module_mode_runs_python_dash_m(distcheck):
+    r = distcheck("run", "-m", "rank0_compute", "--nproc-per-node", "2", "--", "--fixed", "--steps", "4",
+                  env={"PYTHONPATH": str(SCRIPTS)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _only(r.report)["collectives_compared"] > 0
+
+
+def test_a_script_that_never_initializes_a_process_group_is_a_clear_error(distcheck, tmp_path):
+    script = tmp_path / "not_distributed.py"
+    script.write_text("print('hello')\n")
+    r = distcheck("run", str(script), "--nproc-per-node", "2", json=False)
+    assert r.returncode == 2
+    assert "without calling init_process_group" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_lightning_ddp_validation_runs_clean_without_double_spawning(distcheck):
+    r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "8", "--", "--devices", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = _only(r.report)
+    assert s["findings"] == [] and s["collectives_compared"] > 0
+    # one worker per rank: Lightning saw torchelastic's environment and did not spawn its own
+    assert [x["rank"] for x in s["ranks"]] == [0, 1]
+    assert len({x["pid"] for x in s["ranks"]}) == 2
+
+
+def test_lightning_rank0_only_self_log_is_diagnosed(distcheck):
+    r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "5",
+                  "--", "--devices", "2", "--rank0-log")
+    assert r.returncode == 1
+    s = _only(r.report)
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
+    assert hang["op"] in ("barrier", "all_reduce", "all_gather")
+    file, line, _ = hang["callsite"].split(":")
+    assert file == str(LIGHTNING_VAL)
+    assert 'self.log("rank0_loss"' in LIGHTNING_VAL.read_text().splitlines()[int(line) - 1]
+
+
+def test_lightning_validation_of_10_samples_on_4_ranks_reports_the_2_padded_duplicates(distcheck):
+    r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "4", "--stall-timeout", "8",
+                  "--", "--devices", "4", "--samples", "10")
+    s = _only(r.report)
+    [dup] = [f for f in s["findings"] if f["kind"] == "duplicates"]
+    assert dup["data"]["dataset_size"] == 10 and dup["data"]["extra"] == 2
+    assert sorted(dup["data"]["duplicated"]) == ["0", "1"]
+    assert "padded 10 samples to 12 for 4 ranks" in dup["summary"]
+    assert r.returncode == 1
