@@ -166,21 +166,23 @@ def _exit_code(report) -> ExitCode:
 
 @app.command("list", epilog=EXIT_CODES_HELP)
 def list_scenarios(
-    targets: list[str] = typer.Argument(None, help="Scenario files or folders (none: the built-ins)."),
+    targets: list[str] = typer.Argument(None, help="Scenario names, files or folders (none: the built-ins)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the list as JSON."),
 ) -> None:
-    """List scenarios with their expectations and requirements."""
+    """List scenarios (built-in and given) with their expectations, requirements and missing dependencies."""
+    import json
+
     from distcheck.discovery import resolve_targets
+    from distcheck.report import scenario_list
     from distcheck.runner import missing_requirements
 
-    console = Console(highlight=False, soft_wrap=True)
-    for spec in resolve_targets(list(targets or [])):
-        missing = missing_requirements(spec)
-        needs = f"  needs {', '.join(spec.requires)}" if spec.requires else ""
-        flag = " (missing)" if missing else ""
-        backends = "" if set(spec.backends) == {"gloo", "nccl"} else f"  [{'/'.join(spec.backends)} only]"
-        console.print(f"{spec.name:<38} expect {'+'.join(spec.expect):<20}{needs}{flag}{backends}")
-        if spec.description:
-            console.print(f"    {spec.description}", style="dim")
+    specs = resolve_targets(list(targets or []))
+    missing = {spec.name: missing_requirements(spec) for spec in specs}
+    if json_out:
+        rows = [{**spec.to_dict(), "missing": missing[spec.name]} for spec in specs]
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    scenario_list.render(specs, missing, Console(highlight=False))
 
 
 @app.command("report", epilog="Exits with the saved run's own code (0 as expected, 1 findings, 4 timeout, 130 "

@@ -85,8 +85,10 @@ def _marks(findings: Sequence[Finding]) -> dict[tuple[str, int, int], tuple[str,
         if f.kind == "hang":
             named = {r: "stuck" for r in f.waiting_ranks}
         elif f.kind in ("mismatch", "order"):
-            named = {d.rank: ("odd" if d.rank in f.odd_ranks else "majority") for d in f.ranks}
-            named.update({r: "odd" for r in f.odd_ranks})
+            # with a tie there is no majority to side with: every participant is odd
+            odd = set(f.odd_ranks) if f.odd_ranks and not f.tie else {d.rank for d in f.ranks} | set(f.odd_ranks)
+            named = {d.rank: ("odd" if d.rank in odd else "majority") for d in f.ranks}
+            named.update({r: "odd" for r in odd})
         else:
             continue
         for rank, mark in named.items():
@@ -101,7 +103,10 @@ def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> Scen
     first = min(times) if times else (result.started_at or 0.0)
     if result.stall_onset is not None:
         first = min(first, result.stall_onset)
-    last_candidates = times + [t for t in (result.ended_at, result.detected_at, result.stall_onset) if t]
+    # a call that never returned lasts until the launch ended; otherwise the picture ends with the last call
+    has_open = any(e.t_exit is None for e in all_events) or not all_events
+    tail = (result.detected_at, result.stall_onset) + ((result.ended_at,) if has_open else ())
+    last_candidates = times + [t for t in tail if t]
     last = max(last_candidates) if last_candidates else first
     # a little air on both sides, so the first and last slices are not glued to the frame
     pad = max((last - first) * 0.03, 0.005)
@@ -138,7 +143,7 @@ def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> Scen
             notes = {d.rank: d for d in f.ranks}
             for r in f.absent_ranks:
                 d = notes.get(r)
-                why = (d.where or d.state or d.note) if d else None
+                why = (d.note or d.state or d.where) if d else None
                 text = f"never entered {f.op or 'the collective'} #{f.seq}" + (f" ({why})" if why else "")
                 markers.append(Marker(kind="absent", t=t, text=text, rank=r, finding=i))
     for rank, i in crashed.items():

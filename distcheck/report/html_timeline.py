@@ -23,8 +23,9 @@ from distcheck.timeline import ScenarioTimeline, Slice, build_all
 WIDTH = 1180
 GUTTER = 190          # lane labels
 RIGHT = 24
-LANE_H = 30
-LANE_GAP = 10
+LANE_H = 28          # the bar row of a lane
+NOTE_H = 14          # under it: call-outs for marked collectives too narrow to hold their name
+LANE_GAP = 6
 AXIS_H = 28
 PLOT_W = WIDTH - GUTTER - RIGHT
 
@@ -60,7 +61,10 @@ svg .m-stuck,svg .m-crashed{fill:#cf222e;stroke:#82071e;stroke-width:1.5}
 svg .m-odd{fill:#bf3989;stroke:#6e1150;stroke-width:2}
 svg .m-majority{stroke:#bf3989;stroke-width:2}
 svg .open-tail{fill:url(#hatch)}
-svg .slice-text{fill:#fff;font-size:10.5px;pointer-events:none}
+svg .slice-text{fill:#fff;font-size:10.5px;pointer-events:none;paint-order:stroke;stroke:rgba(0,0,0,.4);stroke-width:2.5px}
+svg .err{stroke:#cf222e;stroke-width:2;stroke-dasharray:3 2}
+svg .tick-line{stroke:#6e1150;stroke-width:1.5}
+svg .callout{fill:#6e1150;font-size:11px;font-weight:600;paint-order:stroke;stroke:#fff;stroke-width:3px}
 svg .stall{fill:#cf222e;fill-opacity:.07;stroke:#cf222e;stroke-opacity:.35;stroke-dasharray:4 3}
 svg .stall-text{fill:#82071e;font-size:10.5px}
 svg .absent{fill:#fff;stroke:#bf8700;stroke-width:2} svg .absent-text{fill:#7d4e00;font-size:11px}
@@ -137,16 +141,32 @@ def _tooltip(tl: ScenarioTimeline, s: Slice) -> str:
     return escape("\n".join(lines))
 
 
+def _callout(tl: ScenarioTimeline, s: Slice) -> str:
+    """'all_reduce #6 · reduce_op MAX': the slice's name and, for a mismatch, this rank's differing values."""
+    if s.finding is None:
+        return s.name
+    f = tl.result.findings[s.finding]
+    detail = next((d for d in f.ranks if d.rank == s.rank and d.fingerprint), None)
+    values = []
+    for name in f.fields:
+        if detail is not None and name in detail.fingerprint:
+            value = detail.fingerprint[name]
+            values.append(f"{name} {value if not isinstance(value, list) else value}")
+    if f.kind == "order" and s.event.label:
+        values = [s.event.label]
+    return s.name + (" · " + ", ".join(values) if values else "")
+
+
 def _svg(tl: ScenarioTimeline) -> str:
     lanes = {lane.rank: i for i, lane in enumerate(tl.lanes)}
-    height = AXIS_H + len(tl.lanes) * (LANE_H + LANE_GAP) + 8
+    height = AXIS_H + len(tl.lanes) * (LANE_H + NOTE_H + LANE_GAP) + 14
     scale = PLOT_W / tl.end if tl.end > 0 else 1.0
 
     def x(t: float) -> float:
         return GUTTER + max(0.0, min(t, tl.end)) * scale
 
     def y(rank: int) -> float:
-        return AXIS_H + lanes[rank] * (LANE_H + LANE_GAP)
+        return AXIS_H + lanes[rank] * (LANE_H + NOTE_H + LANE_GAP)
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
            f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="timeline of {escape(tl.result.name)}">',
@@ -169,7 +189,7 @@ def _svg(tl: ScenarioTimeline) -> str:
         ly = y(lane.rank)
         out.append(f'<rect class="lane-bg" x="{GUTTER}" y="{ly:.1f}" width="{PLOT_W}" height="{LANE_H}" rx="3"/>')
         out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">rank {lane.rank}</text>')
-        note = f"{lane.state}" + (f" · {short_path(lane.note)}" if lane.note and lane.state != "finished" else "")
+        note = f"{lane.state}" + (f" · {short_path(lane.note)}" if lane.note and lane.state == "crashed" else "")
         if len(note) > 30:
             note = note[:29] + "…"
         out.append(f'<text class="lane-state" x="8" y="{ly + 26:.1f}">{escape(note)}'
@@ -181,6 +201,7 @@ def _svg(tl: ScenarioTimeline) -> str:
                    f'height="{height - AXIS_H}"><title>no rank made progress from here until the watchdog '
                    f'declared the stall</title></rect>')
     # slices
+    callouts: list[str] = []
     for s in tl.slices:
         if s.rank not in lanes:
             continue
@@ -188,7 +209,7 @@ def _svg(tl: ScenarioTimeline) -> str:
         w = max(x1 - x0, 2.0)
         ly = y(s.rank) + 3
         h = LANE_H - 6
-        mark = f" m-{s.mark}" if s.mark else ""
+        mark = f" m-{s.mark}" if s.mark else (" err" if s.event.error else "")
         out.append(f'<g><title>{_tooltip(tl, s)}</title>')
         if not s.returned and w > 14:
             head = min(12.0, w / 3)
@@ -202,10 +223,17 @@ def _svg(tl: ScenarioTimeline) -> str:
         text = s.name if s.returned else f"{s.name} — never returned"
         if w > 7 * len(text) + 16:
             out.append(f'<text class="slice-text" x="{x0 + 16:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
-        elif s.mark and w <= 7 * len(text) + 16:
-            # marked but narrow: put the name beside it
-            out.append(f'<text class="absent-text" x="{x1 + 4:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
+        elif s.mark:
+            # marked but narrow: name it beside the box, above everything else (drawn last)
+            text = _callout(tl, s)
+            anchor = "end" if x0 + 7 * len(text) > GUTTER + PLOT_W else "start"
+            cx = x1 if anchor == "end" else x0
+            callouts.append(f'<line class="tick-line" x1="{(x0 + x1) / 2:.1f}" y1="{ly + h:.1f}" '
+                            f'x2="{(x0 + x1) / 2:.1f}" y2="{ly + h + 5:.1f}"/>'
+                            f'<text class="callout" x="{cx:.1f}" y="{ly + h + 15:.1f}" text-anchor="{anchor}">'
+                            f'{escape(text)}</text>')
         out.append("</g>")
+    out.extend(callouts)
     # markers
     for m in tl.markers:
         if m.kind == "stall":

@@ -60,16 +60,22 @@ def _counts(progress: Mapping[int, RankProgress]) -> str:
     return ", ".join(f"{n} {text}" for text, n in sorted(by.items()))
 
 
+def _stalling(state: LiveState) -> bool:
+    """Worth showing the ranks: no progress for a second while someone waits in a collective or died."""
+    progress = state.progress or {}
+    return state.idle_s >= 1.0 and any(p.open_collectives or p.dead for p in progress.values())
+
+
 def status_line(state: LiveState, now: float, stall_timeout: float) -> Text:
     if state.name is None:
         return Text("  starting…", style="dim")
     elapsed = now - state.started if state.started else 0.0
     line = Text.assemble(("  RUN  ", "bold cyan"), (state.name, "bold"),
-                         (f"  [{state.index + 1}/{state.total}]  {elapsed:.1f} s", "dim"))
+                         (f" [{state.index + 1}/{state.total}] {elapsed:.1f} s", "dim"))
     if state.progress:
-        line.append(f"  · {_counts(state.progress)}", style="dim")
-    if state.idle_s >= 1.0 and state.progress:
-        line.append(f"  · no progress for {state.idle_s:.1f} s (hang at {stall_timeout:g} s)",
+        line.append(f" · {_counts(state.progress)}", style="dim")
+    if _stalling(state):
+        line.append(f" · no progress for {state.idle_s:.1f}/{stall_timeout:g} s",
                     style="bold yellow" if state.idle_s >= stall_timeout / 2 else "yellow")
     return line
 
@@ -97,10 +103,10 @@ def rank_rows(progress: Mapping[int, RankProgress], now: float) -> list[tuple[st
 def rank_table(progress: Mapping[int, RankProgress], now: float) -> Table:
     table = Table(show_header=True, header_style="dim", box=None, padding=(0, 2), pad_edge=False)
     table.add_column("      ranks", no_wrap=True)
-    table.add_column("state")
-    table.add_column("collective")
-    table.add_column("label")
-    table.add_column("for", justify="right")
+    table.add_column("state", no_wrap=True)
+    table.add_column("collective", no_wrap=True)
+    table.add_column("label", overflow="fold")
+    table.add_column("for", justify="right", no_wrap=True)
     rows = rank_rows(progress, now)
     for ranks, text, style, current, label, waited in rows[:MAX_ROWS]:
         table.add_row("      " + ranks, Text(text, style=style), escape(current), escape(label), waited)
@@ -111,8 +117,8 @@ def rank_table(progress: Mapping[int, RankProgress], now: float) -> Table:
 
 def renderable(state: LiveState, now: float, stall_timeout: float) -> Group:
     parts: list = [status_line(state, now, stall_timeout)]
-    if state.progress and state.idle_s >= 1.0:
-        parts.append(rank_table(state.progress, now))
+    if _stalling(state):
+        parts.append(rank_table(state.progress or {}, now))
     return Group(*parts)
 
 
@@ -183,7 +189,7 @@ class LiveView:
             threshold = max(1.0, self.stall_timeout / 2)
             if idle_s < threshold:
                 self._stall_reported = False
-            elif not self._stall_reported and progress:
+            elif not self._stall_reported and _stalling(state):
                 self._stall_reported = report = True
         if report and not self.interactive:
             self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False)
