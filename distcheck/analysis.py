@@ -1,4 +1,4 @@
-"""Pure analysis: per-rank events + rank outcomes → findings.
+"""Pure analysis: per-rank events + rank outcomes + scenario results → findings.
 
 No I/O, no printing, no process groups. Calls are matched by (group, sequence
 number); what was *expected* at a sequence number is decided by majority, and
@@ -7,6 +7,7 @@ a tie is stated as a tie — never "whichever rank file was read first".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import Counter, defaultdict
@@ -14,13 +15,32 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.models import Event, Finding, RankDetail, RankOutcome
-from distcheck.text import field_value, plural, rank_list, site
+from distcheck.text import field_value, id_list, plural, rank_list, signed, site
 
-COMPARED_FIELDS = ("op", "reduce_op", "shapes", "dtypes", "device", "root")
+# Fingerprint fields compared across ranks: (name in findings, Event attribute).
+COMPARED = (
+    ("op", "op"), ("reduce_op", "reduce_op"), ("shape", "shapes"), ("dtype", "dtypes"),
+    ("device", "device"), ("root", "root"), ("group", "group_ranks"),
+)
+COMPARED_FIELDS = tuple(name for name, _ in COMPARED)
+P2P_COMPARED = ("shape", "dtype", "device")
 MAX_REPORTED_PER_GROUP = 5
 ABNORMAL_ENDS = ("stall", "timeout", "crash", "interrupted")
+SEND_OPS = ("send", "isend", "send_object_list")
+
+# What a difference in each field does, in words a user can act on.
+CONSEQUENCE = {
+    "op": "different collectives were paired with each other",
+    "reduce_op": "the call completes on every backend, but the result is neither the SUM nor the MAX",
+    "shape": "the buffers differ in size: gloo aborts a rank, NCCL hangs or corrupts memory",
+    "dtype": "the buffers differ in byte size or meaning: gloo aborts a rank, NCCL hangs or returns garbage",
+    "device": "ranks passed tensors on different devices",
+    "root": "ranks disagree about which rank sends or receives",
+    "group": "ranks disagree about who is in the process group",
+}
 
 GroupKey = tuple[str, tuple[int, ...]]   # (group name, member ranks)
+Table = Mapping[GroupKey, Mapping[int, Mapping[int, Event]]]
 
 
 @dataclass(frozen=True)
@@ -38,30 +58,94 @@ class RunFacts:
 # -- matching ---------------------------------------------------------------
 
 
+def _components(member_sets: Iterable[tuple[int, ...]]) -> list[set[int]]:
+    """Merge overlapping member sets: ranks that share a group name and a rank meant the same group."""
+    merged: list[set[int]] = []
+    for members in member_sets:
+        current = set(members)
+        for other in [m for m in merged if m & current]:
+            merged.remove(other)
+            current |= other
+        merged.append(current)
+    return merged
+
+
+def _member_sets(traces: Mapping[int, Sequence[Event]]) -> dict[str, set[tuple[int, ...]]]:
+    sets: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for rank, events in traces.items():
+        seen: dict[str, tuple[int, ...]] = {}
+        for e in events:
+            # Identity check first: hashing a 1000-rank tuple per event would dominate the run time.
+            if seen.get(e.group) is not e.group_ranks:
+                seen[e.group] = e.group_ranks
+                sets[e.group].add(e.group_ranks or (rank,))
+    return sets
+
+
 def group_table(traces: Mapping[int, Sequence[Event]]) -> dict[GroupKey, dict[int, dict[int, Event]]]:
-    """{(group, members): {seq: {rank: event}}} over every rank's events."""
+    """{(group, members): {seq: {rank: event}}} over every rank's events.
+
+    Disjoint subgroups that happen to share a name stay apart; overlapping member
+    lists under one name are merged, so ranks that disagree about a group's
+    members meet at the same (group, seq) and show up as a ``group`` mismatch.
+    """
+    keys: dict[tuple[str, tuple[int, ...]], GroupKey] = {}
+    for name, member_sets in _member_sets(traces).items():
+        for component in _components(sorted(member_sets)):
+            key = (name, tuple(sorted(component)))
+            for members in member_sets:
+                if set(members) <= component:
+                    keys[(name, members)] = key
     table: dict[GroupKey, dict[int, dict[int, Event]]] = defaultdict(lambda: defaultdict(dict))
     for rank, events in traces.items():
+        cache: dict[str, tuple[tuple[int, ...], GroupKey]] = {}
         for e in events:
-            members = e.group_ranks or (rank,)
-            table[(e.group, members)][e.seq][rank] = e
+            hit = cache.get(e.group)
+            if hit is None or hit[0] is not e.group_ranks:
+                hit = cache[e.group] = (e.group_ranks, keys[(e.group, e.group_ranks or (rank,))])
+            table[hit[1]][e.seq][rank] = e
     return table
 
 
-def _signature(e: Event) -> tuple:
-    return tuple(getattr(e, f) for f in COMPARED_FIELDS)
+class _GroupIds:
+    """Small stand-ins for member tuples, so signatures hash fast on 1000+ ranks."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._by_value: dict[tuple[int, ...], int] = {}
+
+    def __call__(self, members: tuple[int, ...]) -> int:
+        hit = self._by_id.get(id(members))
+        if hit is None or hit[0] is not members:
+            hit = self._by_id[id(members)] = (members, self._by_value.setdefault(members, len(self._by_value)))
+        return hit[1]
+
+
+_ATTRS = dict(COMPARED)
+
+
+def _value(e: Event, name: str, members: tuple[int, ...]) -> Any:
+    if name == "group":
+        return e.group_ranks or members   # unknown membership (torn trace): assume it agrees
+    return getattr(e, _ATTRS[name])
+
+
+def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None) -> tuple:
+    group = e.group_ranks or members
+    return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group)
+
+
+def _p2p_signature(e: Event) -> tuple:
+    return (e.shapes, e.dtypes, e.device)
 
 
 def majority(values: Mapping[int, Any]) -> tuple[Any, list[int], bool]:
     """(majority value, odd ranks, tie) over rank → value. On a tie there is no odd side."""
-    counts = Counter(values.values())
-    ranked = counts.most_common()
+    ranked = Counter(values.values()).most_common()
     top_value, top_count = ranked[0]
-    tie = len(ranked) > 1 and ranked[1][1] == top_count
-    if tie:
+    if len(ranked) > 1 and ranked[1][1] == top_count:
         return None, [], True
-    odd = sorted(r for r, v in values.items() if v != top_value)
-    return top_value, odd, False
+    return top_value, sorted(r for r, v in values.items() if v != top_value), False
 
 
 def _detail(rank: int, role: str, e: Event | None, **extra: Any) -> RankDetail:
@@ -76,106 +160,165 @@ def _who(e: Event) -> str:
     return f"{label}at {site(e.callsite)}"
 
 
+def _call(e: Event) -> str:
+    return f"{e.op} #{e.seq} (group {e.group})"
+
+
 # -- structural mismatch and crossed calls ---------------------------------
 
 
-def find_mismatches(table: Mapping[GroupKey, Mapping[int, Mapping[int, Event]]]) -> list[Finding]:
+def find_mismatches(table: Table) -> list[Finding]:
+    """The first divergence of every group, and each later one that differs in another way."""
     findings: list[Finding] = []
+    gid = _GroupIds()
     for (group, members), seqs in sorted(table.items()):
-        if group.startswith("p2p:"):
-            continue
-        reported: set[tuple] = set()
+        p2p = group.startswith("p2p:")
+        first: dict[tuple, Finding] = {}
+        repeats: dict[tuple, list[int]] = defaultdict(list)
         for seq in sorted(seqs):
             events = seqs[seq]
             if len(events) < 2:
                 continue
-            finding = _mismatch_at(group, members, seq, events) or _crossing_at(group, members, seq, events)
+            if p2p:
+                finding = _p2p_mismatch_at(group, seq, events)
+            else:
+                finding = _mismatch_at(group, members, seq, events, gid) or _crossing_at(group, seq, events)
             if finding is None:
                 continue
             key = (finding.kind, finding.fields, finding.odd_ranks, finding.tie)
-            if key in reported:
-                continue
-            reported.add(key)
-            findings.append(finding)
-            if len(reported) >= MAX_REPORTED_PER_GROUP:
-                break
+            if key in first:
+                repeats[key].append(seq)
+            elif len(first) < MAX_REPORTED_PER_GROUP:
+                first[key] = finding
+        findings.extend(_with_repeats(f, repeats[key]) for key, f in first.items())
     return findings
 
 
-def _mismatch_at(group: str, members: tuple[int, ...], seq: int, events: Mapping[int, Event]) -> Finding | None:
-    sigs = {r: _signature(e) for r, e in events.items()}
+def _with_repeats(f: Finding, seqs: list[int]) -> Finding:
+    if not seqs:
+        return f
+    shown = ", ".join(f"#{s}" for s in seqs[:8]) + (", ..." if len(seqs) > 8 else "")
+    summary = f"{f.summary} The same difference repeats at {plural(len(seqs), 'later call')} ({shown})."
+    return dataclasses.replace(f, summary=summary, data={**f.data, "repeated_at": seqs})
+
+
+def _differing(sigs: Mapping[int, tuple], fields: Sequence[str], expected: tuple | None, odd: list[int]) -> tuple[str, ...]:
+    if expected is None:   # a tie: every field that takes more than one value
+        return tuple(f for i, f in enumerate(fields) if len({s[i] for s in sigs.values()}) > 1)
+    return tuple(f for i, f in enumerate(fields) if any(sigs[r][i] != expected[i] for r in odd))
+
+
+def _mismatch_at(group: str, members: tuple[int, ...], seq: int, events: Mapping[int, Event],
+                 gid: _GroupIds) -> Finding | None:
+    sigs = {r: _signature(e, members, gid) for r, e in events.items()}
     if len(set(sigs.values())) == 1:
         return None
     expected, odd, tie = majority(sigs)
-    if tie:
-        distinct = list(dict.fromkeys(sigs.values()))
-        fields = tuple(f for i, f in enumerate(COMPARED_FIELDS) if len({s[i] for s in distinct}) > 1)
-        ref = None
-    else:
-        fields = tuple(f for i, f in enumerate(COMPARED_FIELDS)
-                       if any(sigs[r][i] != expected[i] for r in odd))
-        ref = next(e for r, e in events.items() if sigs[r] == expected)
+    fields = _differing(sigs, COMPARED_FIELDS, expected, odd)
+    ref = None if tie else next(e for r, e in sorted(events.items()) if sigs[r] == expected)
+    role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
+    details = tuple(_detail(r, role(r), e) for r, e in sorted(events.items()))
     sample = ref or events[min(events)]
-    details = tuple(_detail(r, "odd" if r in odd else ("tie" if tie else "majority"), e)
-                    for r, e in sorted(events.items()))
-    summary = _mismatch_summary(seq, group, fields, events, ref, odd, tie)
     return Finding(
-        kind="mismatch", severity="error", summary=summary, group=group, seq=seq, op=sample.op,
+        kind="mismatch", severity="error", group=group, seq=seq, op=sample.op,
         label=sample.label, callsite=sample.callsite, odd_ranks=tuple(odd), fields=fields,
         majority=ref.fingerprint() if ref else None, tie=tie, ranks=details,
+        summary=_mismatch_summary(seq, group, members, fields, events, ref, odd),
+        data={"values": _values_by_field(fields, events, members)},
     )
 
 
-def _mismatch_summary(seq, group, fields, events, ref, odd, tie) -> str:
-    parts = []
+def _values_by_field(fields: Sequence[str], events: Mapping[int, Event], members: tuple[int, ...]) -> dict[str, dict[str, list[int]]]:
+    """{field: {value as text: ranks}} — both sides of every difference, for people and tools."""
+    out: dict[str, dict[str, list[int]]] = {}
     for f in fields:
-        values: dict[str, list[int]] = defaultdict(list)
+        by_value: dict[str, list[int]] = defaultdict(list)
         for r, e in sorted(events.items()):
-            values[field_value(f, getattr(e, f))].append(r)
-        parts.append(f"{f} " + " vs ".join(f"{v} ({rank_list(rs)})" for v, rs in values.items()))
-    where = "; ".join(parts)
-    if tie:
-        sites = "; ".join(f"{rank_list([r])}: {_who(e)}" for r, e in sorted(events.items()))
-        return (f"Collective #{seq} on group {group}: ranks disagree and no side has a majority (tie): "
-                f"{where}. Calls: {sites}.")
+            by_value[field_value(f, _value(e, f, members))].append(r)
+        out[f] = dict(by_value)
+    return out
+
+
+def _mismatch_summary(seq: int, group: str, members: tuple[int, ...], fields: tuple[str, ...],
+                      events: Mapping[int, Event], ref: Event | None, odd: list[int]) -> str:
+    values = _values_by_field(fields, events, members)
+    diffs = "; ".join(f"{f} " + " vs ".join(f"{v} on {rank_list(rs)}" for v, rs in by.items())
+                      for f, by in values.items())
+    ops = "/".join(dict.fromkeys(e.op for _, e in sorted(events.items())))
+    consequence = "; ".join(CONSEQUENCE[f] for f in fields)
+    if ref is None:
+        calls = "; ".join(f"{rank_list([r])} {_who(e)}" for r, e in sorted(events.items()))
+        return (f"{ops} #{seq} (group {group}): the ranks disagree on {' and '.join(fields)} and no side has a "
+                f"majority (a tie) — {diffs}. Calls: {calls}. Consequence: {consequence}.")
     odd_e = events[odd[0]]
-    return (f"Collective #{seq} on group {group} ({ref.op}): {rank_list(odd)} called it with a different "
-            f"{' and '.join(fields)} than the majority — {where}. Majority: {_who(ref)}; "
-            f"odd: {_who(odd_e)}.")
+    return (f"{ops} #{seq} (group {group}): {rank_list(odd)} called it with a different {' and '.join(fields)} "
+            f"than the majority — {diffs}. Majority: {_who(ref)}; {rank_list(odd)}: {_who(odd_e)}. "
+            f"Consequence: {consequence}.")
 
 
-def _crossing_at(group: str, members: tuple[int, ...], seq: int, events: Mapping[int, Event]) -> Finding | None:
+def _p2p_mismatch_at(group: str, seq: int, events: Mapping[int, Event]) -> Finding | None:
+    """A send and its matching receive must agree on the buffer: shape, dtype, device."""
+    sends = {r: e for r, e in events.items() if e.op in SEND_OPS}
+    recvs = {r: e for r, e in events.items() if e.op not in SEND_OPS}
+    if len(sends) != 1 or len(recvs) != 1:
+        return None
+    (src, send), (dst, recv) = next(iter(sends.items())), next(iter(recvs.items()))
+    if not send.shapes or not recv.shapes:   # object lists: nothing to compare
+        return None
+    sigs = {src: _p2p_signature(send), dst: _p2p_signature(recv)}
+    fields = _differing(sigs, P2P_COMPARED, None, [])
+    if not fields:
+        return None
+    diffs = "; ".join(f"{f} {field_value(f, _value(send, f, ()))} sent by rank {src} vs "
+                      f"{field_value(f, _value(recv, f, ()))} expected by rank {dst}" for f in fields)
+    return Finding(
+        kind="mismatch", severity="error", group=group, seq=seq, op=send.op, label=send.label,
+        callsite=send.callsite, fields=fields, tie=True,
+        ranks=(_detail(src, "sender", send), _detail(dst, "receiver", recv)),
+        data={"values": _values_by_field(fields, events, ())},
+        summary=(f"{send.op} #{seq} from rank {src} to rank {dst}: the buffers differ — {diffs}. "
+                 f"Sender {_who(send)}; receiver {_who(recv)}. Consequence: "
+                 + "; ".join(CONSEQUENCE[f] for f in fields) + "."),
+    )
+
+
+def _crossing_at(group: str, seq: int, events: Mapping[int, Event]) -> Finding | None:
+    """Same signature, different metric/module: the backend pairs them silently.
+
+    Only the label counts: the same label reached from different lines
+    (``if rank == 0: broadcast(a) else: broadcast(b)``) is ordinary code.
+    """
     labels = {r: e.label for r, e in events.items()}
     if len(set(labels.values())) == 1:
         return None
     expected, odd, tie = majority(labels)
-    details = tuple(_detail(r, "odd" if r in odd else ("tie" if tie else "majority"), e)
-                    for r, e in sorted(events.items()))
-    sample = events[min(events)]
+    role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
+    details = tuple(_detail(r, role(r), e) for r, e in sorted(events.items()))
     by_label: dict[str, list[int]] = defaultdict(list)
     for r, label in sorted(labels.items()):
         by_label[label or "(no module)"].append(r)
     sides = " meets ".join(f"{label} on {rank_list(rs)}" for label, rs in by_label.items())
-    summary = (f"Crossed calls at collective #{seq} on group {group} ({sample.op}): {sides}. The signatures "
-               f"match, so the backend pairs them silently and the values are exchanged between different "
-               f"metrics/modules. Call them in the same order on every rank.")
-    majority_event = next((e for r, e in events.items() if not tie and labels[r] == expected), None)
+    sample = events[min(events)]
+    ref = None if tie else next(e for r, e in sorted(events.items()) if labels[r] == expected)
+    summary = (f"Crossed calls at {sample.op} #{seq} (group {group}): {sides}. The signatures match, so the "
+               f"backend pairs them without any error and the values are exchanged between different "
+               f"metrics/modules" + (" (a tie: no side has a majority)" if tie else "")
+               + ". Call them in the same order on every rank.")
     return Finding(
         kind="order", severity="error", summary=summary, group=group, seq=seq, op=sample.op,
-        label=majority_event.label if majority_event else None,
-        callsite=majority_event.callsite if majority_event else None,
+        label=ref.label if ref else None, callsite=ref.callsite if ref else None,
         odd_ranks=tuple(odd), fields=("label",), tie=tie,
-        majority=majority_event.fingerprint() | {"label": majority_event.label} if majority_event else None,
-        ranks=details,
+        majority=ref.fingerprint() | {"label": ref.label} if ref else None, ranks=details,
+        data={"labels": dict(by_label)},
     )
 
 
-# -- hangs, crashes, counts -------------------------------------------------
+# -- hangs ------------------------------------------------------------------------
 
 
-def _whereabouts(rank: int, outcome: RankOutcome | None) -> str:
+def _whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = None) -> str:
     if outcome is None:
-        return "never started"
+        return f"no status; its trace ends after {_call(last)}" if last else "never started"
     if outcome.state == "finished":
         return "finished, now idle"
     if outcome.state == "crashed":
@@ -183,7 +326,7 @@ def _whereabouts(rank: int, outcome: RankOutcome | None) -> str:
         return f"crashed ({cause})"
     if outcome.state == "stuck" and outcome.last_event is not None:
         e = outcome.last_event
-        return f"waiting in {e.op} #{e.seq} (group {e.group}) {_who(e)}"
+        return f"waiting in {_call(e)} {_who(e)}"
     if outcome.phase == "starting":
         return "still starting up (init_process_group)"
     if outcome.where:
@@ -191,7 +334,18 @@ def _whereabouts(rank: int, outcome: RankOutcome | None) -> str:
     return outcome.state
 
 
-def find_hangs(table, outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
+def _reached(seqs: Mapping[int, Mapping[int, Event]], members: tuple[int, ...]) -> dict[int, int]:
+    """The highest sequence number each member entered (0: none)."""
+    reached = dict.fromkeys(members, 0)
+    for seq, events in seqs.items():
+        for r in events:
+            if seq > reached.get(r, 0):
+                reached[r] = seq
+    return reached
+
+
+def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFacts,
+               mismatches: Sequence[Finding] = ()) -> list[Finding]:
     if facts.end_reason not in ABNORMAL_ENDS:
         return []
     detected_after = None
@@ -201,47 +355,51 @@ def find_hangs(table, outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> l
     for (group, members), seqs in sorted(table.items()):
         if len(members) < 2:
             continue
-        reached = {m: max((s for s, ev in seqs.items() if m in ev), default=0) for m in members}
+        reached = _reached(seqs, members)
         if len(set(reached.values())) > 1:
-            first_missing = min(reached.values()) + 1
-            present = seqs.get(first_missing, {})
-            waiting = sorted(present)
-            absent = sorted(m for m in members if m not in present)
+            seq = min(reached.values()) + 1
         else:
-            last = max(reached.values())
-            present = seqs.get(last, {})
-            if not present or all(e.completed for e in present.values()):
+            seq = max(reached.values())
+            if all(e.completed for e in seqs.get(seq, {}).values()):
                 continue
-            first_missing, waiting, absent = last, sorted(present), []
-        if not waiting:
+        present = seqs.get(seq, {})
+        if not present:
             continue
-        findings.append(_hang_finding(group, first_missing, present, waiting, absent, outcomes, detected_after))
+        absent = sorted(m for m in members if m not in present)
+        last = {r: seqs[reached[r]][r] for r in absent if reached[r]}
+        cause = next((m for m in mismatches if (m.group, m.seq) == (group, seq)), None)
+        findings.append(_hang_finding(group, seq, present, absent, outcomes, last, cause, detected_after))
     return findings
 
 
-def _hang_finding(group, seq, present, waiting, absent, outcomes, detected_after) -> Finding:
-    ops = Counter(e.op for e in present.values())
-    op = ops.most_common(1)[0][0]
-    ref = next(e for e in present.values() if e.op == op)
-    details = [_detail(r, "waiting", present[r], state=outcomes[r].state if r in outcomes else None)
-               for r in waiting]
+def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: list[int],
+                  outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event], cause: Finding | None,
+                  detected_after: float | None) -> Finding:
+    waiting = sorted(present)
+    op = Counter(e.op for e in present.values()).most_common(1)[0][0]
+    ref = next(e for _, e in sorted(present.items()) if e.op == op)
+    where = {r: _whereabouts(r, outcomes.get(r), last.get(r)) for r in absent}
+    details = [_detail(r, "waiting", present[r], state=outcomes[r].state if r in outcomes else None) for r in waiting]
     details += [RankDetail(rank=r, role="absent", state=outcomes[r].state if r in outcomes else None,
-                           where=outcomes[r].where if r in outcomes else None,
-                           note=_whereabouts(r, outcomes.get(r))) for r in absent]
+                           where=outcomes[r].where if r in outcomes else None, note=where[r]) for r in absent]
     verb = "is" if len(waiting) == 1 else "are"
     summary = f"{rank_list(waiting).capitalize()} {verb} waiting in {op} #{seq} (group {group}) called from {_who(ref)}"
     if absent:
         groups: dict[str, list[int]] = defaultdict(list)
         for r in absent:
-            groups[_whereabouts(r, outcomes.get(r))].append(r)
-        summary += "; " + "; ".join(f"{rank_list(rs)} never entered it ({where})" for where, rs in groups.items())
+            groups[where[r]].append(r)
+        summary += "; " + "; ".join(f"{rank_list(rs)} never entered it ({w})" for w, rs in groups.items())
         summary += ". Every rank must issue the same collectives in the same order: call it on all ranks."
+    elif cause is not None:
+        summary += (f"; every rank entered it but it never completed, most likely because of the "
+                    f"{' and '.join(cause.fields)} mismatch in this very call (see the mismatch finding).")
     else:
         summary += "; every rank entered it but it never completed (a mismatch or a backend/network fault)."
     return Finding(
         kind="hang", severity="error", summary=summary, group=group, seq=seq, op=op, label=ref.label,
         callsite=ref.callsite, waiting_ranks=tuple(waiting), absent_ranks=tuple(absent),
         detected_after_s=detected_after, ranks=tuple(details),
+        data={"caused_by": {"kind": cause.kind, "group": group, "seq": seq}} if cause else {},
     )
 
 
@@ -276,66 +434,118 @@ def find_timeout(outcomes: Mapping[int, RankOutcome], facts: RunFacts, already: 
     )]
 
 
-def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
+# -- crashes --------------------------------------------------------------------------
+
+
+def _cause_text(o: RankOutcome) -> str:
+    if o.exception:
+        return f"raised {o.exception}"
+    if o.signal:
+        return f"was killed by {o.signal}"
+    return f"exited with code {o.exit_code}"
+
+
+def _inside(o: RankOutcome) -> Event | None:
+    """The collective a rank died in: its last one, when that never returned or returned an error."""
+    e = o.last_event
+    return e if e is not None and (e.t_exit is None or e.error) else None
+
+
+def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
+                 mismatches: Sequence[Finding] = ()) -> list[Finding]:
     crashed = [o for _, o in sorted(outcomes.items()) if o.state == "crashed"]
     if not crashed:
         return []
     # A Python exception is the clearest root cause; then signals; then bare exit codes.
     root = sorted(crashed, key=lambda o: (o.exception is None, o.signal is None, o.rank))[0]
-    cause = root.exception or (f"was killed by {root.signal}" if root.signal else f"exited with code {root.exit_code}")
-    where = f" at {site(root.where)}" if root.where else ""
-    others = sorted(r for r in outcomes if r != root.rank)
+    inside = _inside(root)
+    cause = next((m for m in mismatches if inside and (m.group, m.seq) == (inside.group, inside.seq)), None)
+    summary = f"Rank {root.rank} {_cause_text(root)}"
+    if inside is not None:
+        summary += f" inside {_call(inside)}"
+    summary += f" at {site(root.where or (inside.callsite if inside else None))}" if root.where or inside else ""
+    if cause is not None:
+        summary += (f" — most likely a consequence of the {' and '.join(cause.fields)} mismatch in that very "
+                    f"collective (see the mismatch finding): a backend that receives a buffer of the wrong size "
+                    f"aborts the process")
+    same = [o for o in crashed if o.rank != root.rank and _cause_text(o) == _cause_text(root)]
+    other = [o for o in crashed if o.rank != root.rank and o not in same]
+    if same:
+        summary += f"; {rank_list(o.rank for o in same)} failed the same way"
+    if other:
+        summary += "; " + "; ".join(f"rank {o.rank} {_cause_text(o)}" for o in other)
+    peers = sorted(r for r, o in outcomes.items() if o.state != "crashed")
+    if peers:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for r in peers:
+            groups[_whereabouts(r, outcomes[r])].append(r)
+        summary += "; meanwhile " + "; ".join(f"{rank_list(rs)} {w}" for w, rs in groups.items())
     details = [RankDetail(rank=o.rank, role="crashed", state=o.state, where=o.where,
+                          op=_inside(o).op if _inside(o) else None, seq=_inside(o).seq if _inside(o) else None,
                           note=o.exception or o.signal or f"exit code {o.exit_code}") for o in crashed]
     details += [RankDetail(rank=r, role="peer", state=outcomes[r].state, where=outcomes[r].where,
-                           note=_whereabouts(r, outcomes[r])) for r in others if outcomes[r].state != "crashed"]
-    text_cause = f"raised {cause}" if root.exception else cause
-    summary = f"Rank {root.rank} {text_cause}{where}"
-    rest = [d for d in details if d.role == "peer"]
-    if rest:
-        groups: dict[str, list[int]] = defaultdict(list)
-        for d in rest:
-            groups[d.note or "?"].append(d.rank)
-        summary += "; meanwhile " + "; ".join(f"{rank_list(rs)} {where_}" for where_, rs in groups.items())
-    more = [o.rank for o in crashed if o.rank != root.rank]
-    if more:
-        summary += f"; {rank_list(more)} failed too"
-    last = root.last_event
+                           note=_whereabouts(r, outcomes[r])) for r in peers]
+    last = inside or root.last_event
+    data = {"root_rank": root.rank, "exception": root.exception, "signal": root.signal, "exit_code": root.exit_code}
+    if cause is not None:
+        data["caused_by"] = {"kind": cause.kind, "group": cause.group, "seq": cause.seq, "fields": list(cause.fields)}
     return [Finding(
         kind="crash", severity="error", summary=summary + ".", op=last.op if last else None,
         group=last.group if last else None, seq=last.seq if last else None,
-        label=last.label if last else None, callsite=root.where, odd_ranks=(root.rank,),
-        ranks=tuple(details), data={"root_rank": root.rank, "exception": root.exception, "signal": root.signal,
-                                    "exit_code": root.exit_code},
+        label=last.label if last else None, callsite=root.where or (inside.callsite if inside else None),
+        odd_ranks=(root.rank,), ranks=tuple(details), data=data,
     )]
 
 
-def find_count_differences(table, facts: RunFacts, explained: bool) -> list[Finding]:
+# -- counts ------------------------------------------------------------------------
+
+
+def find_count_differences(table: Table, facts: RunFacts, explained: bool) -> list[Finding]:
+    """Ranks of one group that issued different numbers of collectives by the end of a clean run."""
     if explained or facts.end_reason == "max_duration":
         return []
     findings = []
     for (group, members), seqs in sorted(table.items()):
-        counts = {m: sum(1 for ev in seqs.values() if m in ev) for m in members}
+        counts = Counter({m: 0 for m in members})
+        for events in seqs.values():
+            counts.update(events.keys())
+        counts = {m: counts[m] for m in members}
         if len(set(counts.values())) <= 1:
             continue
-        expected, odd, tie = majority(counts)
-        by_count: dict[int, list[int]] = defaultdict(list)
-        for r, c in sorted(counts.items()):
-            by_count[c].append(r)
-        sides = ", ".join(f"{rank_list(rs)} issued {c}" for c, rs in sorted(by_count.items()))
-        findings.append(Finding(
-            kind="count", severity="error", group=group, odd_ranks=tuple(odd), tie=tie, fields=("count",),
-            majority={"count": expected} if not tie else None,
-            summary=f"Ranks issued different numbers of collectives on group {group}: {sides}.",
-            data={"counts": {str(r): c for r, c in counts.items()}},
-        ))
+        findings.append(_count_finding(group, seqs, counts))
     return findings
+
+
+def _count_finding(group: str, seqs: Mapping[int, Mapping[int, Event]], counts: Mapping[int, int]) -> Finding:
+    expected, odd, tie = majority(counts)
+    fewest = min(counts.values())
+    by_count: dict[int, list[int]] = defaultdict(list)
+    for r, c in sorted(counts.items()):
+        by_count[c].append(r)
+    role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
+    # Each rank's first call beyond what every rank issued, or its last call: the lines to look at.
+    details = []
+    for r in sorted(counts):
+        e = seqs.get(fewest + 1, {}).get(r) or (seqs.get(counts[r], {}).get(r) if counts[r] else None)
+        details.append(_detail(r, role(r), e, note=f"issued {counts[r]}"))
+    extra = [d for d in details if d.seq is not None and d.seq > fewest]
+    sides = ", ".join(f"{rank_list(rs)} issued {c}" for c, rs in sorted(by_count.items()))
+    summary = f"Ranks issued different numbers of collectives on group {group}: {sides}"
+    if extra:
+        d = extra[0]
+        summary += f"; the first extra call is {d.op} #{d.seq} {d.label + ' ' if d.label else ''}at {site(d.callsite)}"
+    return Finding(
+        kind="count", severity="error", group=group, odd_ranks=tuple(odd), tie=tie, fields=("count",),
+        majority={"count": expected} if not tie else None, summary=summary + ".", ranks=tuple(details),
+        data={"counts": {str(r): c for r, c in sorted(counts.items())}},
+    )
 
 
 # -- wrong numbers ------------------------------------------------------------
 
 
 def find_numeric(results: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
+    """A distributed result that differs from its single-process reference, entry by entry."""
     by_name: dict[str, dict[int, dict]] = defaultdict(dict)
     for rank, res in sorted(results.items()):
         for check in res.get("numeric_checks", ()):
@@ -343,25 +553,53 @@ def find_numeric(results: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
     findings = []
     for name, checks in by_name.items():
         bad = {r: c for r, c in checks.items() if not c["ok"]}
-        if not bad:
-            continue
-        first = bad[min(bad)]
-        differing = first["differing"]
-        entries = "; ".join(
-            f"{_index(d['index'])}: {_num(d['actual'])} instead of {_num(d['reference'])}" for d in differing[:8])
-        n = len(differing)
-        total = math.prod(first["shape"]) if first["shape"] else 1
-        summary = (f"{name!r} differs from the single-process reference on {rank_list(bad)}: "
-                   f"{plural(n, 'entry', 'entries')} of {total} off (max |diff| {_num(first['max_abs_diff'])})"
-                   + (f" — {entries}" if entries else "") + ".")
-        if first.get("note"):
-            summary += f" {first['note']}"
-        findings.append(Finding(
-            kind="numeric", severity="error", summary=summary, odd_ranks=tuple(sorted(bad)),
-            data={"check": name, "ranks": sorted(bad), "max_abs_diff": first["max_abs_diff"],
-                  "differing": differing, "actual": first.get("actual"), "reference": first.get("reference")},
-        ))
+        if bad:
+            findings.append(_numeric_finding(name, bad))
     return findings
+
+
+def _numeric_finding(name: str, bad: Mapping[int, Mapping[str, Any]]) -> Finding:
+    first = bad[min(bad)]
+    differing = first["differing"]
+    n = len(differing)
+    total = math.prod(first["shape"]) if first["shape"] else 1
+    if first["shape"] and differing and differing[0]["index"] is None:   # the shapes themselves differ
+        what = f"its shape is {differing[0]['actual']} instead of {differing[0]['reference']}"
+    else:
+        shown = "; ".join(_entry(d) for d in differing[:8]) + ("; ..." if n > 8 else "")
+        what = (f"{plural(n, 'entry', 'entries')} of {total} off (max |diff| {_num(first['max_abs_diff'])}): {shown}"
+                if total > 1 else f"{_num(differing[0]['actual'])} instead of {_num(differing[0]['reference'])}")
+    summary = f"{name!r} differs from the single-process reference on {rank_list(bad)}: {what}."
+    totals = _totals(first.get("actual"), first.get("reference"))
+    if totals:
+        summary += f" {totals}"
+    if first.get("note"):
+        summary += f" {first['note']}"
+    return Finding(
+        kind="numeric", severity="error", summary=summary, odd_ranks=tuple(sorted(bad)),
+        data={"check": name, "ranks": sorted(bad), "max_abs_diff": first["max_abs_diff"], "shape": first["shape"],
+              "differing": differing, "actual": first.get("actual"), "reference": first.get("reference")},
+    )
+
+
+def _entry(d: Mapping[str, Any]) -> str:
+    diff = d["actual"] - d["reference"]
+    return f"{_index(d['index'])} is {_num(d['actual'])} instead of {_num(d['reference'])} ({signed(diff)})"
+
+
+def _totals(actual: Any, reference: Any) -> str:
+    """For a matrix: which rows' sums are off, and whether the grand total still looks right."""
+    if not (isinstance(actual, list) and actual and isinstance(actual[0], list)):
+        return ""
+    rows_a, rows_r = [sum(row) for row in actual], [sum(row) for row in reference]
+    off = [i for i, (a, r) in enumerate(zip(rows_a, rows_r)) if a != r]
+    if not off:
+        return ""
+    rows = ", ".join(f"row {i} sums to {_num(rows_a[i])} instead of {_num(rows_r[i])}" for i in off)
+    total_a, total_r = sum(rows_a), sum(rows_r)
+    total = (f"the grand total {_num(total_a)} is right" if total_a == total_r
+             else f"the grand total is {_num(total_a)} instead of {_num(total_r)}")
+    return f"By row: {rows}; {total}."
 
 
 def _index(idx: Any) -> str:
@@ -377,6 +615,7 @@ def _num(x: Any) -> str:
 
 
 def find_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Finding]:
+    """Samples counted more than once or never, per dataset, with the likely cause in plain words."""
     per_dataset: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     sizes: dict[str, int] = {}
     for rank, res in sorted(results.items()):
@@ -399,80 +638,118 @@ def sample_accounting(size: int, by_rank: Mapping[int, Sequence[int]]) -> dict[s
             seen_by[i].append(r)
     duplicated = {i: seen_by[i] for i, c in sorted(counts.items()) if c > 1}
     missing = sorted(set(range(size)) - set(counts))
-    return {"counts": counts, "duplicated": duplicated, "missing": missing,
-            "total": sum(counts.values())}
+    return {"counts": counts, "duplicated": duplicated, "missing": missing, "total": sum(counts.values())}
+
+
+def _times(n: int) -> str:
+    return {2: "twice", 3: "three times"}.get(n, f"{n} times")
+
+
+def _sample_cause(size: int, by_rank: Mapping[int, Sequence[int]], world_size: int,
+                  acc: Mapping[str, Any]) -> tuple[str, str]:
+    """(why samples were duplicated or missed, what to do about it), in plain words."""
+    ranks = sorted(by_rank)
+    duplicated, missing, total = acc["duplicated"], acc["missing"], acc["total"]
+    if world_size > 1 and len(ranks) == world_size and len({tuple(sorted(by_rank[r])) for r in ranks}) == 1:
+        seen = sorted(by_rank[ranks[0]])
+        return (f"every rank evaluated the same {plural(len(seen), 'sample')} (ids {id_list(seen)}): the data is "
+                f"not sharded across the {world_size} ranks",
+                "shard it with a DistributedSampler (Lightning: keep use_distributed_sampler=True)")
+    padded_to = math.ceil(size / world_size) * world_size
+    if duplicated and not missing and total == padded_to and padded_to > size:
+        return (f"DistributedSampler padded {size} samples to {padded_to} for {world_size} ranks by repeating "
+                f"{plural(padded_to - size, 'sample')}",
+                "shard evaluation data without padding (an unrepeated sampler), or use drop_last=True where "
+                "losing samples is acceptable")
+    if missing and not duplicated and total == (size // world_size) * world_size:
+        return (f"DistributedSampler(drop_last=True) dropped {plural(len(missing), 'sample')} so that "
+                f"{world_size} ranks get equal shards", "evaluate with an unrepeated sampler instead")
+    if duplicated:
+        return "the ranks' shards overlap", "give every rank a disjoint shard"
+    return "the ranks' shards do not cover the dataset", "make the shards cover every sample"
 
 
 def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]], world_size: int) -> Finding | None:
     acc = sample_accounting(size, by_rank)
-    duplicated, missing, total = acc["duplicated"], acc["missing"], acc["total"]
+    duplicated, missing = acc["duplicated"], acc["missing"]
     if not duplicated and not missing:
         return None
-    ranks = sorted(by_rank)
-    same_everywhere = len(ranks) > 1 and len({tuple(sorted(by_rank[r])) for r in ranks}) == 1
-    extra = total - (size - len(missing))
-    padded_to = math.ceil(size / max(len(ranks), 1)) * len(ranks)
-    if same_everywhere:
-        cause = (f"every rank evaluated the same {plural(len(by_rank[ranks[0]]), 'sample')}: the evaluation data "
-                 f"is not sharded, so each sample is counted {len(ranks)} times")
-    elif not missing and total == padded_to and padded_to > size:
-        cause = (f"DistributedSampler padded {size} samples to {padded_to} for {len(ranks)} ranks by repeating "
-                 f"{plural(padded_to - size, 'sample')}; use drop_last or an unpadded sampler for evaluation")
-    else:
-        cause = "the ranks' shards overlap" if duplicated else "the ranks' shards do not cover the dataset"
-    parts = []
-    if duplicated:
-        shown = ", ".join(f"{i} (ranks {', '.join(map(str, rs))})" for i, rs in list(duplicated.items())[:10])
-        parts.append(f"{plural(len(duplicated), 'sample')} counted more than once ({extra} extra): ids {shown}")
-    if missing:
-        parts.append(f"{plural(len(missing), 'sample')} never seen: ids {', '.join(map(str, missing[:20]))}")
-    summary = f"Dataset {dataset!r} ({size} samples): " + "; ".join(parts) + f" — {cause}."
+    cause, fix = _sample_cause(size, by_rank, world_size, acc)
+    counted = _how_counted(duplicated, missing)
+    shown = ", ".join(f"id {i} (ranks {', '.join(map(str, rs))})" for i, rs in list(duplicated.items())[:10])
+    detail = f" — {shown}" + (", ..." if len(duplicated) > 10 else "") if duplicated else ""
+    summary = f"Dataset {dataset!r} ({plural(size, 'sample')}): {counted}{detail}; because {cause}. Fix: {fix}."
+    extra = acc["total"] - (size - len(missing))
     return Finding(
         kind="duplicates", severity="error", summary=summary,
         odd_ranks=tuple(sorted({r for rs in duplicated.values() for r in rs})),
         data={"dataset": dataset, "dataset_size": size, "duplicated": {str(i): rs for i, rs in duplicated.items()},
-              "missing": missing, "extra": extra, "same_on_every_rank": same_everywhere,
+              "missing": missing, "extra": extra, "cause": cause, "counted": counted,
+              "same_on_every_rank": cause.startswith("every rank evaluated"),
               "per_rank": {str(r): sorted(ids) for r, ids in sorted(by_rank.items())}},
     )
+
+
+def _how_counted(duplicated: Mapping[int, list[int]], missing: Sequence[int]) -> str:
+    """'samples 0, 1 were counted twice and 24 samples (ids 8-31) were never seen'."""
+    parts = []
+    if duplicated:
+        most = max(len(rs) for rs in duplicated.values())
+        how = _times(most) if all(len(rs) == most for rs in duplicated.values()) else "more than once"
+        n = len(duplicated)
+        parts.append(f"{plural(n, 'sample')} (ids {id_list(duplicated)}) {'was' if n == 1 else 'were'} counted {how}")
+    if missing:
+        n = len(missing)
+        parts.append(f"{plural(n, 'sample')} (ids {id_list(missing)}) {'was' if n == 1 else 'were'} never seen")
+    return " and ".join(parts)
+
+
+def explain_numbers(numeric: list[Finding], duplicates: list[Finding]) -> list[Finding]:
+    """A wrong number next to duplicated/missing samples: say that the samples are the likely reason."""
+    if not numeric or not duplicates:
+        return numeric
+    d = duplicates[0].data
+    why = f" Likely reason: {d['counted']}, because {d['cause']} (see the duplicates finding)."
+    return [dataclasses.replace(f, summary=f.summary + why) for f in numeric]
 
 
 # -- stragglers --------------------------------------------------------------
 
 
-def find_stragglers(table, facts: RunFacts, min_collectives: int = 5, share: float = 0.8) -> list[Finding]:
+def find_stragglers(table: Table, facts: RunFacts, min_collectives: int = 5, share: float = 0.8) -> list[Finding]:
+    """A rank that is the last one into most collectives, by a lag well above scheduling noise."""
     findings = []
     for (group, members), seqs in sorted(table.items()):
         if group.startswith("p2p:") or len(members) < 2:
             continue
         lags: dict[int, list[float]] = defaultdict(list)
         last_count: Counter = Counter()
-        complete = 0
-        for seq, events in seqs.items():
-            if len(events) != len(members):
-                continue
-            complete += 1
-            times = {r: e.t_enter for r, e in events.items()}
-            first = min(times.values())
-            latest = max(times, key=times.get)
-            last_count[latest] += 1
-            for r, t in times.items():
-                lags[r].append(t - first)
-        if complete < min_collectives:
+        complete = [events for events in seqs.values() if len(events) == len(members)]
+        for events in complete:
+            first = min(e.t_enter for e in events.values())
+            last_count[max(events, key=lambda r: events[r].t_enter)] += 1
+            for r, e in events.items():
+                lags[r].append(e.t_enter - first)
+        if len(complete) < min_collectives:
             continue
-        for rank, n_last in last_count.items():
+        for rank, n_last in sorted(last_count.items()):
             median_lag = statistics.median(lags[rank])
-            if n_last >= share * complete and median_lag >= facts.straggler_min_lag_s:
-                others = statistics.median(l for r, ls in lags.items() if r != rank for l in ls)
-                findings.append(Finding(
-                    kind="straggler", severity="warning", group=group, odd_ranks=(rank,),
-                    summary=(f"Rank {rank} was the last to enter {n_last} of {complete} collectives on group "
-                             f"{group}, a median {median_lag:.3f} s after the first rank (max {max(lags[rank]):.3f} s); "
-                             f"every other rank waits for it each time."),
-                    data={"rank": rank, "last_in": n_last, "collectives": complete,
-                          "median_lag_s": round(median_lag, 4), "max_lag_s": round(max(lags[rank]), 4),
-                          "others_median_lag_s": round(others, 4)},
-                ))
+            if n_last >= share * len(complete) and median_lag >= facts.straggler_min_lag_s:
+                findings.append(_straggler_finding(group, rank, n_last, len(complete), lags))
     return findings
+
+
+def _straggler_finding(group: str, rank: int, n_last: int, complete: int, lags: Mapping[int, list[float]]) -> Finding:
+    median_lag = statistics.median(lags[rank])
+    others = statistics.median(lag for r, ls in lags.items() if r != rank for lag in ls)
+    return Finding(
+        kind="straggler", severity="warning", group=group, odd_ranks=(rank,),
+        summary=(f"Rank {rank} was the last to enter {n_last} of {complete} collectives on group {group}, a median "
+                 f"{median_lag:.3f} s after the first rank (max {max(lags[rank]):.3f} s); every other rank waits "
+                 f"for it each time. Look for extra work on that rank (data loading, logging, rank-specific code)."),
+        data={"rank": rank, "last_in": n_last, "collectives": complete, "median_lag_s": round(median_lag, 4),
+              "max_lag_s": round(max(lags[rank]), 4), "others_median_lag_s": round(others, 4)},
+    )
 
 
 # -- entry point ----------------------------------------------------------------
@@ -484,18 +761,25 @@ def analyze(
     facts: RunFacts,
     results: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[Finding]:
-    """Every finding for one run, most important first."""
+    """Every finding for one run, most important first.
+
+    A crash or hang that a mismatch explains comes after that mismatch: the
+    mismatch is the root cause, the dead or stuck rank its consequence.
+    """
     table = group_table(traces)
-    crashes = find_crashes(outcomes, facts)
-    hangs = [] if crashes else find_hangs(table, outcomes, facts)
-    hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
     mismatches = find_mismatches(table)
+    crashes = find_crashes(outcomes, facts, mismatches)
+    hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
+    hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
     counts = find_count_differences(table, facts, explained=bool(crashes or hangs or facts.end_reason in ABNORMAL_ENDS))
     timeout = find_timeout(outcomes, facts, crashes + hangs)
     results = results or {}
-    findings = (crashes + hangs + timeout + mismatches + counts + find_numeric(results)
-                + find_duplicates(results, facts.world_size) + find_stragglers(table, facts))
-    return findings
+    duplicates = find_duplicates(results, facts.world_size)
+    numeric = explain_numbers(find_numeric(results), duplicates)
+    stopped = crashes + hangs + timeout
+    caused = [f for f in stopped if "caused_by" in f.data]
+    first = [f for f in stopped if f not in caused]
+    return first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts)
 
 
 def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:
@@ -510,7 +794,11 @@ def observed_kinds(findings: Iterable[Finding]) -> tuple[str, ...]:
 
 
 def behaved_as_expected(expected: Sequence[str], observed: Sequence[str]) -> bool:
-    """'pass' must see no finding at all; otherwise every expected kind must be observed."""
+    """'pass' must see no finding at all; otherwise every expected kind must be observed.
+
+    Extra kinds are allowed: a mismatch that makes gloo abort a rank also shows
+    as a crash, a hang can leave ranks with different counts.
+    """
     if tuple(expected) == ("pass",):
         return tuple(observed) == ("pass",)
     return set(expected) <= set(observed)

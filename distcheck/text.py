@@ -42,16 +42,38 @@ def site(callsite: str | None) -> str:
 
 
 def field_value(name: str, value: Any) -> str:
+    """A fingerprint field's value as a reader wants it: shapes as [3, 3], groups as their ranks."""
     if value is None:
         return "none"
-    if name == "shapes":
+    if name in ("shape", "shapes"):
         return ", ".join("[" + ", ".join(map(str, s)) + "]" for s in value) or "no tensor"
-    if name == "dtypes":
+    if name in ("dtype", "dtypes"):
         return ", ".join(value) or "no tensor"
-    if name == "group":
+    if name in ("group", "group_ranks"):
         return "[" + ", ".join(map(str, value)) + "]"
     return str(value)
 
 
 def plural(n: int, word: str, plural_word: str | None = None) -> str:
     return f"{n} {word if n == 1 else (plural_word or word + 's')}"
+
+
+def id_list(ids: Iterable[int], limit: int = 20) -> str:
+    """'0-7, 9, 12-15': sorted ids with runs compacted, at most ``limit`` items."""
+    xs = sorted(set(ids))
+    runs: list[str] = []
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        runs.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}" if j > i + 1 else f"{xs[i]}, {xs[j]}")
+        i = j + 1
+    shown = ", ".join(runs[:limit])
+    return shown + (", ..." if len(runs) > limit else "")
+
+
+def signed(x: float) -> str:
+    """'+1', '-0.125': a difference with its sign."""
+    text = f"{x:+.6g}"
+    return text[:-2] if text.endswith(".0") else text

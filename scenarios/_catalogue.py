@@ -1,0 +1,69 @@
+"""Data shared by several catalogue scenarios, so a broken case and its fix see the same samples.
+
+Not a scenario file (the leading underscore keeps discovery out); the worker puts this folder on
+``sys.path``, so scenarios import it as ``_catalogue``.
+"""
+
+from __future__ import annotations
+
+NUM_CLASSES = 3
+
+
+def rank_predictions(ctx, rank: int):
+    """(preds, target) of one rank: rank 0 has 2 samples, both right; every other rank 6 samples, 3 right.
+
+    The counts are fixed rather than drawn, so a mean of per-rank means differs from the accuracy over all
+    samples for every seed and world size.
+    """
+    import torch
+
+    g = ctx.generator_for(rank)
+    n, right = (2, 2) if rank == 0 else (6, 3)
+    target = torch.randint(0, 2, (n,), generator=g)
+    correct = torch.zeros(n, dtype=torch.bool)
+    correct[torch.randperm(n, generator=g)[:right]] = True
+    return torch.where(correct, target, 1 - target), target
+
+
+def global_accuracy(ctx):
+    """The single-process reference: accuracy over every rank's samples."""
+    import torch
+    from torchmetrics.functional.classification import binary_accuracy
+
+    pairs = [rank_predictions(ctx, r) for r in range(ctx.world_size)]
+    return binary_accuracy(torch.cat([p for p, _ in pairs]), torch.cat([t for _, t in pairs]))
+
+
+def eval_dataset(ctx, size: int):
+    """A labelled evaluation set identical on every rank: (ids, preds, target) tensors."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator()
+    g.manual_seed(ctx.seed)
+    target = torch.randint(0, NUM_CLASSES, (size,), generator=g)
+    preds = torch.randint(0, NUM_CLASSES, (size,), generator=g)
+    return TensorDataset(torch.arange(size), preds, target)
+
+
+def reference_confmat(dataset):
+    """The single-process confusion matrix over the whole dataset, each sample once."""
+    from torchmetrics.functional.classification import multiclass_confusion_matrix
+
+    _, preds, target = dataset.tensors
+    return multiclass_confusion_matrix(preds, target, num_classes=NUM_CLASSES)
+
+
+def evaluate_confmat(ctx, loader, dataset_size: int, max_batches: int | None = None):
+    """Run MulticlassConfusionMatrix over a loader on this rank, record the sample ids, compute on every rank."""
+    from torchmetrics.classification import MulticlassConfusionMatrix
+
+    metric = MulticlassConfusionMatrix(num_classes=NUM_CLASSES).to(ctx.device)
+    seen = []
+    for i, (ids, preds, target) in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        metric.update(preds.to(ctx.device), target.to(ctx.device))
+        seen.extend(ids.tolist())
+    ctx.record_samples(seen, dataset_size=dataset_size, dataset="eval set")
+    return metric.compute().cpu()
