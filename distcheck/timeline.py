@@ -109,7 +109,7 @@ def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> Scen
     last_candidates = times + [t for t in tail if t]
     last = max(last_candidates) if last_candidates else first
     # a little air on both sides, so the first and last slices are not glued to the frame
-    pad = max((last - first) * 0.03, 0.005)
+    pad = (last - first) * 0.03 or 0.005
     origin = first - pad
     end = last - origin + pad
 

@@ -220,12 +220,13 @@ def _svg(tl: ScenarioTimeline) -> str:
         else:
             out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{w:.1f}" '
                        f'height="{h}" rx="2"/>')
-        text = s.name if s.returned else f"{s.name} — never returned"
+        text = _callout(tl, s) if s.mark else s.name
+        if not s.returned:
+            text += " — never returned"
         if w > 7 * len(text) + 16:
             out.append(f'<text class="slice-text" x="{x0 + 16:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
         elif s.mark:
-            # marked but narrow: name it beside the box, above everything else (drawn last)
-            text = _callout(tl, s)
+            # marked but narrow: name it under the box, above everything else (drawn last)
             anchor = "end" if x0 + 7 * len(text) > GUTTER + PLOT_W else "start"
             cx = x1 if anchor == "end" else x0
             callouts.append(f'<line class="tick-line" x1="{(x0 + x1) / 2:.1f}" y1="{ly + h:.1f}" '

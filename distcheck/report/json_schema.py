@@ -1,0 +1,71 @@
+"""JSON Schema (draft 2020-12) of ``report.json`` (``distcheck.report/1``).
+
+It pins the fields later tools and CI rely on (issue 2's JSON contract);
+reports may carry more. Tests validate every JSON report against it.
+"""
+
+from __future__ import annotations
+
+from distcheck.models import FINDING_KINDS, RANK_STATES, REPORT_SCHEMA, SEVERITIES
+
+_INT_OR_NULL = {"type": ["integer", "null"]}
+_STR_OR_NULL = {"type": ["string", "null"]}
+_RANKS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+RANK = {
+    "type": "object",
+    "required": ["rank", "host", "pid", "state", "exit_code", "signal", "collectives", "where", "stack"],
+    "properties": {
+        "rank": {"type": "integer", "minimum": 0}, "host": {"type": "string"}, "pid": _INT_OR_NULL,
+        "state": {"enum": list(RANK_STATES)}, "exit_code": _INT_OR_NULL, "signal": _STR_OR_NULL,
+        "collectives": {"type": "integer", "minimum": 0}, "where": _STR_OR_NULL, "stack": _STR_OR_NULL,
+    },
+}
+
+FINDING = {
+    "type": "object",
+    "required": ["kind", "severity", "group", "seq", "op", "label", "callsite", "summary",
+                 "waiting_ranks", "absent_ranks", "detected_after_s"],
+    "properties": {
+        "kind": {"enum": list(FINDING_KINDS)}, "severity": {"enum": list(SEVERITIES)},
+        "group": _STR_OR_NULL, "seq": _INT_OR_NULL, "op": _STR_OR_NULL, "label": _STR_OR_NULL,
+        "callsite": _STR_OR_NULL, "summary": {"type": "string", "minLength": 1},
+        "waiting_ranks": _RANKS, "absent_ranks": _RANKS, "detected_after_s": {"type": ["number", "null"]},
+    },
+}
+
+SCENARIO = {
+    "type": "object",
+    "required": ["name", "source", "expected", "observed", "ok", "duration_s", "ranks", "findings"],
+    "properties": {
+        "name": {"type": "string"}, "source": {"type": "string"},
+        "expected": {"type": "array", "items": {"type": "string"}},
+        "observed": {"type": "array", "items": {"type": "string"}},
+        "ok": {"type": "boolean"}, "duration_s": {"type": "number", "minimum": 0},
+        "ranks": {"type": "array", "items": RANK}, "findings": {"type": "array", "items": FINDING},
+    },
+}
+
+REPORT = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "distcheck report",
+    "type": "object",
+    "required": ["schema", "verdict", "run", "scenarios"],
+    "properties": {
+        "schema": {"const": REPORT_SCHEMA},
+        "verdict": {"enum": ["pass", "fail"]},
+        "run": {
+            "type": "object",
+            "required": ["backend", "world_size", "nnodes", "torch_version", "distcheck_version", "command",
+                         "run_dir", "seed", "duration_s"],
+            "properties": {
+                "backend": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
+                "nnodes": {"type": "integer", "minimum": 1}, "torch_version": {"type": "string"},
+                "distcheck_version": {"type": "string"}, "command": {"type": "string"},
+                "run_dir": {"type": "string"}, "seed": {"type": "integer"},
+                "duration_s": {"type": "number", "minimum": 0},
+            },
+        },
+        "scenarios": {"type": "array", "items": SCENARIO},
+    },
+}
