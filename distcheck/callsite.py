@@ -71,7 +71,7 @@ def classify_file(filename: str, torch_dir: str) -> int:
 # Module methods that stand for "the module was called".
 _CALL_ENTRY = {"_wrapped_call_impl": "forward", "_call_impl": "forward"}
 
-# (id of the callsite's code, line, id of the library frame's code, line, label).
+# (id of the callsite's code, line, id of the library frame's code, line, label, self.log site).
 SiteKey = tuple
 
 
@@ -108,32 +108,34 @@ class CallsiteResolver:
         codes = self._codes
         user = user_line = lib = lib_line = None
         target = label_frame = None
-        depth = 0
-        while frame is not None and depth < MAX_DEPTH:
+        depth = MAX_DEPTH
+        # Inner part: up to the user's frame, looking for the call site and the library frame.
+        while frame is not None and depth:
             code = frame.f_code
             info = codes.get(id(code))
             if info is None or info[0] is not code:
                 info = self._code_info(code)
-            if user is None:
-                kind = info[1]
-                if kind == USER:
-                    user, user_line = code, frame.f_lineno
-                elif kind == LIBRARY and lib is None:
-                    lib, lib_line = code, frame.f_lineno
-            mode = info[2]
-            if mode:
-                obj = frame.f_locals.get("self")
-                if mode == _SELF_UNKNOWN:
-                    # A method's self is of its class: decide once whether that is a module.
-                    mode = info[2] = _SELF_MODULE if isinstance(obj, self._module()) else _NO_SELF
-                if mode == _SELF_MODULE:
-                    if target is None:
-                        if obj is not None:
-                            target, label_frame = obj, frame
-                    elif obj is target:
-                        label_frame = frame
+            kind = info[1]
+            if kind == USER:
+                user, user_line = code, frame.f_lineno
+            elif kind == LIBRARY and lib is None:
+                lib, lib_line = code, frame.f_lineno
+            if info[2]:
+                target, label_frame = self._self_step(info, frame, target, label_frame)
             frame = frame.f_back
-            depth += 1
+            depth -= 1
+            if user is not None:
+                break
+        # Outer part: only frames whose code has a module ``self`` matter (for the label).
+        while frame is not None and depth:
+            code = frame.f_code
+            info = codes.get(id(code))
+            if info is None or info[0] is not code:
+                info = self._code_info(code)
+            if info[2]:
+                target, label_frame = self._self_step(info, frame, target, label_frame)
+            frame = frame.f_back
+            depth -= 1
         label = log_site = None
         if target is not None:
             label = self._label(target, label_frame)
@@ -144,6 +146,21 @@ class CallsiteResolver:
         # ids, not code objects: a code object's hash is computed from its contents on every lookup.
         return (None if user is None else id(user), user_line, None if lib is None else id(lib), lib_line, label,
                 log_site)
+
+    def _self_step(self, info: list, frame: FrameType, target: object, label_frame: FrameType | None) -> tuple:
+        """Update (target module, outermost frame on it) with a frame whose code has ``self``."""
+        obj = frame.f_locals.get("self")
+        if info[2] == _SELF_UNKNOWN:
+            # A method's self is of its class: decide once whether that is a module.
+            info[2] = _SELF_MODULE if isinstance(obj, self._module()) else _NO_SELF
+            if info[2] == _NO_SELF:
+                return target, label_frame
+        if target is None:
+            if obj is not None:
+                return obj, frame
+        elif obj is target:
+            return target, frame
+        return target, label_frame
 
     def _label(self, target: object, frame: FrameType) -> str:
         cache_key = (type(target), id(frame.f_code))

@@ -1,22 +1,31 @@
 """The per-rank trace file: a compact, append-only, line-oriented format.
 
-Each record is one line written with a single ``os.write`` to an ``O_APPEND``
-file, so a rank killed mid-collective still leaves every complete record it
-wrote. Repeated strings (process-group members, call sites) are written once
-and referenced by key, which keeps the hot path to one short f-string.
+Each write is one ``os.write`` to an ``O_APPEND`` file, so a rank killed
+mid-collective still leaves every complete record it wrote. Everything that
+repeats — process-group members, call sites, whole call fingerprints — is
+written once and referenced by id, so a call costs one short line on the hot
+path and the parser decodes each fingerprint once, not once per call.
 
 Records (tab separated, ``-`` for "none"):
 
     G  group  ranks(comma separated)
     S  site-id  callsite  library-callsite  label
-    E  group  seq  op  reduce_op  shapes  dtypes  device  root  async  t_enter  site-id
-    X  group  seq  t_exit  error
+    F  fp-id  op  reduce_op  shapes  dtypes  device  root  async  site-id
+    E  group  seq  fp-id  t_enter_us
+    X  group  seq  t_exit_us  error
 
-shapes: tensors separated by ``;``, dims by ``x``, a 0-d tensor as ``()``.
+Definitions (G, S, F) are written in the same ``os.write`` as the first E
+record that uses them, and before it. Times are integer microseconds since the
+epoch. shapes: tensors separated by ``;``, dims by ``x``, a 0-d tensor as
+``()``.
+
+The first format (12-field E records carrying the fingerprint inline, float
+seconds) is still read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +33,7 @@ from pathlib import Path
 from distcheck.models import Event
 
 NONE = "-"
+FORMAT_VERSION = 2
 
 
 def encode_shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -63,54 +73,90 @@ class RankTrace:
         return [e for e in self.events if e.t_exit is None]
 
 
+# Event's fields in the order parse_trace passes them (positional: cheaper than keywords).
+_EVENT_ORDER = ("rank", "group", "seq", "op", "reduce_op", "shapes", "dtypes", "device", "root", "group_ranks",
+                "async_op", "t_enter", "t_exit", "error", "callsite", "library_callsite", "label")
+if tuple(f.name for f in dataclasses.fields(Event)) == _EVENT_ORDER:
+    _make_event = Event
+else:  # the model changed its field order: fall back to keywords
+    def _make_event(*values):  # type: ignore[no-redef]
+        return Event(**dict(zip(_EVENT_ORDER, values)))
+
+_NO_SITE = (None, None, None)
+_NO_EXIT = (None, None)
+
+
+def _fingerprint(parts: list[str], sites: dict) -> tuple:
+    """(op, reduce_op, shapes, dtypes, device, root, async) + site strings, from F fields 2..9."""
+    return (
+        parts[2], _opt(parts[3]), decode_shapes(parts[4]),
+        () if parts[5] == NONE else tuple(parts[5].split(";")),
+        _opt(parts[6]), None if parts[7] == NONE else int(parts[7]), parts[8] == "1",
+    ) + sites.get(parts[9], _NO_SITE)
+
+
 def parse_trace(rank: int, data: bytes | str) -> RankTrace:
     """Parse a whole trace file. Tolerates a torn last line and corrupt lines."""
     text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
     trace = RankTrace(rank=rank)
     lines = text.split("\n")
-    if lines and lines[-1] != "":
+    if lines[-1] != "":
         trace.truncated = True
-    lines = lines[:-1]  # the last element is "" or a torn record
+    lines.pop()  # the last element is "" or a torn record
     groups: dict[str, tuple[int, ...]] = {}
     sites: dict[str, tuple[str | None, str | None, str | None]] = {}
-    enters: dict[tuple[str, int], list] = {}
-    exits: dict[tuple[str, int], tuple[float, str | None]] = {}
-    order: list[tuple[str, int]] = []
+    fps: dict[str, tuple] = {}
+    enters: list[list[str]] = []
+    exits: dict[tuple[str, str], tuple[float, str | None]] = {}
+    corrupt = 0
     for line in lines:
         parts = line.split("\t")
         tag = parts[0]
-        try:
-            if tag == "E" and len(parts) == 12:
-                key = (parts[1], int(parts[2]))
-                enters[key] = parts
-                order.append(key)
-            elif tag == "X" and len(parts) == 5:
-                exits[(parts[1], int(parts[2]))] = (float(parts[3]), _opt(parts[4]))
-            elif tag == "S" and len(parts) == 5:
-                sites[parts[1]] = (_opt(parts[2]), _opt(parts[3]), _opt(parts[4]))
-            elif tag == "G" and len(parts) == 3:
+        n = len(parts)
+        if tag == "E" and (n == 5 or n == 12):
+            enters.append(parts)
+        elif tag == "X" and n == 5:
+            try:
+                t = parts[3]
+                exits[(parts[1], parts[2])] = (int(t) / 1e6 if "." not in t else float(t),
+                                               None if parts[4] == NONE else parts[4])
+            except ValueError:
+                corrupt += 1
+        elif tag == "F" and n == 10:
+            try:
+                fps[parts[1]] = _fingerprint(parts, sites)
+            except ValueError:
+                corrupt += 1
+        elif tag == "S" and n == 5:
+            sites[parts[1]] = (_opt(parts[2]), _opt(parts[3]), _opt(parts[4]))
+        elif tag == "G" and n == 3:
+            try:
                 groups[parts[1]] = tuple(int(r) for r in parts[2].split(",")) if parts[2] != NONE else ()
-            else:
-                trace.corrupt_lines += 1
-        except ValueError:
-            trace.corrupt_lines += 1
-    no_site = (None, None, None)
-    for key in order:
-        p = enters[key]
+            except ValueError:
+                corrupt += 1
+        else:
+            corrupt += 1
+    events = trace.events
+    append = events.append
+    no_ranks = ()
+    for p in enters:
         try:
-            t_exit, error = exits.get(key, (None, None))
-            callsite, library_callsite, label = sites.get(p[11], no_site)
-            trace.events.append(Event(
-                rank=rank, group=p[1], seq=int(p[2]), op=p[3], reduce_op=_opt(p[4]),
-                shapes=decode_shapes(p[5]),
-                dtypes=() if p[6] == NONE else tuple(p[6].split(";")),
-                device=_opt(p[7]), root=None if p[8] == NONE else int(p[8]),
-                group_ranks=groups.get(p[1], ()), async_op=p[9] == "1",
-                t_enter=float(p[10]), t_exit=t_exit, error=error,
-                callsite=callsite, library_callsite=library_callsite, label=label,
-            ))
-        except ValueError:
-            trace.corrupt_lines += 1
+            t_exit, error = exits.get((p[1], p[2]), _NO_EXIT)
+            if len(p) == 5:
+                fp = fps[p[3]]
+                append(_make_event(rank, p[1], int(p[2]), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
+                                   groups.get(p[1], no_ranks), fp[6], int(p[4]) / 1e6, t_exit, error,
+                                   fp[7], fp[8], fp[9]))
+            else:
+                callsite, library_callsite, label = sites.get(p[11], _NO_SITE)
+                append(_make_event(
+                    rank, p[1], int(p[2]), p[3], _opt(p[4]), decode_shapes(p[5]),
+                    () if p[6] == NONE else tuple(p[6].split(";")), _opt(p[7]),
+                    None if p[8] == NONE else int(p[8]), groups.get(p[1], no_ranks), p[9] == "1",
+                    float(p[10]), t_exit, error, callsite, library_callsite, label))
+        except (ValueError, KeyError, IndexError):
+            corrupt += 1
+    trace.corrupt_lines = corrupt
     return trace
 
 
@@ -133,7 +179,7 @@ def read_trace_dir(trace_dir: Path) -> dict[int, RankTrace]:
 
 
 class TraceWriter:
-    """Writes records for one rank. Every record is one ``os.write``."""
+    """Writes records for one rank. Every record (with its definitions) is one ``os.write``."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,17 +7,27 @@ torchmetrics and Lightning call collectives through the module attribute, so
 installing the tracer before user code runs sees their calls too.
 
 Hot path rules: no locks, no store round trips, one ``os.write`` per record.
+What a call costs on top of the collective (see benchmarks/tracer_overhead.py):
+
+* arguments are read by a small function generated per op from its signature
+  (positions known in advance), not by binding ``dict(zip(params, args))``;
+* the call's whole fingerprint — op, reduce op, shapes, dtypes, device, root,
+  async flag, call site — is a tuple of cheap objects looked up in a dict; only
+  a fingerprint never seen before is formatted (an ``F`` record, see
+  ``tracefile``), so a repeated call writes a five-field line;
+* the call site is found by ``CallsiteResolver.key``, which caches everything
+  per code object.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
+from time import time_ns
 from typing import Any, Callable
 
 from distcheck.callsite import CallsiteResolver
@@ -74,23 +84,75 @@ def _reduce_op_name(op: Any) -> str:
     return text.rsplit(".", 1)[-1] if "." in text else text
 
 
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(t.shape)
+# -- argument extraction ------------------------------------------------------
+
+# What an extractor returns, in this order.
+_SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless")
+
+
+def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], tuple]:
+    """A function ``(args, kwargs) -> (group, tensors, tensor_lists, reduce_op, root,
+    group_root, async_op, shape_unless)`` specialised to one op's signature.
+
+    Generated once per op (like ``collections.namedtuple``), so a call reads
+    each argument by position or keyword without binding the whole signature.
+    """
+    index = {p.name: i for i, p in enumerate(params)
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    defaults = {p.name: (None if p.default is p.empty else p.default) for p in params}
+    namespace: dict[str, Any] = {}
+    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)"]
+
+    def read(param: str | None) -> str:
+        if param is None or param not in defaults:
+            return "None"
+        var = f"d_{len(namespace)}"
+        namespace[var] = defaults[param]
+        if param in index:
+            i = index[param]
+            return f"(args[{i}] if n > {i} else kwargs.get({param!r}, {var}))"
+        return f"kwargs.get({param!r}, {var})"
+
+    group = "None" if name == "new_group" else read("group")
+    tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
+    lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
+    values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
+              read("async_op"), read(spec.shape_unless))
+    lines.append(f"    return ({', '.join(values)})")
+    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
+    return namespace[f"extract_{name}"]
+
+
+class _Local(threading.local):
+    active = False          # inside a traced call on this thread
 
 
 class Tracer:
-    """Records collectives of one rank into its trace file."""
+    """Records collectives of one rank into its trace file.
 
-    def __init__(self, path: Path, rank: int) -> None:
+    ``group_resolver(pg) -> (key, ranks)`` names a process group and
+    ``default_group()`` returns the group a call without ``group=`` uses; both
+    ask ``distributed_c10d`` unless given (benchmarks and tests pass their own
+    to trace without a process group).
+    """
+
+    def __init__(self, path: Any, rank: int,
+                 group_resolver: Callable[[Any], tuple[str, tuple[int, ...]]] | None = None,
+                 default_group: Callable[[], Any] | None = None) -> None:
+        from pathlib import Path
+
         self.rank = rank
-        self.writer = TraceWriter(path)
+        self.writer = TraceWriter(Path(path))
         self.resolver = CallsiteResolver()
+        self._resolve_group = group_resolver or _c10d_group
+        self._default_group = default_group or _c10d_default_group()
         self._seq: dict[str, int] = {}
         self._groups: dict[int, tuple[str, Any]] = {}   # id(pg) -> (key, pg) ; pg kept alive
         self._sites: dict[tuple, str] = {}
-        self._local = threading.local()
+        self._fps: dict[tuple, str] = {}
+        self._op_names: dict[Any, str] = {}
+        self._local = _Local()
         self._originals: dict[str, Callable] = {}
-        self._world_key: str | None = None
         self.count = 0
 
     # -- installation -------------------------------------------------------
@@ -104,7 +166,7 @@ class Tracer:
             if original is None:
                 continue
             self._originals[name] = original
-            wrapper = self._wrap(name, spec, original)
+            wrapper = self.wrap(name, original, spec)
             setattr(c10d, name, wrapper)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapper)
@@ -129,18 +191,29 @@ class Tracer:
 
     # -- wrapping -----------------------------------------------------------
 
-    def _wrap(self, name: str, spec: OpSpec, original: Callable) -> Callable:
-        params = tuple(inspect.signature(original).parameters)
+    def wrap(self, name: str, original: Callable, spec: OpSpec | None = None,
+             signature_of: Callable | None = None) -> Callable:
+        """``original`` traced as collective ``name`` (the code path ``install`` uses).
+
+        ``signature_of``: read argument positions from this function instead
+        (a stand-in collective with the real one's signature).
+        """
+        spec = spec or OPS[name]
+        extract = make_extractor(name, spec, list(inspect.signature(signature_of or original).parameters.values()))
         local = self._local
+        enter = self._make_enter(name, spec)
+        fd = self.writer.fd
+        write = os.write
+        getframe = sys._getframe
 
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if getattr(local, "active", False):
+            if local.active:
                 return original(*args, **kwargs)   # a collective inside a traced one
             local.active = True
             try:
                 try:
-                    key = self._enter(name, spec, params, args, kwargs)
+                    key = enter(extract(args, kwargs), getframe(1))
                 except Exception:                  # never break the user's call
                     key = None
                 try:
@@ -150,7 +223,7 @@ class Tracer:
                         self._exit(key, exc)
                     raise
                 if key is not None:
-                    self._exit(key, None)
+                    write(fd, f"X\t{key}\t{time_ns() // 1000}\t-\n".encode())
                 return result
             finally:
                 local.active = False
@@ -163,109 +236,191 @@ class Tracer:
 
         @functools.wraps(original)
         def traced(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
-            if getattr(local, "active", False):
+            if local.active:
                 return original(p2p_op_list, *args, **kwargs)
             local.active = True
             try:
+                frame = sys._getframe(1)
                 keys = []
                 for p2p in p2p_op_list:
                     try:
-                        keys.append(self._enter_p2p_op(p2p))
+                        keys.append(self._enter_p2p_op(p2p, frame))
                     except Exception:
                         pass
-                result = original(p2p_op_list, *args, **kwargs)
+                try:
+                    result = original(p2p_op_list, *args, **kwargs)
+                except BaseException as exc:
+                    for key in keys:
+                        self._exit(key, exc)
+                    raise
                 for key in keys:
                     self._exit(key, None)
                 return result
             finally:
                 local.active = False
 
+        traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
 
     # -- records ------------------------------------------------------------
 
-    def _group(self, pg: Any) -> str:
-        import torch.distributed.distributed_c10d as c10d
+    def _make_enter(self, name: str, spec: OpSpec) -> Callable[[tuple, Any], str]:
+        """The enter step for one op: a fast path for a call like one seen before
+        (known group and fingerprint: one dict lookup, one short line), and
+        ``_enter`` for everything else (first calls, p2p, tensor lists, group ranks)."""
+        slow = functools.partial(self._enter, name, spec)
+        if spec.p2p or spec.tensor_lists or len(spec.tensors) > 1:
+            return slow
+        groups, seqs, fps, op_names = self._groups, self._seq, self._fps, self._op_names
+        site_key = self.resolver.key
+        default_group = self._default_group
+        fd = self.writer.fd
+        write = os.write
+        default_op = "SUM" if spec.reduce_op else None
+        by_nature = name in ASYNC_BY_NATURE
+        has_unless = spec.shape_unless is not None
+        tracer = self
 
+        def enter(values: tuple, frame: Any) -> str:
+            pg, tensors, _, op, root, group_root, async_op, shape_unless = values
+            if group_root is not None:
+                return slow(values, frame)
+            entry = groups.get(id(default_group() if pg is None else pg))
+            if entry is None or (pg is not None and entry[1] is not pg):
+                return slow(values, frame)
+            if op is None:
+                op = default_op
+            else:
+                try:
+                    op = op_names[op]
+                except (KeyError, TypeError):
+                    return slow(values, frame)
+            t = tensors[0] if tensors else None
+            fp = fps.get((name, op, root, by_nature or bool(async_op), has_unless and shape_unless is not None,
+                          () if t is None else ((t.shape, t.dtype, t.device),), site_key(frame)))
+            if fp is None:
+                return slow(values, frame)
+            group = entry[0]
+            seq = seqs[group] + 1
+            seqs[group] = seq
+            tracer.count += 1
+            key = f"{group}\t{seq}"
+            write(fd, f"E\t{key}\t{fp}\t{time_ns() // 1000}\n".encode())
+            return key
+
+        return enter
+
+    def _group(self, pg: Any, out: list[str]) -> str:
         if pg is None:
-            if self._world_key is not None:
-                return self._world_key
-            pg = c10d._get_default_group()
+            pg = self._default_group()
+            if pg is None:
+                raise RuntimeError("no default process group")   # the call itself will say so
         entry = self._groups.get(id(pg))
         if entry is not None and entry[1] is pg:
             return entry[0]
-        key = c10d._world.pg_names.get(pg) or getattr(pg, "group_name", None) or str(len(self._groups))
-        ranks = c10d.get_process_group_ranks(pg)
+        key, ranks = self._resolve_group(pg)
+        key = clean(key or str(len(self._groups)))
         self._groups[id(pg)] = (key, pg)
-        self.writer.write(f"G\t{clean(key)}\t{','.join(map(str, ranks))}\n")
-        if pg is c10d.GroupMember.WORLD:
-            self._world_key = clean(key)
-        return clean(key)
+        self._seq.setdefault(key, 0)
+        out.append(f"G\t{key}\t{','.join(map(str, ranks)) or NONE}\n")
+        return key
 
-    def _site(self) -> str:
-        # frames: _site <- _enter <- traced <- caller
-        site = self.resolver.resolve(sys._getframe(3))
-        site_id = self._sites.get(site)
-        if site_id is None:
-            site_id = self._sites[site] = str(len(self._sites))
-            self.writer.write(f"S\t{site_id}\t{clean(site[0])}\t{clean(site[1])}\t{clean(site[2])}\n")
-        return site_id
-
-    def _next_seq(self, key: str) -> int:
-        seq = self._seq.get(key, 0) + 1
-        self._seq[key] = seq
-        return seq
-
-    def _enter(self, name: str, spec: OpSpec, params: tuple, args: tuple, kwargs: dict) -> tuple[str, int]:
-        bound = dict(zip(params, args))
-        if kwargs:
-            bound.update(kwargs)
-        tensors = [bound[p] for p in spec.tensors if bound.get(p) is not None]
-        for p in spec.tensor_lists:
-            tensors.extend(bound.get(p) or ())
-        pg = None if name == "new_group" else bound.get("group")
-        root = bound.get(spec.root) if spec.root else None
-        if root is None and spec.group_root and bound.get(spec.group_root) is not None:
+    def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> str:
+        """Write the enter record; return the exit record's key ("group<TAB>seq")."""
+        pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless = values
+        defs: list[str] = []
+        if tensor_lists:
+            tensors = [t for t in tensors if t is not None]
+            for lst in tensor_lists:
+                tensors.extend(lst or ())
+        elif tensors and tensors[0] is None:
+            tensors = ()
+        if root is None and group_root is not None:
             import torch.distributed as dist
-            root = dist.get_global_rank(pg if pg is not None else dist.group.WORLD, bound[spec.group_root])
+            root = dist.get_global_rank(pg if pg is not None else dist.group.WORLD, group_root)
         if spec.p2p:
             src, dst = (self.rank, root) if spec.p2p == "send" else (root, self.rank)
             group = f"p2p:{'any' if src is None else src}>{dst}"
             if group not in self._seq:
                 members = ",".join(str(r) for r in (src, dst) if r is not None)
-                self.writer.write(f"G\t{group}\t{members}\n")
+                defs.append(f"G\t{group}\t{members}\n")
         else:
-            group = self._group(pg)
-        reduce_op = _reduce_op_name(bound[spec.reduce_op]) if spec.reduce_op and spec.reduce_op in bound else (
-            "SUM" if spec.reduce_op else NONE)
-        if spec.shape_unless and bound.get(spec.shape_unless) is not None:
-            shapes = NONE
-        else:
-            shapes = encode_shapes(tuple(_shape(t) for t in tensors))
-        dtypes = ";".join(str(t.dtype).removeprefix("torch.") for t in tensors) or NONE
-        device = tensors[0].device.type if tensors else NONE
-        is_async = name in ASYNC_BY_NATURE or bool(bound.get("async_op"))
-        seq = self._next_seq(group)
-        self.writer.write(
-            f"E\t{group}\t{seq}\t{name}\t{reduce_op}\t{shapes}\t{dtypes}\t{device}\t"
-            f"{NONE if root is None else root}\t{int(is_async)}\t{time.time():.6f}\t{self._site()}\n"
-        )
+            group = self._group(pg, defs)
+        if op is not None:
+            try:
+                op = self._op_names[op]
+            except (KeyError, TypeError):
+                op = self._op_name(op)
+        elif spec.reduce_op:
+            op = "SUM"
+        described = tuple([(t.shape, t.dtype, t.device) for t in tensors])
+        is_async = name in ASYNC_BY_NATURE or bool(async_op)
+        skip_shapes = spec.shape_unless is not None and shape_unless is not None
+        fp_key = (name, op, root, is_async, skip_shapes, described, self.resolver.key(frame))
+        fp = self._fps.get(fp_key)
+        if fp is None:
+            fp = self._define(fp_key, defs)
+        seq = self._seq.get(group, 0) + 1
+        self._seq[group] = seq
         self.count += 1
-        return group, seq
+        key = f"{group}\t{seq}"
+        record = f"E\t{key}\t{fp}\t{time_ns() // 1000}\n"
+        if defs:
+            record = "".join(defs) + record
+        os.write(self.writer.fd, record.encode())
+        return key
 
-    def _enter_p2p_op(self, p2p: Any) -> tuple[str, int]:
+    def _op_name(self, op: Any) -> str:
+        text = _reduce_op_name(op)
+        try:
+            self._op_names[op] = text
+        except TypeError:   # an unhashable ReduceOp (e.g. premul_sum): name it every time
+            pass
+        return text
+
+    def _define(self, fp_key: tuple, defs: list[str]) -> str:
+        name, op, root, is_async, skip_shapes, described, site_key = fp_key
+        site = self._sites.get(site_key)
+        if site is None:
+            site = self._sites[site_key] = str(len(self._sites))
+            callsite, library, label = self.resolver.describe(site_key)
+            defs.append(f"S\t{site}\t{clean(callsite)}\t{clean(library)}\t{clean(label)}\n")
+        shapes = NONE if skip_shapes else encode_shapes(tuple(tuple(s) for s, _, _ in described))
+        dtypes = ";".join(str(d).removeprefix("torch.") for _, d, _ in described) or NONE
+        device = described[0][2].type if described else NONE
+        fp = self._fps[fp_key] = str(len(self._fps))
+        defs.append(f"F\t{fp}\t{name}\t{op or NONE}\t{shapes}\t{dtypes}\t{device}\t"
+                    f"{NONE if root is None else root}\t{int(is_async)}\t{site}\n")
+        return fp
+
+    def _enter_p2p_op(self, p2p: Any, frame: Any) -> str:
         op_name = getattr(p2p.op, "__name__", str(p2p.op))
         spec = OPS.get(op_name, OPS["isend"])
-        kwargs = {"tensor": p2p.tensor, "group": p2p.group}
-        kwargs[spec.root] = p2p.peer
-        return self._enter(op_name, spec, (), (), kwargs)
+        # (group, tensors, tensor_lists, reduce_op, root, group_root, async_op, shape_unless)
+        values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None)
+        return self._enter(op_name, spec, values, frame)
 
-    def _exit(self, key: tuple[str, int], exc: BaseException | None) -> None:
+    def _exit(self, key: str, exc: BaseException | None) -> None:
         error = NONE if exc is None else clean(f"{type(exc).__name__}: {exc}"[:300])
-        self.writer.write(f"X\t{key[0]}\t{key[1]}\t{time.time():.6f}\t{error}\n")
+        os.write(self.writer.fd, f"X\t{key}\t{time_ns() // 1000}\t{error}\n".encode())
 
 
-def install(path: Path, rank: int) -> Tracer:
+def _c10d_default_group() -> Callable[[], Any]:
+    """Returns the current default group, or None before init_process_group (cheap: one property)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    return lambda: world.default_pg
+
+
+def _c10d_group(pg: Any) -> tuple[str | None, tuple[int, ...]]:
+    import torch.distributed.distributed_c10d as c10d
+
+    key = c10d._world.pg_names.get(pg) or getattr(pg, "group_name", None)
+    return key, tuple(c10d.get_process_group_ranks(pg))
+
+
+def install(path: Any, rank: int) -> Tracer:
     tracer = Tracer(path, rank)
     tracer.install()
     return tracer

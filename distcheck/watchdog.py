@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from distcheck import procs
 from distcheck.rankfiles import LaunchFiles
@@ -203,9 +203,11 @@ class Watchdog(threading.Thread):
         self, files: LaunchFiles, world_size: int, limits: Limits, poll_s: float = 0.1,
         on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        channel: Any = None,
     ) -> None:
         super().__init__(name="distcheck-watchdog", daemon=True)
         self.files = files
+        self.channel = channel   # multi-node: cluster.LaunchChannel; None on a single node
         self.monitor = RankMonitor(files, world_size)
         self.clock = clock
         self.detector = StallDetector(world_size, limits, start=clock())
@@ -231,6 +233,9 @@ class Watchdog(threading.Thread):
         wall_offset = time.time() - self.clock()
         while not self._stop_event.is_set():
             progress = self.monitor.poll()
+            if self.channel is not None:
+                self.channel.publish(progress)
+                progress = self.channel.everyone(progress)
             self.result.last_progress = progress
             self._note_deaths(progress)
             now = self.clock()
@@ -241,10 +246,21 @@ class Watchdog(threading.Thread):
                 if not self._released:
                     self.files.release.touch()
                     self._released = True
+            elif self.channel is not None and not self.channel.is_leader:
+                # Node 0 decides for the whole job, so every node tears down for the same reason.
+                posted = self.channel.decision()
+                if posted is not None:
+                    self.result.decision = Decision(posted["decision"])
+                    self.result.stall_onset = posted["stall_onset"]
+                    self.result.detected_at = posted["detected_at"]
+                    self._tear_down(progress)
+                    return
             elif decision is not Decision.CONTINUE:
                 self.result.decision = decision
                 self.result.stall_onset = self.detector.last_progress + wall_offset
                 self.result.detected_at = time.time()
+                if self.channel is not None:
+                    self.channel.post_decision(decision.value, self.result.stall_onset, self.result.detected_at)
                 self._tear_down(progress)
                 return
             self._stop_event.wait(self.poll_s)

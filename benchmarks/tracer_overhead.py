@@ -1,0 +1,270 @@
+"""What the distcheck tracer costs per collective, measured side by side.
+
+Two parts, both printed as tables of medians and ratios:
+
+1. **Hot path in isolation** (in-process, no process group): the tracer's own
+   wrapper (``Tracer.wrap``, the code path ``install`` uses) around a no-op
+   function with the collective's signature, against the bare no-op. The
+   difference is exactly the µs distcheck adds to every call (two trace
+   records, each one ``os.write``, included). Also from a deep stack and from
+   inside an ``nn.Module`` method (where the label must be resolved).
+
+2. **Real collectives on gloo** at 2 and 4 ranks: all_reduce (1 element and
+   1 MiB), all_gather (1 element per rank) and barrier, in three modes
+   interleaved round by round inside the same processes:
+   untraced (the original torch function), distcheck (the installed tracer),
+   and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (a process group created at debug
+   level DETAIL, i.e. wrapped in PyTorch's ProcessGroupWrapper, which is what
+   the environment variable does to every group).
+
+``--nccl`` runs part 2 with one rank on NCCL and CUDA tensors instead
+(single-GPU machine; two NCCL ranks cannot share one GPU).
+
+    python benchmarks/tracer_overhead.py                 # both parts, 2 and 4 ranks
+    python benchmarks/tracer_overhead.py --hot-only
+    python benchmarks/tracer_overhead.py --nccl          # on a machine with a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, conditions, free_port, median, python, run_group, table  # noqa: E402
+
+# -- part 1: the hot path in isolation ------------------------------------------------
+
+
+def _deep(depth: int, fn, *args):
+    if depth == 0:
+        return fn(*args)
+    return _deep(depth - 1, fn, *args)
+
+
+def hot_path(rounds: int, block: int) -> list[list]:
+    import torch
+    from torch.distributed import ReduceOp
+
+    from distcheck.tracer import Tracer
+
+    fake_world = object()
+    trace_dir = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
+    tracer = Tracer(trace_dir / "rank0.trace", 0, group_resolver=lambda pg: ("0", (0, 1)),
+                    default_group=lambda: fake_world)
+
+    def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+        return None
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        return None
+
+    def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+        return None
+
+    traced = {f.__name__: tracer.wrap(f.__name__, f) for f in (all_reduce, all_gather, barrier)}
+    plain = {f.__name__: f for f in (all_reduce, all_gather, barrier)}
+    t1 = torch.ones(1)
+    gathered = [torch.zeros(1), torch.zeros(1)]
+
+    class Metric(torch.nn.Module):
+        def compute(self, fn):
+            return self._sync(fn)
+
+        def _sync(self, fn):
+            return fn(t1)
+
+    metric = Metric()
+    record = b"E\t0\t123456\t3\t1700000000123456\n"
+    fd = os.open(trace_dir / "write-probe", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def loop_write(n):
+        for _ in range(n):
+            os.write(fd, record)
+
+    cases = {
+        "all_reduce(1 elem)": lambda f, n: [f(t1) for _ in range(n)],
+        "all_reduce(op=MAX, kw)": lambda f, n: [f(t1, op=ReduceOp.MAX) for _ in range(n)],
+        "all_gather": lambda f, n: [f(gathered, t1) for _ in range(n)],
+        "barrier": lambda f, n: [f() for _ in range(n)],
+        "all_reduce, 40 frames deeper": lambda f, n: [_deep(40, f, t1) for _ in range(n)],
+        "all_reduce in nn.Module method": lambda f, n: [metric.compute(f) for _ in range(n)],
+    }
+    op_of = {name: ("all_gather" if "gather" in name else "barrier" if "barrier" in name else "all_reduce")
+             for name in cases}
+    samples: dict[tuple[str, str], list[float]] = {}
+    write_samples = []
+    for r in range(rounds + 1):                      # round 0 is warm-up
+        for name, run in cases.items():
+            order = ("plain", "traced") if r % 2 else ("traced", "plain")
+            for mode in order:
+                fn = plain[op_of[name]] if mode == "plain" else traced[op_of[name]]
+                t0 = time.perf_counter_ns()
+                run(fn, block)
+                dt = (time.perf_counter_ns() - t0) / block / 1000
+                if r:
+                    samples.setdefault((name, mode), []).append(dt)
+        t0 = time.perf_counter_ns()
+        loop_write(block)
+        if r:
+            write_samples.append((time.perf_counter_ns() - t0) / block / 1000)
+    tracer.close()
+    os.close(fd)
+    rows = []
+    for name in cases:
+        p, t = median(samples[(name, "plain")]), median(samples[(name, "traced")])
+        rows.append([name, f"{p:.2f}", f"{t:.2f}", f"{t - p:.2f}"])
+    rows.append(["(reference: one os.write of a record)", "", f"{median(write_samples):.2f}", ""])
+    return rows
+
+
+# -- part 2: real collectives -------------------------------------------------------------
+
+OPS = ("all_reduce 1 elem", "all_reduce 1 MiB", "all_gather", "barrier")
+
+
+def worker(args: argparse.Namespace) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import DebugLevel
+
+    from distcheck.tracer import Tracer
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if args.nccl else "gloo"
+    dev = torch.device("cuda", 0) if args.nccl else torch.device("cpu")
+    if args.nccl:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    # DETAIL: what TORCH_DISTRIBUTED_DEBUG=DETAIL does to every group it creates.
+    dist.set_debug_level(DebugLevel.DETAIL)
+    detail_pg = dist.new_group(list(range(world)), backend=backend)
+    dist.set_debug_level(DebugLevel.OFF)
+    world_pg = dist.group.WORLD
+    tracer = Tracer(Path(args.trace_dir) / f"rank{rank}.trace", rank)
+    tracer.install()
+    orig = tracer._originals
+
+    small = torch.ones(1, device=dev)
+    big = torch.ones(256 * 1024, device=dev)           # 1 MiB of float32
+    outs = [torch.zeros(1, device=dev) for _ in range(world)]
+    calls = {
+        "all_reduce 1 elem": lambda ar, ag, b, g: ar(small, group=g),
+        "all_reduce 1 MiB": lambda ar, ag, b, g: ar(big, group=g),
+        "all_gather": lambda ar, ag, b, g: ag(outs, small, group=g),
+        "barrier": lambda ar, ag, b, g: b(group=g),
+    }
+    fns = {
+        "untraced": (orig["all_reduce"], orig["all_gather"], orig["barrier"], world_pg),
+        "distcheck": (dist.all_reduce, dist.all_gather, dist.barrier, world_pg),
+        "DETAIL": (orig["all_reduce"], orig["all_gather"], orig["barrier"], detail_pg),
+    }
+    assert dist.all_reduce is not orig["all_reduce"]
+    sync = torch.cuda.synchronize if args.nccl else (lambda: None)
+    modes = list(fns)
+    samples: dict[str, dict[str, list[float]]] = {op: {m: [] for m in modes} for op in OPS}
+    for op in OPS:
+        block = max(1, args.block // 8) if "MiB" in op else args.block
+        for r in range(args.rounds + 1):            # round 0 is warm-up
+            order = modes[r % 3:] + modes[:r % 3]   # rotate which mode goes first
+            for mode in order:
+                fn = calls[op]
+                a = fns[mode]
+                sync()
+                if args.nccl:
+                    t0 = time.perf_counter_ns()
+                    for _ in range(block):
+                        fn(*a)
+                    per = [(time.perf_counter_ns() - t0) / block / 1000]   # host side (enqueue)
+                    sync()
+                else:
+                    per = []
+                    for _ in range(block):
+                        t0 = time.perf_counter_ns()
+                        fn(*a)
+                        per.append((time.perf_counter_ns() - t0) / 1000)
+                if r:
+                    samples[op][mode].extend(per)
+    tracer.uninstall()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, samples)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args: argparse.Namespace) -> list[list]:
+    trace_dir = tempfile.mkdtemp(prefix="distcheck-bench-")
+    out = os.path.join(trace_dir, "result.json")
+    port = free_port()
+    cmd = [python(), __file__, "--worker", "--rounds", str(args.rounds), "--block", str(args.block),
+           "--trace-dir", trace_dir, "--out", out] + (["--nccl"] if args.nccl else [])
+    envs = [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)} for r in range(world)]
+    results = run_group([cmd] * world, envs, timeout=args.timeout)
+    if not os.path.exists(out):
+        for r in results:
+            sys.stderr.write(r.stderr[-3000:])
+        raise SystemExit(f"the {world}-rank run failed")
+    per_rank = json.loads(Path(out).read_text())
+    rows = []
+    for op in OPS:
+        # every rank's calls pooled: a collective's time is the same event seen from each rank
+        m = {mode: median(x for rank in per_rank for x in rank[op][mode]) for mode in ("untraced", "distcheck", "DETAIL")}
+        n = sum(len(rank[op]["untraced"]) for rank in per_rank)
+        added, detail_added = m["distcheck"] - m["untraced"], m["DETAIL"] - m["untraced"]
+        cheaper = f"{detail_added / added:.1f}x" if added > 0.05 else "n/a (below noise)"
+        rows.append([f"{world}", op, n, f"{m['untraced']:.1f}", f"{m['distcheck']:.1f}", f"{m['DETAIL']:.1f}",
+                     f"{m['distcheck'] / m['untraced']:.3f}", f"{m['DETAIL'] / m['untraced']:.2f}",
+                     f"{added:+.1f}", f"{detail_added:+.1f}", cheaper])
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per op (after one warm-up round)")
+    p.add_argument("--block", type=int, default=40, help="calls per mode per round (1 MiB: block/8)")
+    p.add_argument("--hot-rounds", type=int, default=30)
+    p.add_argument("--hot-block", type=int, default=2000)
+    p.add_argument("--hot-only", action="store_true")
+    p.add_argument("--nccl", action="store_true", help="one rank, NCCL, CUDA tensors (needs one GPU)")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trace-dir", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    print(f"conditions: {conditions()}")
+    rows = hot_path(args.hot_rounds, args.hot_block)
+    print()
+    print(table(["case (no-op collective, in-process)", "bare µs/call", "traced µs/call", "added µs"], rows,
+                title=f"Tracer hot path in isolation: medians of {args.hot_rounds} interleaved rounds × "
+                      f"{args.hot_block} calls"))
+    if args.hot_only:
+        return
+    worlds = [1] if args.nccl else args.ranks
+    rows = []
+    for world in worlds:
+        rows += run_world(world, args)
+    backend = "NCCL, one rank, CUDA tensors, host-side µs per call (enqueue)" if args.nccl else "gloo, CPU tensors"
+    print()
+    print(table(["ranks", "op", "calls", "untraced µs", "distcheck µs", "DETAIL µs", "distcheck ×", "DETAIL ×",
+                 "distcheck adds µs", "DETAIL adds µs", "DETAIL/distcheck added"], rows,
+                title=f"Per-call medians, {backend}; modes interleaved round by round "
+                      f"({args.rounds} rounds × {args.block} calls per mode, 1 MiB: {max(1, args.block // 8)})"))
+
+
+if __name__ == "__main__":
+    main()

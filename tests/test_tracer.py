@@ -1,0 +1,291 @@
+"""The tracer, call-site resolution and the trace file format, in-process.
+
+A one-rank gloo process group (FileStore) stands in for a job: every
+collective completes at once, so these tests check *what* is recorded, not
+timing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distcheck.rankfiles import LaunchFiles
+from distcheck.tracefile import parse_trace
+from distcheck.tracer import Tracer
+from distcheck.watchdog import RankMonitor
+
+THIS = os.path.abspath(__file__)
+
+
+def line_of(marker: str) -> int:
+    for i, text in enumerate(Path(THIS).read_text().splitlines(), 1):
+        if text.rstrip().endswith(f"# <{marker}>"):
+            return i
+    raise LookupError(marker)
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def traced(process_group, tmp_path):
+    """An installed tracer; yields a function returning the parsed events so far."""
+    path = tmp_path / "rank0.trace"
+    tracer = Tracer(path, 0)
+    tracer.install()
+    try:
+        yield lambda: parse_trace(0, path.read_bytes()).events
+    finally:
+        tracer.uninstall()
+        tracer.close()
+
+
+def test_fingerprint_fields_and_sequence(traced):
+    t = torch.ones(3, 2)
+    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(torch.ones(5, dtype=torch.int64))
+    dist.broadcast(t, src=0)
+    dist.barrier()
+    ev = traced()
+    assert [(e.seq, e.op, e.reduce_op) for e in ev] == [
+        (1, "all_reduce", "SUM"), (2, "all_reduce", "MAX"), (3, "all_reduce", "SUM"),
+        (4, "broadcast", None), (5, "barrier", None)]
+    assert ev[0].shapes == ((3, 2),) and ev[0].dtypes == ("float32",) and ev[0].device == "cpu"
+    assert ev[2].shapes == ((5,),) and ev[2].dtypes == ("int64",)
+    assert ev[3].root == 0 and ev[4].shapes == () and ev[4].device is None
+    assert all(e.group_ranks == (0,) and e.completed and not e.async_op for e in ev)
+    assert all(e.callsite.startswith(f"{THIS}:") and e.callsite.endswith(":test_fingerprint_fields_and_sequence")
+               for e in ev)
+    assert len({e.callsite for e in ev}) == 5   # one line each
+
+
+def test_same_line_in_a_loop_is_one_site_with_fresh_times(traced, tmp_path):
+    t = torch.ones(1)
+    for _ in range(50):
+        dist.all_reduce(t)
+    ev = traced()
+    assert [e.seq for e in ev] == list(range(1, 51))
+    assert len({e.callsite for e in ev}) == 1
+    assert all(e.t_enter <= e.t_exit for e in ev)
+    data = (tmp_path / "rank0.trace").read_text()
+    assert data.count("\nF\t") + data.startswith("F\t") == 1   # the fingerprint is written once
+
+
+def test_async_and_keyword_arguments(traced):
+    work = dist.all_reduce(tensor=torch.ones(2), op=dist.ReduceOp.MIN, async_op=True)
+    work.wait()
+    (e,) = traced()
+    assert e.async_op and e.reduce_op == "MIN" and e.shapes == ((2,),)
+
+
+def test_torchmetrics_compute_label_and_callsite(traced):
+    from torchmetrics.classification import BinaryAUROC
+
+    metric = BinaryAUROC(thresholds=20)
+    metric.update(torch.rand(16), torch.randint(0, 2, (16,)))
+    metric.compute()  # <compute>
+    ev = traced()
+    assert [e.op for e in ev][:3] == ["barrier", "all_gather", "all_gather"]
+    for e in ev:
+        assert e.label == "BinaryAUROC.compute"
+        assert e.callsite == f"{THIS}:{line_of('compute')}:test_torchmetrics_compute_label_and_callsite"
+        assert "torchmetrics" in e.library_callsite
+
+
+def test_torchmetrics_forward_label(traced):
+    from torchmetrics.classification import BinaryAccuracy
+
+    metric = BinaryAccuracy(dist_sync_on_step=True)
+    metric(torch.rand(8), torch.randint(0, 2, (8,)))  # <forward>
+    ev = traced()
+    assert ev and {e.label for e in ev} == {"BinaryAccuracy.forward"}
+    assert {e.callsite for e in ev} == {f"{THIS}:{line_of('forward')}:test_torchmetrics_forward_label"}
+
+
+def test_label_is_the_outermost_frame_of_the_innermost_module(traced):
+    class Inner(torch.nn.Module):
+        def sync(self):
+            return self._reduce()
+
+        def _reduce(self):
+            dist.all_reduce(torch.ones(1))
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self):
+            self.inner.sync()
+
+    Outer()()
+    (e,) = traced()
+    assert e.label == "Inner.sync"
+
+
+def test_nested_collectives_are_traced_once(traced):
+    out = [None]
+    dist.all_gather_object(out, {"a": 1})
+    ev = traced()
+    assert [e.op for e in ev] == ["all_gather_object"]
+    assert out == [{"a": 1}]
+
+
+def test_a_failing_call_records_its_error(traced):
+    with pytest.raises(Exception):
+        dist.all_reduce(torch.ones(1), group="not a group")
+    dist.all_reduce(torch.ones(1))
+    ev = traced()
+    assert ev[-1].op == "all_reduce" and ev[-1].error is None
+    failed = [e for e in ev if e.error]
+    assert all(e.t_exit is not None for e in failed)
+
+
+# -- the hot path without a process group -------------------------------------------------
+
+
+def _fake_tracer(path: Path) -> Tracer:
+    world = object()
+    return Tracer(path, 0, group_resolver=lambda pg: ("w" if pg is world else "sub", (0, 1)),
+                  default_group=lambda: world)
+
+
+def test_enter_record_is_on_disk_before_the_call_and_exit_after(tmp_path):
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    seen = {}
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        seen["during"] = parse_trace(0, path.read_bytes()).events
+
+    traced = tracer.wrap("all_reduce", all_reduce)
+    traced(torch.ones(2))
+    (during,) = seen["during"]
+    assert during.op == "all_reduce" and during.t_exit is None and during.group == "w"
+    (after,) = parse_trace(0, path.read_bytes()).events
+    assert after.t_exit is not None and after.group_ranks == (0, 1)
+
+
+def test_fast_path_notices_every_fingerprint_change(tmp_path):
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    sub = object()
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    traced = tracer.wrap("all_reduce", all_reduce)
+    calls = [
+        ((torch.ones(2),), {}),
+        ((torch.ones(2),), {}),
+        ((torch.ones(3),), {}),                                   # shape
+        ((torch.ones(3, dtype=torch.float64),), {}),              # dtype
+        ((torch.ones(3, dtype=torch.float64), dist.ReduceOp.MAX), {}),   # reduce op
+        ((torch.ones(3),), {"group": sub}),                       # group
+        ((torch.ones(3),), {"async_op": True}),                   # async
+    ]
+    for args, kwargs in calls:
+        traced(*args, **kwargs)
+    ev = parse_trace(0, path.read_bytes()).events
+    assert [(e.group, e.seq) for e in ev] == [("w", 1), ("w", 2), ("w", 3), ("w", 4), ("w", 5), ("sub", 1), ("w", 6)]
+    assert [e.shapes for e in ev[:3]] == [((2,),), ((2,),), ((3,),)]
+    assert ev[3].dtypes == ("float64",) and ev[4].reduce_op == "MAX" and ev[0].reduce_op == "SUM"
+    assert ev[6].async_op and not ev[5].async_op
+
+
+def test_exception_inside_the_collective_is_recorded_and_raised(tmp_path):
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+
+    def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(RuntimeError):
+        tracer.wrap("barrier", barrier)()
+    (e,) = parse_trace(0, path.read_bytes()).events
+    assert e.error == "RuntimeError: Connection closed by peer" and e.t_exit is not None
+
+
+def test_a_tracer_failure_never_breaks_the_call(tmp_path):
+    tracer = _fake_tracer(tmp_path / "rank0.trace")
+    traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: "result")
+    assert traced("not a tensor") == "result"
+
+
+# -- the file format ----------------------------------------------------------------------
+
+
+def _sample_file(tmp_path: Path) -> bytes:
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    for _ in range(3):
+        traced(torch.ones(4))
+    return path.read_bytes()
+
+
+def test_parser_tolerates_a_torn_last_line(tmp_path):
+    data = _sample_file(tmp_path)
+    torn = data + b"E\tw\t4\t0\t17000"     # killed in the middle of a write
+    trace = parse_trace(0, torn)
+    assert trace.truncated and [e.seq for e in trace.events] == [1, 2, 3] and trace.corrupt_lines == 0
+    assert not parse_trace(0, data).truncated
+
+
+def test_parser_counts_corrupt_lines_and_keeps_the_rest(tmp_path):
+    data = _sample_file(tmp_path)
+    bad = (b"garbage\n" + data + b"E\tw\tnot-a-number\t0\t1\n" + b"E\tw\t9\t77\t1\n"   # unknown fingerprint
+           + b"X\tw\t2\t\xff\xfe\t-\n" + "E\tw\t4\t0\t1\u00e9\n".encode())
+    trace = parse_trace(0, bad)
+    assert [e.seq for e in trace.events] == [1, 2, 3]
+    assert trace.corrupt_lines == 5
+
+
+def test_parser_reads_the_first_format(tmp_path):
+    old = ("G\t0\t0,1\n"
+           "S\t0\t/u.py:3:main\t-\tBinaryAUROC.compute\n"
+           "E\t0\t1\tall_reduce\tSUM\t2x3\tfloat32\tcpu\t-\t0\t1700000000.250000\t0\n"
+           "X\t0\t1\t1700000000.500000\t-\n")
+    (e,) = parse_trace(1, old).events
+    assert (e.rank, e.op, e.reduce_op, e.shapes, e.group_ranks, e.label) == (
+        1, "all_reduce", "SUM", ((2, 3),), (0, 1), "BinaryAUROC.compute")
+    assert e.t_enter == pytest.approx(1700000000.25) and e.t_exit == pytest.approx(1700000000.5)
+
+
+def test_watchdog_reads_open_collectives_incrementally(tmp_path):
+    files = LaunchFiles(tmp_path)
+    files.make()
+    tracer = _fake_tracer(files.trace(0))
+    monitor = RankMonitor(files, 1)
+    state = {}
+
+    def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+        state["inside"] = monitor._read_trace(0)
+        state["open"] = dict(state["inside"].open)
+
+    tracer.wrap("barrier", barrier)()
+    assert len(state["open"]) == 1
+    (text, since, label), = state["open"].values()
+    assert text == "barrier #1 [group w]" and since > 0
+    cur = monitor._read_trace(0)
+    assert cur.records == 2 and not cur.open
+
+
+def test_time_resolution_is_microseconds(tmp_path):
+    (e, *_) = parse_trace(0, _sample_file(tmp_path)).events
+    assert abs(e.t_enter - __import__("time").time()) < 60
+    assert sys.float_info.epsilon * e.t_enter < 1e-6
