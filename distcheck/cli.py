@@ -65,12 +65,22 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
     module: Optional[str] = typer.Option(None, "--module", "-m", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
     max_duration: Optional[float] = typer.Option(None, "--max-duration", help="Pre-flight: end a healthy script after S seconds and report that window."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank; node 0 hosts distcheck's store and writes the full report."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0's host)."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="Job id shared by every node."),
+    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", help="c10d (default) or static."),
+    rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every node to join."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rendezvous host when --rdzv-endpoint is not given."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port with --master-addr (default 29500)."),
+    store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
     TARGETS: built-in scenario names, scenario files or folders (none: all built-ins), or ONE
     ordinary script that calls init_process_group itself: distcheck run train.py -- --lr 0.1
     """
+    from distcheck.cluster import node_config
     from distcheck.discovery import resolve_run_targets
     from distcheck.report import json_report, terminal
     from distcheck.report.live import LiveView
@@ -85,6 +95,9 @@ def run(
     if nproc_per_node is not None and nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1 (got {nproc_per_node})")
     _positive("--max-duration", max_duration)
+    _positive("--rdzv-timeout", rdzv_timeout)
+    nodes = node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_timeout,
+                        master_addr, master_port, store_port)
     targets, script_args = _split_script_args(list(targets or []))
     specs = resolve_run_targets(targets, module=module, script_args=script_args)
     nproc = nproc_per_node or _default_nproc(backend)
@@ -92,13 +105,15 @@ def run(
     if device == "cuda":
         _check_cuda(nproc)
     console = Console(stderr=json_path == "-", highlight=False)
-    console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {nproc} {resolved} ranks", style="dim")
+    ranks = f"{nodes.nnodes} nodes x {nproc}" if nodes.multi else f"{nproc}"
+    console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {resolved} ranks"
+                  + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
     view = LiveView(console, stall_timeout=stall_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
                      on_poll=view.on_poll)
     options = RunOptions(
         nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
-        max_duration=max_duration, seed=seed, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
+        max_duration=max_duration, seed=seed, nodes=nodes, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -107,6 +122,9 @@ def run(
     finally:
         signal.signal(signal.SIGTERM, previous)
     console.print(terminal.summary_line(report))
+    if nodes.multi and nodes.node_rank != 0 and report.scenarios and report.scenarios[-1].launch_dir:
+        console.print(f"      node 0 wrote the full report: {Path(report.scenarios[-1].launch_dir).parent}/report.json",
+                      markup=False)
     if json_path == "-":
         sys.stdout.write(json_report.render(report))
     elif json_path:

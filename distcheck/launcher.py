@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from distcheck import procs
 from distcheck.errors import LaunchError
@@ -35,6 +35,15 @@ class LaunchSpec:
     run_id: str
     device: str = "auto"
     rdzv_endpoint: str | None = None      # None: a free loopback port
+    nnodes: int = 1
+    node_rank: int = 0                    # 0 hosts the rendezvous store
+    rdzv_backend: str = "c10d"
+    rdzv_timeout: float = 300.0
+    channel: Any = None                   # multi-node: cluster.LaunchChannel
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,27 @@ def _failures(exc: BaseException) -> dict[int, RankFailure]:
     return out
 
 
+def _rdzv_configs(spec: LaunchSpec) -> dict[str, Any]:
+    if spec.nnodes == 1:
+        return {}
+    if spec.rdzv_backend == "static":
+        return {"rank": spec.node_rank}
+    # On one machine every "node" matches the endpoint's host: say which one hosts the store.
+    return {"is_host": spec.node_rank == 0, "join_timeout": int(spec.rdzv_timeout)}
+
+
+def _launch_error(exc: BaseException, spec: LaunchSpec, endpoint: str) -> str:
+    """Name what is missing when the job could not even start."""
+    name = type(exc).__name__
+    if "Rendezvous" in name or "rendezvous" in str(exc).lower():
+        if "Timeout" in name or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            return (f"the rendezvous at {endpoint} (id {spec.run_id}) timed out after {spec.rdzv_timeout:g} s "
+                    f"waiting for {spec.nnodes} node(s) x {spec.nproc_per_node} ranks: some node never arrived "
+                    f"(start distcheck there with the same --rdzv-endpoint and --rdzv-id)")
+        return f"rendezvous at {endpoint} failed: {name}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return f"{name}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None) -> LaunchOutcome:
     """Run one job to its end under the watchdog. Never leaves a process behind."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
@@ -124,10 +154,12 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     files = LaunchFiles(spec.launch_dir)
     files.make()
     endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    single = spec.nnodes == 1
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=spec.nproc_per_node,
-        run_id=spec.run_id, rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        max_restarts=0, monitor_interval=0.05, local_addr="127.0.0.1",
+        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id, rdzv_backend=spec.rdzv_backend, rdzv_endpoint=endpoint,
+        rdzv_configs=_rdzv_configs(spec),
+        max_restarts=0, monitor_interval=0.05, local_addr="127.0.0.1" if single else None,
         logs_specs=DefaultLogsSpecs(log_dir=str(files.root / "agent")),
     )
     worker_env = {
@@ -136,7 +168,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCHELASTIC_ERROR_FILE": "",
     }
-    watchdog = Watchdog(files, spec.nproc_per_node, spec.limits, on_poll=on_poll)
+    watchdog = Watchdog(files, spec.world_size, spec.limits, on_poll=on_poll, channel=spec.channel)
     started = time.time()
     end_reason = "completed"
     failures: dict[int, RankFailure] = {}
@@ -152,7 +184,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         except Exception as exc:  # ChildFailedError, rendezvous errors
             failures = _failures(exc)
             if not failures:
-                error = f"{type(exc).__name__}: {exc}"
+                error = _launch_error(exc, spec, endpoint)
         finally:
             watchdog.stop()
             watchdog.join(timeout=15)

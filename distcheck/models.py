@@ -109,6 +109,7 @@ class RankOutcome:
     rank: int
     state: str                      # one of RANK_STATES
     host: str = ""
+    node: int = 0                   # the launcher node (torchrun's group rank) this rank ran on
     pid: int | None = None
     exit_code: int | None = None
     signal: str | None = None

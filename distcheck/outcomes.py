@@ -156,7 +156,7 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
         waiting_in = None if waiting_in.t_exit is not None else waiting_in
     state, where = _state(f, launch, killed_by_us, waiting_in)
     return RankOutcome(
-        rank=f.rank, state=state, host=f.status.get("host", ""), pid=f.status.get("pid"),
+        rank=f.rank, state=state, host=f.status.get("host", ""), node=f.status.get("node", 0), pid=f.status.get("pid"),
         exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
         where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
         exception=f.status.get("exception"), traceback=f.status.get("traceback"), phase=f.status.get("phase"),

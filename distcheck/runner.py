@@ -5,6 +5,7 @@ This is the library behind ``distcheck run``; the CLI only parses options.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
@@ -22,7 +23,8 @@ from typing import Callable
 from distcheck import __version__
 from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.errors import UsageError
-from distcheck.launcher import LaunchSpec, launch
+from distcheck.cluster import ClusterStore, NodeConfig
+from distcheck.launcher import LaunchOutcome, LaunchSpec, RankFailure, launch
 from distcheck.models import Report, RunInfo, ScenarioResult
 from distcheck.discovery import ScriptSpec, Target
 from distcheck.outcomes import CollectedRun, collect
@@ -45,6 +47,11 @@ class RunOptions:
     seed: int = 0
     run_dir: Path | None = None
     command: str = ""
+    nodes: NodeConfig = NodeConfig()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes.nnodes * self.nproc_per_node
 
 
 @dataclass
@@ -140,22 +147,31 @@ def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: st
 
 
 def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
-                 on_poll: Callable | None = None) -> ScenarioResult:
+                 on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
     source = spec.source if isinstance(spec, ScriptSpec) else spec.file
     reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options)
     if reason:
         return ScenarioResult(name=spec.name, source=source, expected=spec.expect, observed=(), ok=True,
                               duration_s=0.0, skipped=reason, description=spec.description)
     limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
+    nodes = options.nodes
+    channel = cluster.launch(launch_dir.name, options.world_size) if cluster is not None else None
     launch_spec = LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
                              worker_args=worker_args(spec, options, launch_dir), limits=limits,
-                             run_id=f"{run_id}-{spec.name}",
-                             device=options.device)
+                             run_id=f"{run_id}-{launch_dir.name}", device=options.device,
+                             rdzv_endpoint=nodes.rdzv_endpoint if nodes.multi else None, nnodes=nodes.nnodes,
+                             node_rank=nodes.node_rank, rdzv_backend=nodes.rdzv_backend,
+                             rdzv_timeout=nodes.rdzv_timeout, channel=channel)
     outcome = launch(launch_spec, on_poll=on_poll)
     files = LaunchFiles(launch_dir)
-    run = collect(files, options.nproc_per_node, outcome)
+    if channel is not None:
+        channel.upload(files, launch_summary(outcome))
+        if not channel.is_leader:   # node 0 writes the report; this node returns its verdict
+            return ScenarioResult.from_dict(channel.result(timeout_s=nodes.rdzv_timeout + 60))
+        outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=nodes.rdzv_timeout + 60))
+    run = collect(files, options.world_size, outcome)
     check_script_was_distributed(spec, run, outcome.end_reason)
-    facts = RunFacts(world_size=options.nproc_per_node, end_reason=outcome.end_reason,
+    facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout)
     events = {r: t.events for r, t in run.traces.items()}
@@ -163,7 +179,7 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
     observed = observed_kinds(findings)
     ok = behaved_as_expected(spec.expect, observed) and outcome.end_reason != "interrupted"
     log_rank = next((o.rank for o in run.outcomes.values() if o.state == "crashed"), 0)
-    return ScenarioResult(
+    result = ScenarioResult(
         name=spec.name, source=source, expected=spec.expect, observed=observed, ok=ok,
         duration_s=outcome.ended_at - outcome.started_at, findings=tuple(findings),
         ranks=tuple(run.outcomes[r] for r in sorted(run.outcomes)), end_reason=outcome.end_reason,
@@ -173,6 +189,35 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
         started_at=outcome.started_at, ended_at=outcome.ended_at,
         stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
     )
+    if channel is not None:
+        channel.post_result(result.to_dict())
+    return result
+
+
+def launch_summary(outcome: LaunchOutcome) -> dict:
+    """What node 0 needs from another node's launch (JSON-ready)."""
+    w = outcome.watchdog
+    return {
+        "end_reason": outcome.end_reason,
+        "failures": {str(r): [f.exit_code, f.signal, f.pid] for r, f in outcome.failures.items()},
+        "killed_ranks": list(w.killed_ranks), "death_times": {str(r): t for r, t in w.death_times.items()},
+    }
+
+
+END_REASON_PRIORITY = ("interrupted", "stall", "timeout", "max_duration", "crash", "completed")
+
+
+def merge_node_summaries(outcome: LaunchOutcome, summaries: list[dict]) -> LaunchOutcome:
+    """Node 0's view of the whole job: every node's failures, kills and deaths."""
+    w = outcome.watchdog
+    reasons = [outcome.end_reason] + [s["end_reason"] for s in summaries]
+    failures = dict(outcome.failures)
+    for s in summaries:
+        failures.update({int(r): RankFailure(*f) for r, f in s["failures"].items()})
+        w.killed_ranks = tuple(sorted(set(w.killed_ranks) | set(s["killed_ranks"])))
+        w.death_times.update({int(r): t for r, t in s["death_times"].items()})
+    end_reason = min(reasons, key=lambda r: END_REASON_PRIORITY.index(r) if r in END_REASON_PRIORITY else 99)
+    return dataclasses.replace(outcome, failures=failures, end_reason=end_reason)
 
 
 def pg_timeout(options: RunOptions) -> float:
@@ -186,6 +231,9 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
         raise UsageError("nothing to run: no scenarios selected")
     run_id = new_run_id()
     run_dir = make_run_dir(options.run_dir, run_id)
+    # Every node must name its launches alike for torch's rendezvous to pair them.
+    launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
+    cluster = ClusterStore(options.nodes) if options.nodes.multi else None
     started = time.time()
     state = RunState()
     used = set()
@@ -194,7 +242,7 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
         name = spec.name if spec.name not in used else f"{spec.name}-{i}"
         used.add(name)
         try:
-            result = run_scenario(spec, options, run_dir / name, run_id, hooks.on_poll)
+            result = run_scenario(spec, options, run_dir / name, launch_base, hooks.on_poll, cluster)
         except KeyboardInterrupt:
             state.interrupted = True
             break
@@ -216,7 +264,7 @@ def run_info(options: RunOptions, run_dir: Path, started: float) -> RunInfo:
     import torch
 
     return RunInfo(
-        backend=options.backend, world_size=options.nproc_per_node, nnodes=1,
+        backend=options.backend, world_size=options.world_size, nnodes=options.nodes.nnodes,
         nproc_per_node=options.nproc_per_node, torch_version=torch.__version__,
         distcheck_version=__version__, command=options.command or shlex.join(sys.argv),
         run_dir=str(run_dir), seed=options.seed, duration_s=time.time() - started,

@@ -86,6 +86,7 @@ class Status:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.data: dict[str, Any] = {
             "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "node": int(os.environ.get("GROUP_RANK", "0")),
             "main_thread": threading.main_thread().ident, "t_start": time.time(),
         }
 

@@ -1,0 +1,230 @@
+"""Runs that span several nodes: one distcheck per node, torchrun's flags and meaning.
+
+The job itself rendezvouses through torch's own c10d rendezvous (``LaunchConfig``
+with ``min_nodes = max_nodes = nnodes``). distcheck's *own* coordination —
+every rank's progress for the watchdogs, the stall decision, the traces for the
+final report — goes through a c10d ``TCPStore`` hosted by node 0's distcheck
+(next to the rendezvous endpoint, port + 1 unless ``--store-port`` says
+otherwise), under ``PrefixStore("distcheck/<rdzv id>/<launch>")``. Node 0
+writes the full report; the other nodes print a pointer to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from distcheck.errors import LaunchError, UsageError
+from distcheck.rankfiles import LaunchFiles
+from distcheck.watchdog import RankProgress
+
+DEFAULT_RDZV_PORT = 29500
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None       # host:port of the c10d rendezvous
+    rdzv_id: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_timeout: float = 300.0
+    store_port: int | None = None
+
+    @property
+    def multi(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def host(self) -> str:
+        return (self.rdzv_endpoint or "127.0.0.1").rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        parts = (self.rdzv_endpoint or "").rsplit(":", 1)
+        return int(parts[1]) if len(parts) == 2 and parts[1] else DEFAULT_RDZV_PORT
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        return self.host, self.store_port or self.port + 1
+
+
+def node_config(
+    nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str | None,
+    rdzv_backend: str, rdzv_timeout: float, master_addr: str | None, master_port: int | None,
+    store_port: int | None, env: Mapping[str, str] | None = None,
+) -> NodeConfig:
+    """Command-line flags first, then SLURM's environment (one distcheck per node under srun)."""
+    env = os.environ if env is None else env
+    slurm = "SLURM_JOB_ID" in env and nnodes is None
+    if slurm:
+        nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+        node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
+        rdzv_id = rdzv_id or f"slurm-{env['SLURM_JOB_ID']}"
+        master_addr = master_addr or env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+    nnodes = nnodes or 1
+    node_rank = node_rank or 0
+    if nnodes < 1:
+        raise UsageError(f"--nnodes must be at least 1 (got {nnodes})")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank})")
+    if rdzv_backend not in ("c10d", "static"):
+        raise UsageError(f"unsupported --rdzv-backend {rdzv_backend!r}", "use c10d (default) or static")
+    if rdzv_endpoint is None and master_addr:
+        rdzv_endpoint = f"{master_addr}:{master_port or DEFAULT_RDZV_PORT}"
+    if nnodes > 1:
+        if not rdzv_endpoint:
+            raise UsageError("a multi-node run needs --rdzv-endpoint HOST:PORT (or --master-addr)",
+                             "give every node the same endpoint: the host of node 0")
+        if not rdzv_id:
+            raise UsageError("a multi-node run needs --rdzv-id", "give every node the same id, e.g. the job id")
+    return NodeConfig(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                      rdzv_backend=rdzv_backend, rdzv_timeout=rdzv_timeout, store_port=store_port)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """c10d prints a C++ backtrace to fd 2 when a connection times out; our message says it better."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class ClusterStore:
+    """distcheck's coordination store for a multi-node run (node 0 hosts it)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        from torch.distributed import TCPStore
+
+        host, port = config.store_address
+        self.config = config
+        timeout = datetime.timedelta(seconds=config.rdzv_timeout)
+        try:
+            with _quiet_native_stderr():
+                self.store = TCPStore(host, port, is_master=config.node_rank == 0, wait_for_workers=False,
+                                      timeout=timeout)
+        except (RuntimeError, OSError) as exc:
+            role = "host" if config.node_rank == 0 else "reach node 0's"
+            raise LaunchError(
+                f"node {config.node_rank} could not {role} distcheck store at {host}:{port} within "
+                f"{config.rdzv_timeout:g} s: {str(exc).splitlines()[0]}",
+                "start distcheck on node 0 with the same --rdzv-endpoint, and check that the port is free "
+                "and reachable (or pick another with --store-port)",
+            ) from None
+
+    def launch(self, name: str, world_size: int) -> LaunchChannel:
+        from torch.distributed import PrefixStore
+
+        prefix = f"distcheck/{self.config.rdzv_id}/{name}"
+        return LaunchChannel(PrefixStore(prefix, self.store), self.config, world_size)
+
+
+def _progress_to_dict(p: RankProgress) -> dict[str, Any]:
+    return asdict(p)
+
+
+class LaunchChannel:
+    """One launch's keys: progress of each node's ranks, the decision, the bundles, the result."""
+
+    def __init__(self, store: Any, config: NodeConfig, world_size: int) -> None:
+        self.store = store
+        self.config = config
+        self.world_size = world_size
+        self._nodes = [f"progress/{n}" for n in range(config.nnodes)]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.config.node_rank == 0
+
+    def publish(self, progress: Mapping[int, RankProgress]) -> None:
+        data = {str(r): _progress_to_dict(p) for r, p in progress.items()}
+        self.store.set(f"progress/{self.config.node_rank}", json.dumps(data))
+
+    def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]:
+        merged: dict[int, RankProgress] = {}
+        for node, key in enumerate(self._nodes):
+            if node == self.config.node_rank or not self.store.check([key]):
+                continue
+            for r, p in json.loads(self.store.get(key)).items():
+                merged[int(r)] = RankProgress(**p)
+        merged.update(local)
+        return merged
+
+    def post_decision(self, decision: str, stall_onset: float | None, detected_at: float | None) -> None:
+        self.store.set("decision", json.dumps({"decision": decision, "stall_onset": stall_onset,
+                                               "detected_at": detected_at}))
+
+    def decision(self) -> dict[str, Any] | None:
+        if not self.store.check(["decision"]):
+            return None
+        return json.loads(self.store.get("decision"))
+
+    # -- after the launch ---------------------------------------------------
+
+    def upload(self, files: LaunchFiles, summary: dict[str, Any]) -> None:
+        """This node's ranks' files and its launch summary, for node 0's report."""
+        bundle = {"summary": summary, "files": {}}
+        for sub in ("traces", "status", "stacks", "samples", "logs"):
+            folder = files.root / sub
+            if folder.is_dir():
+                for path in folder.iterdir():
+                    if path.is_file():
+                        bundle["files"][f"{sub}/{path.name}"] = path.read_text(encoding="utf-8", errors="replace")
+        self.store.set(f"bundle/{self.config.node_rank}", json.dumps(bundle))
+
+    def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:
+        """Node 0: every other node's bundle, written into this launch's directory."""
+        keys = [f"bundle/{n}" for n in range(1, self.config.nnodes)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            missing = [k.split("/")[1] for k in keys if not self.store.check([k])]
+            raise LaunchError(f"node(s) {', '.join(missing)} sent no traces within {timeout_s:g} s",
+                              "check that distcheck is still running there") from None
+        summaries = []
+        for key in keys:
+            bundle = json.loads(self.store.get(key))
+            for rel, text in bundle["files"].items():
+                path = files.root / rel
+                if not path.exists():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(text, encoding="utf-8")
+            summaries.append(bundle["summary"])
+        return summaries
+
+    def post_result(self, result: dict[str, Any]) -> None:
+        self.store.set("result", json.dumps(result))
+
+    def result(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            self.store.wait(["result"], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            raise LaunchError(f"node 0 published no result within {timeout_s:g} s",
+                              "its report may still be in its run dir") from None
+        return json.loads(self.store.get("result"))
+
+
+def node_label() -> str:
+    return socket.gethostname()
+
+
+def pointer_text(leader: dict[str, Any]) -> str:
+    return f"full report on node 0 ({leader.get('host', '?')}): {leader.get('run_dir', '?')}"
+
+
+def leader_info(run_dir: Path) -> dict[str, Any]:
+    return {"host": node_label(), "run_dir": str(run_dir)}
