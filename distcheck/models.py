@@ -13,7 +13,7 @@ REPORT_SCHEMA = "distcheck.report/1"
 # Finding kinds, in the order a reader should see them.
 FINDING_KINDS = (
     "crash", "hang", "mismatch", "order", "count",
-    "numeric", "duplicates", "straggler",
+    "numeric", "duplicates", "straggler", "health",
 )
 RANK_STATES = ("finished", "stuck", "crashed", "killed", "running")
 SEVERITIES = ("error", "warning", "info")
@@ -215,6 +215,7 @@ class ScenarioResult:
     description: str | None = None
     collectives_compared: int = 0
     log_tail: str | None = None
+    tables: tuple[dict[str, Any], ...] = ()   # scenario-reported tables (e.g. bus bandwidth per size)
     # wall-clock times (epoch seconds) of the launch, for timelines; None in older reports
     started_at: float | None = None
     ended_at: float | None = None
@@ -237,6 +238,7 @@ class ScenarioResult:
             "ranks": [r.to_dict() for r in self.ranks],
             "findings": [f.to_dict() for f in self.findings],
             "log_tail": self.log_tail,
+            "tables": list(self.tables),
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "stall_onset": self.stall_onset,
@@ -253,7 +255,8 @@ class ScenarioResult:
             collectives_compared=d.get("collectives_compared", 0),
             findings=tuple(Finding.from_dict(f) for f in d.get("findings", ())),
             ranks=tuple(RankOutcome.from_dict(r) for r in d.get("ranks", ())),
-            log_tail=d.get("log_tail"), started_at=d.get("started_at"), ended_at=d.get("ended_at"),
+            log_tail=d.get("log_tail"),
+            tables=tuple(d.get("tables", ())), started_at=d.get("started_at"), ended_at=d.get("ended_at"),
             stall_onset=d.get("stall_onset"), detected_at=d.get("detected_at"),
         )
 

@@ -23,6 +23,7 @@ from typing import Callable
 from distcheck import __version__
 from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.errors import UsageError
+from distcheck.health import first_tables, health_findings
 from distcheck.cluster import ClusterStore, NodeConfig
 from distcheck.launcher import LaunchOutcome, LaunchSpec, RankFailure, launch
 from distcheck.models import Report, RunInfo, ScenarioResult
@@ -48,6 +49,7 @@ class RunOptions:
     run_dir: Path | None = None
     command: str = ""
     nodes: NodeConfig = NodeConfig()
+    scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
 
     @property
     def world_size(self) -> int:
@@ -128,7 +130,8 @@ def worker_args(spec: Target, options: RunOptions, launch_dir: Path) -> tuple[st
     if isinstance(spec, ScriptSpec):
         what = ("--module", spec.module) if spec.module else ("--script", spec.file)
         return (*common, *what, "--", *spec.args)
-    return (*common, "--scenario-file", spec.file, "--scenario-name", spec.name)
+    opts = tuple(a for key, value in options.scenario_options for a in ("--option", f"{key}={value}"))
+    return (*common, *opts, "--scenario-file", spec.file, "--scenario-name", spec.name)
 
 
 def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: str) -> None:
@@ -175,7 +178,7 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout)
     events = {r: t.events for r, t in run.traces.items()}
-    findings = analyze(events, run.outcomes, facts, run.results)
+    findings = analyze(events, run.outcomes, facts, run.results) + health_findings(run.results)
     observed = observed_kinds(findings)
     ok = behaved_as_expected(spec.expect, observed) and outcome.end_reason != "interrupted"
     log_rank = next((o.rank for o in run.outcomes.values() if o.state == "crashed"), 0)
@@ -185,7 +188,7 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
         ranks=tuple(run.outcomes[r] for r in sorted(run.outcomes)), end_reason=outcome.end_reason,
         launch_dir=str(launch_dir), description=spec.description,
         collectives_compared=collectives_compared(events),
-        log_tail=None if ok else tail(files.log(log_rank)),
+        log_tail=None if ok else tail(files.log(log_rank)), tables=first_tables(run.results),
         started_at=outcome.started_at, ended_at=outcome.ended_at,
         stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
     )

@@ -107,6 +107,9 @@ class ScenarioContext:
     generator: Any = None           # torch.Generator seeded per rank
     numeric_checks: list[NumericCheck] = field(default_factory=list)
     samples: list[SampleRecord] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)     # distcheck run --option / --min-busbw
+    tables: list[dict[str, Any]] = field(default_factory=list)
+    requirements: list[dict[str, Any]] = field(default_factory=list)
 
     def generator_for(self, rank: int) -> Any:
         """A generator with the same seed rank ``rank`` uses: lets any rank rebuild
@@ -150,8 +153,19 @@ class ScenarioContext:
         """Record which sample ids this rank evaluated (duplicates/missing analysis)."""
         self.samples.append(SampleRecord(dataset, int(dataset_size), [int(i) for i in ids], note))
 
+    def report_table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A table for the report (e.g. bandwidth per message size); rank 0's is shown."""
+        self.tables.append({"title": title, "columns": list(columns), "rows": [list(r) for r in rows]})
+
+    def require(self, name: str, ok: bool, summary: str, **data: Any) -> bool:
+        """A health requirement of this node (e.g. a bandwidth floor); a failed one is a `health` finding."""
+        self.requirements.append({"name": name, "ok": bool(ok), "summary": summary, "data": data})
+        return bool(ok)
+
     def results(self) -> dict[str, Any]:
         return {
             "numeric_checks": [c.to_dict() for c in self.numeric_checks],
             "samples": [s.to_dict() for s in self.samples],
+            "tables": self.tables,
+            "requirements": self.requirements,
         }

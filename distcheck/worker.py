@@ -102,6 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--pg-timeout", type=float, default=1800.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--option", action="append", default=[], help="KEY=VALUE for ctx.options")
     p.add_argument("--scenario-file")
     p.add_argument("--scenario-name")
     p.add_argument("--script")
@@ -118,6 +119,17 @@ def pick_device(backend: str, wanted: str, local_rank: int) -> Any:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = float(value)
+        except ValueError:
+            options[key] = value
+    return options
 
 
 def run_scenario(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> dict[str, Any]:
@@ -139,7 +151,7 @@ def run_scenario(args: argparse.Namespace, rank: int, world: int, local_rank: in
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     fn = getattr(module, args.scenario_name)
     ctx = ScenarioContext(rank=rank, world_size=world, local_rank=local_rank, backend=args.backend,
-                          device=device, seed=args.seed)
+                          device=device, seed=args.seed, options=parse_options(args.option))
     ctx.generator = ctx.generator_for(rank)
     torch.manual_seed(args.seed * 100_003 + rank)
     fn(ctx)

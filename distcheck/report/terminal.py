@@ -65,10 +65,21 @@ def finding_block(finding: Finding) -> Group:
     return Group(*parts)
 
 
+def scenario_table(table: dict) -> Table:
+    """A table the scenario reported (e.g. bus bandwidth per size), as nccl-tests prints it."""
+    out = Table(title=table["title"], title_justify="left", box=None, padding=(0, 2), header_style="dim")
+    for column in table["columns"]:
+        out.add_column(column, justify="left" if column in ("op", "result") else "right")
+    for row in table["rows"]:
+        out.add_row(*(escape(str(v)) for v in row))
+    return out
+
+
 def scenario_block(result: ScenarioResult, verbose: bool = False) -> Group:
     parts: list = [scenario_line(result)]
     if result.skipped:
         return Group(*parts)
+    parts.extend(scenario_table(t) for t in result.tables)
     for finding in result.findings:
         parts.append(finding_block(finding))
     if result.findings or verbose or not result.ok:
