@@ -178,7 +178,7 @@ class LiveView:
             self._stall_reported = False
         if not self.interactive:
             self.console.print(f"  RUN  {spec.name}  [{index + 1}/{total}]", style="dim", markup=False,
-                               highlight=False)
+                               highlight=False, soft_wrap=True)
 
     def on_poll(self, progress: Mapping[int, RankProgress], idle_s: float) -> None:
         with self._lock:
@@ -192,7 +192,8 @@ class LiveView:
             elif not self._stall_reported and _stalling(state):
                 self._stall_reported = report = True
         if report and not self.interactive:
-            self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False)
+            self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False,
+                               soft_wrap=True)
 
     def scenario_finished(self, result) -> None:
         with self._lock:
