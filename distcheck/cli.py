@@ -45,6 +45,12 @@ def _positive(name: str, value: float | None) -> None:
         raise UsageError(f"{name} must be greater than 0 (got {value:g})")
 
 
+def _console(json_path: str | None) -> Console:
+    """The human view: on stderr when JSON goes to stdout; 140 columns when not a terminal (logs, CI)."""
+    stream = sys.stderr if json_path == "-" else sys.stdout
+    return Console(stderr=json_path == "-", highlight=False, width=None if stream.isatty() else 140)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -74,6 +80,8 @@ def run(
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rendezvous host when --rdzv-endpoint is not given."),
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port with --master-addr (default 29500)."),
     store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
+    min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor."),
+    option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
@@ -104,7 +112,7 @@ def run(
     resolved = resolve_backend(backend, nproc)
     if device == "cuda":
         _check_cuda(nproc)
-    console = Console(stderr=json_path == "-", highlight=False)
+    console = _console(json_path)
     ranks = f"{nodes.nnodes} nodes x {nproc}" if nodes.multi else f"{nproc}"
     console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {resolved} ranks"
                   + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
@@ -113,7 +121,7 @@ def run(
                      on_poll=view.on_poll)
     options = RunOptions(
         nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
-        max_duration=max_duration, seed=seed, nodes=nodes, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
+        max_duration=max_duration, seed=seed, nodes=nodes, scenario_options=_scenario_options(option, min_busbw), run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -145,6 +153,19 @@ def _write_formats(report, console: Console, *, junit_xml: Path | None, chrome_t
     events = load_events(report, run_dir)
     for path in write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace, html_path=html_path):
         console.print(f"      wrote {path}", style="dim", markup=False, highlight=False, soft_wrap=True)
+
+
+def _scenario_options(pairs: list[str], min_busbw: float | None) -> tuple[tuple[str, str], ...]:
+    options = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--option needs KEY=VALUE (got {pair!r})")
+        options.append((key, value))
+    if min_busbw is not None:
+        _positive("--min-busbw", min_busbw)
+        options.append(("min_busbw", str(min_busbw)))
+    return tuple(options)
 
 
 def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -218,7 +239,7 @@ def report_cmd(
     from distcheck.runs import load_run, write_outputs
 
     saved = load_run(run_dir)
-    console = Console(stderr=json_path == "-", highlight=False)
+    console = _console(json_path)
     terminal.render(saved.report, console, verbose)
     if json_path == "-":
         sys.stdout.write(json_report.render(saved.report))
@@ -246,7 +267,7 @@ def analyze_cmd(
     from distcheck.runs import write_outputs
 
     result = analyze_paths(list(paths), world_size, command=shlex.join(["distcheck", *sys.argv[1:]]))
-    console = Console(stderr=json_path == "-", highlight=False)
+    console = _console(json_path)
     for scenario in result.report.scenarios:
         console.print(terminal.scenario_block(scenario, verbose))
         for line in (scenario.description or "").splitlines():
