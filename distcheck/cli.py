@@ -45,6 +45,12 @@ def _positive(name: str, value: float | None) -> None:
         raise UsageError(f"{name} must be greater than 0 (got {value:g})")
 
 
+def _console(json_path: str | None) -> Console:
+    """The human view: on stderr when JSON goes to stdout; 140 columns when not a terminal (logs, CI)."""
+    stream = sys.stderr if json_path == "-" else sys.stdout
+    return Console(stderr=json_path == "-", highlight=False, width=None if stream.isatty() else 140)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -106,9 +112,7 @@ def run(
     resolved = resolve_backend(backend, nproc)
     if device == "cuda":
         _check_cuda(nproc)
-    stream = sys.stderr if json_path == "-" else sys.stdout
-    # Logs and CI pages are wide: don't wrap findings at 80 columns when not on a terminal.
-    console = Console(stderr=json_path == "-", highlight=False, width=None if stream.isatty() else 140)
+    console = _console(json_path)
     ranks = f"{nodes.nnodes} nodes x {nproc}" if nodes.multi else f"{nproc}"
     console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {resolved} ranks"
                   + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
@@ -235,9 +239,7 @@ def report_cmd(
     from distcheck.runs import load_run, write_outputs
 
     saved = load_run(run_dir)
-    stream = sys.stderr if json_path == "-" else sys.stdout
-    # Logs and CI pages are wide: don't wrap findings at 80 columns when not on a terminal.
-    console = Console(stderr=json_path == "-", highlight=False, width=None if stream.isatty() else 140)
+    console = _console(json_path)
     terminal.render(saved.report, console, verbose)
     if json_path == "-":
         sys.stdout.write(json_report.render(saved.report))
@@ -265,9 +267,7 @@ def analyze_cmd(
     from distcheck.runs import write_outputs
 
     result = analyze_paths(list(paths), world_size, command=shlex.join(["distcheck", *sys.argv[1:]]))
-    stream = sys.stderr if json_path == "-" else sys.stdout
-    # Logs and CI pages are wide: don't wrap findings at 80 columns when not on a terminal.
-    console = Console(stderr=json_path == "-", highlight=False, width=None if stream.isatty() else 140)
+    console = _console(json_path)
     for scenario in result.report.scenarios:
         console.print(terminal.scenario_block(scenario, verbose))
         for line in (scenario.description or "").splitlines():
