@@ -69,7 +69,7 @@ OPS = {
     "reduce_scatter_tensor_coalesced", "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
     "allreduce_coalesced": "all_reduce_coalesced",
 }
-REQUIRED = ("profiling_name", "process_group")
+REQUIRED = ("profiling_name",)   # the group comes from process_group, or pg_id in older formats
 _P2P_NAME = re.compile(r"^(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.(?:json|pkl|pickle|bin|txt))?$", re.IGNORECASE)
 CANNOT_TELL = ("reduce op", "root (src/dst)", "device", "async_op", "module label")

@@ -111,6 +111,8 @@ def analyze_paths(paths: Sequence[Path], world_size: int | None = None, command:
         world = max(world, info["world_size"])
     for launch in sources.launches:
         result, launch_world, launch_events = analyze_launch(launch)
+        if result.name in events:             # two run dirs with the same scenario
+            result = dataclasses.replace(result, name=f"{result.name}-{len(results) + 1}")
         results.append(result)
         events[result.name] = launch_events
         world = max(world, launch_world)
@@ -118,7 +120,8 @@ def analyze_paths(paths: Sequence[Path], world_size: int | None = None, command:
     saved_run: dict[str, Any] = {}
     if sources.launches and not sources.dumps:
         run_dir = _common_dir([p.parent for p in sources.launches])
-        saved_run = (read_json(run_dir / "report.json") or {}).get("run") or {}
+        saved = read_json(run_dir / "report.json")
+        saved_run = saved.get("run") if isinstance(saved, dict) and isinstance(saved.get("run"), dict) else {}
     if saved_run.get("backend"):
         backends.add(saved_run["backend"])
     info = RunInfo(
@@ -178,9 +181,12 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
     traces = {d.rank: to_events(d, members) for d in ordered}
     traces, renumbered = _close_gaps(traces, {d.rank for d in ordered if d.wrapped})
     outcomes = {r: _fr_outcome(r, events) for r, events in traces.items()}
+    # A cut-short rank's calls stop where its file stops: matched, they would make
+    # it look like a rank that never came. Its outcome still shows what was read.
+    matched = {r: events for r, events in traces.items() if r not in cut_short}
     stuck = any(o.state == "stuck" for o in outcomes.values())
     facts = RunFacts(world_size=len(world), end_reason="stall" if stuck else "completed")
-    findings = attribute_by_majority(analyze(traces, outcomes, facts), missing, cut_short)
+    findings = attribute_by_majority(analyze(matched, outcomes, facts), missing, cut_short)
     observed = observed_kinds(findings)
 
     backends = set().union(*(d.backends for d in ordered))
@@ -197,7 +203,7 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
         ranks=tuple(outcomes[r] for r in present), end_reason=facts.end_reason,
         description=f"Flight Recorder dumps ({'/'.join(sorted(backends)) or 'unknown backend'}, "
                     f"{' and '.join(forms)} form) of {len(present)} of {len(world)} ranks.\n" + "\n".join(notes),
-        collectives_compared=collectives_compared(traces),
+        collectives_compared=collectives_compared(matched),
         started_at=min((e.t_enter for e in events if e.t_enter), default=None),
         ended_at=max((e.t_exit or e.t_enter for e in events), default=None),
     )
@@ -271,8 +277,8 @@ def _dump_notes(dumps: list[Dump], missing: tuple[int, ...], world: int, world_g
                      f"pass --world-size).")
     for d in dumps:
         if d.truncated:
-            notes.append(f"rank {d.rank}: {d.path.name} is cut short; its first {len(d.entries)} entries are used, "
-                         f"anything after them is unknown.")
+            notes.append(f"rank {d.rank}: {d.path.name} is cut short after {len(d.entries)} whole entries; what the "
+                         f"rank did after them is unknown, so it is left out of the matching.")
         if d.skipped_entries:
             notes.append(f"rank {d.rank}: {d.skipped_entries} entries lack a process group or sequence number "
                          f"and are skipped.")
@@ -375,7 +381,8 @@ def analyze_launch(launch_dir: Path) -> tuple[ScenarioResult, int, dict[int, lis
     results = {r: s["results"] for r, s in status.items() if s.get("results")}
     findings = attribute_by_majority(analyze(events, outcomes, facts, results))
     observed = observed_kinds(findings)
-    expected = tuple((saved or {}).get("expected") or ("pass",))
+    saved_expected = (saved or {}).get("expected")
+    expected = tuple(saved_expected) if isinstance(saved_expected, list) and saved_expected else ("pass",)
     notes = []
     torn = sorted(r for r, t in traces.items() if t.truncated or t.corrupt_lines)
     if torn:
@@ -401,9 +408,9 @@ def analyze_launch(launch_dir: Path) -> tuple[ScenarioResult, int, dict[int, lis
 def _saved_scenario(launch_dir: Path) -> dict[str, Any] | None:
     """The scenario's record in the run's report.json, if the run got that far."""
     report = read_json(launch_dir.parent / "report.json")
-    if not report:
+    if not isinstance(report, dict) or not isinstance(report.get("scenarios"), list):
         return None
-    for s in report.get("scenarios") or ():
+    for s in report["scenarios"]:
         if isinstance(s, dict) and s.get("launch_dir") and Path(s["launch_dir"]).name == launch_dir.name:
             return s
     return None
@@ -449,5 +456,6 @@ def _trace_outcome(rank: int, trace: Any, status: dict[str, Any], files: LaunchF
     return RankOutcome(
         rank=rank, state=state, host=status.get("host", ""), pid=status.get("pid"), collectives=len(events),
         last_event=events[-1] if events else None, where=where, stack=stack_text,
-        exception=status.get("exception"), traceback=status.get("traceback"), phase=phase,
+        exception=status.get("exception"), traceback=status.get("traceback"),
+        phase=phase or ("running" if events else None),
     )
