@@ -221,7 +221,7 @@ def list_scenarios(
         rows = [{**spec.to_dict(), "missing": missing[spec.name]} for spec in specs]
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    scenario_list.render(specs, missing, Console(highlight=False))
+    scenario_list.render(specs, missing, _console(None))
 
 
 @app.command("report", epilog="Exits with the saved run's own code (0 as expected, 1 findings, 4 timeout, 130 "
@@ -300,7 +300,7 @@ def runs_cmd(
     if json_out:
         sys.stdout.write(json.dumps([r.to_dict() for r in runs], indent=2) + "\n")
         return
-    runs_table.render(runs, Console(highlight=False), str(root))
+    runs_table.render(runs, _console(None), str(root))
 
 
 @app.command("env", epilog=EXIT_CODES_HELP)
@@ -317,7 +317,7 @@ def env_cmd(
     if json_out:
         sys.stdout.write(json.dumps(info.to_dict(), indent=2) + "\n")
         return
-    env_view.render(info, Console(highlight=False))
+    env_view.render(info, _console(None))
 
 
 def main() -> None:
