@@ -1,0 +1,221 @@
+"""Analysis and trace parsing at 1,000+ ranks, on synthetic traces.
+
+1. ``analysis.analyze`` over 1,024 ranks × 1,000 collectives (about 1M
+   events) with one planted hang (rank 0 alone enters the last collective)
+   and one planted mismatch (one rank uses MAX where the others use SUM):
+   wall time, peak memory of the call (tracemalloc, in a second run, since
+   tracing slows allocation) and the process's peak RSS; both findings must
+   be found.
+2. ``tracefile.parse_trace`` speed in events/s: a rank file written by the
+   real tracer (format 2), against the same calls in the first format
+   (fingerprint inline on every line), interleaved; and ``read_trace_dir``
+   over 1,024 such files. The cost of building the ``Event`` objects alone
+   is shown as the floor.
+
+    python benchmarks/analysis_scale.py [--ranks 1024] [--collectives 1000] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import pstats
+import resource
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import conditions, median, table  # noqa: E402
+
+SITES = [(f"/home/user/train.py:{100 + i}:evaluate", f"/site-packages/torchmetrics/utilities/distributed.py:{90 + i}:gather",
+          f"BinaryAUROC.compute") for i in range(4)]
+
+
+def synthetic(ranks: int, collectives: int) -> tuple[dict, dict]:
+    """Events and outcomes: everyone completes collectives-1 calls; rank 0 alone enters the last one;
+    one rank calls collective #collectives//2 with MAX instead of SUM."""
+    from distcheck.models import Event, RankOutcome
+
+    members = tuple(range(ranks))
+    shapes = ((1024,),)
+    dtypes = ("float32",)
+    odd_rank, odd_seq = ranks // 2 + 1, collectives // 2 + 1   # an all_reduce (every 10th call is a barrier)
+    t0 = 1_700_000_000.0
+    traces = {}
+    for r in range(ranks):
+        evs = []
+        n = collectives if r == 0 else collectives - 1
+        for s in range(1, n + 1):
+            op = "barrier" if s % 10 == 0 else "all_reduce"
+            site = SITES[s % 4]
+            reduce_op = None if op == "barrier" else ("MAX" if (r == odd_rank and s == odd_seq) else "SUM")
+            t = t0 + s * 0.01 + r * 1e-6
+            evs.append(Event(r, "0", s, op, reduce_op, () if op == "barrier" else shapes,
+                             () if op == "barrier" else dtypes, None if op == "barrier" else "cpu", None, members,
+                             False, t, None if s == collectives else t + 0.001, None, site[0], site[1], site[2]))
+        traces[r] = evs
+    outcomes = {r: RankOutcome(rank=r, state="stuck" if r == 0 else "finished", collectives=len(traces[r]),
+                               last_event=traces[r][-1]) for r in range(ranks)}
+    return traces, outcomes
+
+
+def run_analysis(traces, outcomes, ranks):
+    from distcheck.analysis import RunFacts, analyze
+
+    facts = RunFacts(world_size=ranks, end_reason="stall", stall_onset=1.0, detected_at=6.0)
+    return analyze(traces, outcomes, facts, {})
+
+
+def check(findings, ranks, collectives) -> str:
+    kinds = {f.kind for f in findings}
+    hang = [f for f in findings if f.kind == "hang"]
+    mism = [f for f in findings if f.kind == "mismatch"]
+    ok_hang = bool(hang) and hang[0].waiting_ranks == (0,) and len(hang[0].absent_ranks) == ranks - 1 \
+        and hang[0].seq == collectives
+    ok_mism = bool(mism) and mism[0].odd_ranks == (ranks // 2 + 1,) and mism[0].seq == collectives // 2 + 1 \
+        and "reduce_op" in mism[0].fields
+    return f"hang {'found' if ok_hang else 'MISSED'}, mismatch {'found' if ok_mism else 'MISSED'} (kinds: {sorted(kinds)})"
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def real_trace_file(path: Path, calls: int) -> None:
+    """A rank file written by the real tracer: a loop of metric-style calls from four lines."""
+    import torch
+    from torch.distributed import ReduceOp
+
+    from distcheck.tracer import Tracer
+
+    world = object()
+    tracer = Tracer(path, 0, group_resolver=lambda pg: ("0", tuple(range(8))), default_group=lambda: world)
+
+    def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+        return None
+
+    def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+        return None
+
+    ar, b = tracer.wrap("all_reduce", all_reduce), tracer.wrap("barrier", barrier)
+    t = torch.ones(1024)
+    for i in range(calls // 4):
+        ar(t)
+        ar(t, op=ReduceOp.MAX)
+        b()
+        ar(t)
+    tracer.close()
+
+
+def first_format(data: bytes) -> bytes:
+    """The same records in the first trace format (fingerprint inline, float seconds)."""
+    from distcheck.tracefile import NONE, encode_shapes, parse_trace
+
+    trace = parse_trace(0, data)
+    sites: dict[tuple, int] = {}
+    out = []
+    out.append(f"G\t0\t{','.join(map(str, trace.events[0].group_ranks))}\n")
+    for e in trace.events:
+        key = (e.callsite, e.library_callsite, e.label)
+        if key not in sites:
+            sites[key] = len(sites)
+            out.append(f"S\t{sites[key]}\t{e.callsite or NONE}\t{e.library_callsite or NONE}\t{e.label or NONE}\n")
+        out.append(f"E\t{e.group}\t{e.seq}\t{e.op}\t{e.reduce_op or NONE}\t{encode_shapes(e.shapes)}\t"
+                   f"{';'.join(e.dtypes) or NONE}\t{e.device or NONE}\t{NONE if e.root is None else e.root}\t"
+                   f"{int(e.async_op)}\t{e.t_enter:.6f}\t{sites[key]}\n")
+        out.append(f"X\t{e.group}\t{e.seq}\t{e.t_exit:.6f}\t-\n")
+    return "".join(out).encode()
+
+
+def parse_rates(calls: int, rounds: int, files: int) -> list[list]:
+    from distcheck.models import Event
+    from distcheck.tracefile import parse_trace, read_trace_dir
+
+    tmp = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
+    real_trace_file(tmp / "one.trace", calls)
+    v2 = (tmp / "one.trace").read_bytes()
+    v1 = first_format(v2)
+    n = len(parse_trace(0, v2).events)
+    assert n == len(parse_trace(0, v1).events) == calls
+    proto = parse_trace(0, v2).events[0]
+    args = tuple(getattr(proto, f) for f in Event.__slots__)
+    res: dict[str, list[float]] = {"format 2 (now)": [], "format 1 (before)": [], "Event objects only": []}
+    for r in range(rounds + 1):
+        for name in (list(res) if r % 2 else list(res)[::-1]):
+            gc.collect()
+            t0 = time.perf_counter()
+            if name == "Event objects only":
+                [Event(*args) for _ in range(n)]
+            else:
+                parse_trace(0, v2 if name.startswith("format 2") else v1)
+            if r:
+                res[name].append(n / (time.perf_counter() - t0))
+    rows = [[name, f"{n:,}", f"{median(v) / 1e6:.2f} M/s", f"{len(v2 if '2' in name else v1) / n:.0f}" if "format" in name else ""]
+            for name, v in res.items()]
+    # a run dir of `files` ranks, each with `calls` events
+    trace_dir = tmp / "traces"
+    trace_dir.mkdir()
+    for rank in range(files):
+        (trace_dir / f"rank{rank}.trace").write_bytes(v2)
+    gc.collect()
+    t0 = time.perf_counter()
+    traces = read_trace_dir(trace_dir)
+    dt = time.perf_counter() - t0
+    total = sum(len(t.events) for t in traces.values())
+    rows.append([f"read_trace_dir, {files} files", f"{total:,}", f"{total / dt / 1e6:.2f} M/s ({dt:.1f} s)", ""])
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--collectives", type=int, default=1000)
+    p.add_argument("--parse-calls", type=int, default=100_000)
+    p.add_argument("--parse-rounds", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="print where analyze spends its time")
+    args = p.parse_args()
+    print(f"conditions: {conditions()}")
+    t0 = time.perf_counter()
+    traces, outcomes = synthetic(args.ranks, args.collectives)
+    n = sum(len(v) for v in traces.values())
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    t0 = time.perf_counter()
+    findings = run_analysis(traces, outcomes, args.ranks)
+    analyze_s = time.perf_counter() - t0
+    verdict = check(findings, args.ranks, args.collectives)
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    gc.collect()
+    tracemalloc.start()
+    run_analysis(traces, outcomes, args.ranks)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    rows = [[f"{args.ranks} ranks × {args.collectives} collectives", f"{n:,}", f"{analyze_s:.2f} s",
+             f"{peak / 2**30:.2f} GiB", f"{rss_gib:.2f} GiB", verdict]]
+    print()
+    print(table(["analyze()", "events", "time", "peak (tracemalloc, analyze only)", "process peak RSS", "findings"],
+                rows, title=f"Analysis at scale (building the events took {build_s:.1f} s, not counted)"))
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        run_analysis(traces, outcomes, args.ranks)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(18)
+        print("\nprofile of analyze() (cumulative):")
+        print("\n".join(out.getvalue().splitlines()[4:34]))
+    del traces, outcomes, findings
+    gc.collect()
+    rows = parse_rates(args.parse_calls, args.parse_rounds, args.ranks)
+    print()
+    print(table(["parse_trace", "events", "rate (median)", "bytes/event"], rows,
+                title=f"Trace parsing: the same {args.parse_calls:,} calls written by the real tracer, "
+                      f"{args.parse_rounds} interleaved rounds"))
+
+
+if __name__ == "__main__":
+    main()

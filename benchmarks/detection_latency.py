@@ -1,0 +1,127 @@
+"""How fast a hang is detected, reported and cleaned up, at 2, 4, 8 and 16 ranks.
+
+Runs the real CLI (``python -m distcheck run``: launcher, watchdog, analysis,
+report) on ``benchmarks/hang_scenario.py`` — rank 0 alone enters an
+all_reduce — with ``--stall-timeout S``, world sizes interleaved over the
+repeats, and reads the run's JSON report:
+
+* **stall onset** — the watchdog's last observed progress (``stall_onset``);
+* **detected** — the watchdog's decision (``detected_at``; the finding's
+  ``detected_after_s``);
+* **torn down** — the launch returned with every rank process gone
+  (``ended_at``);
+* **reported** — ``report.json`` on disk (analysis done).
+
+Each run has a hard timeout and its whole process group is killed afterwards;
+a process left behind is reported as a failure.
+
+    python benchmarks/detection_latency.py [--sizes 2 4 8 16] [--stall-timeout 5] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, conditions, median, run_group, table  # noqa: E402
+
+SCENARIO = Path(__file__).resolve().parent / "hang_scenario.py"
+
+
+def survivors(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def one_run(world: int, stall_timeout: float, hard_timeout: float) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"distcheck-latency-{world}-"))
+    json_path = run_dir / "out.json"
+    cmd = [sys.executable, "-m", "distcheck", "run", str(SCENARIO), "--nproc-per-node", str(world),
+           "--backend", "gloo", "--stall-timeout", str(stall_timeout), "--run-dir", str(run_dir / "run"),
+           "--json", str(json_path)]
+    try:
+        (proc,) = run_group([cmd], [{"PYTHONPATH": str(REPO)}], timeout=hard_timeout)
+    except subprocess.TimeoutExpired:
+        return {"world": world, "error": f"no result within {hard_timeout:.0f} s (killed)"}
+    left = survivors(str(run_dir))
+    for p in left:
+        p.kill()
+    result: dict = {"world": world, "survivors": len(left)}
+    try:
+        report = json.loads(json_path.read_text())
+        s = report["scenarios"][0]
+        hang = next(f for f in s["findings"] if f["kind"] == "hang")
+        reported_at = os.stat(run_dir / "run" / "report.json").st_mtime
+    except (OSError, ValueError, KeyError, StopIteration) as exc:
+        return {**result, "error": f"{type(exc).__name__}: {exc}; exit {proc.returncode}; {proc.stderr[-500:]}"}
+    onset = s["stall_onset"]
+    result.update(
+        ok=s["ok"] and proc.returncode == 0 and hang["waiting_ranks"] == [0]
+        and hang["absent_ranks"] == list(range(1, world)),
+        detected=s["detected_at"] - onset, detected_after_s=hang["detected_after_s"],
+        torn_down=s["ended_at"] - onset, reported=reported_at - onset,
+        startup=onset - s["started_at"], total=s["ended_at"] - s["started_at"],
+    )
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--stall-timeout", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hard-timeout", type=float, default=400.0, help="per run, seconds")
+    args = p.parse_args()
+    print(f"conditions: {conditions()}")
+    runs: dict[int, list[dict]] = {w: [] for w in args.sizes}
+    for r in range(args.repeats):
+        sizes = args.sizes if r % 2 == 0 else args.sizes[::-1]   # interleave sizes over repeats
+        for world in sizes:
+            res = one_run(world, args.stall_timeout, args.hard_timeout)
+            runs[world].append(res)
+            status = res.get("error") or (f"detected +{res['detected']:.2f} s, torn down +{res['torn_down']:.2f} s, "
+                                          f"reported +{res['reported']:.2f} s, survivors {res['survivors']}")
+            print(f"  run {r + 1}/{args.repeats}, {world} ranks: {status}", flush=True)
+    s = args.stall_timeout
+    rows = []
+    for world, rs in runs.items():
+        good = [x for x in rs if "error" not in x]
+        if not good:
+            rows.append([world, f"0/{len(rs)}", "-", "-", "-", "-", "-", "-"])
+            continue
+        det, down, rep = ([x[k] for x in good] for k in ("detected", "torn_down", "reported"))
+        rows.append([
+            world, f"{sum(bool(x['ok']) for x in good)}/{len(rs)}",
+            f"{median(x['startup'] for x in good):.1f}",
+            f"{median(det):.2f} (max {max(det):.2f})",
+            f"{median(rep):.2f} (max {max(rep):.2f})",
+            f"{median(down):.2f} (max {max(down):.2f})",
+            "yes" if max(rep) <= s + 1 else "NO", "yes" if max(down) <= s + 3 else "NO",
+        ])
+    print()
+    print(table(["ranks", "correct", "start-up s", "detected s", "reported s", "torn down s",
+                 f"reported ≤ {s + 1:g} s", f"torn down ≤ {s + 3:g} s"], rows,
+                title=f"Stall onset → detected / reported / torn down, --stall-timeout {s:g}, "
+                      f"{args.repeats} runs per size (medians, max)"))
+    if any(x.get("survivors") for rs in runs.values() for x in rs):
+        print("\nWARNING: processes survived some runs (killed by this script).")
+
+
+if __name__ == "__main__":
+    main()
