@@ -1,0 +1,126 @@
+"""End to end: reports from a real run, saved runs, env, and error exit codes.
+
+One real 2-rank gloo hang (stall timeout 3 s) produces JSON on stdout, JUnit, a
+Chrome trace and the HTML timeline; ``distcheck report`` then re-renders it from
+the run dir without re-running, and ``distcheck runs`` lists it. The other tests
+start no ranks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from junitparser import JUnitXml
+from typer.testing import CliRunner
+
+from distcheck.cli import app
+from distcheck.report import json_schema
+
+HANG = "auroc_rank0_only_compute"
+
+
+@pytest.mark.e2e
+def test_hang_run_writes_every_format_and_rerenders_from_the_run_dir(distcheck, tmp_path):
+    junit_path, trace_path = tmp_path / "junit.xml", tmp_path / "trace.json"
+    r = distcheck("run", HANG, "--nproc-per-node", "2", "--backend", "gloo", "--stall-timeout", "3",
+                  "--json", "-", "--junit-xml", str(junit_path), "--chrome-trace", str(trace_path), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    # --json -: stdout is nothing but the JSON report; the human view (plain lines: not a tty) is on stderr
+    doc = json.loads(r.stdout)
+    jsonschema.validate(doc, json_schema.REPORT)
+    [hang] = doc["scenarios"][0]["findings"]
+    assert (hang["kind"], hang["waiting_ranks"], hang["absent_ranks"]) == ("hang", [0], [1])
+    assert f"RUN  {HANG}  [1/1]" in r.stderr
+    assert "no progress for" in r.stderr and "rank 0 in barrier #1 [group 0] [BinaryAUROC.compute]" in r.stderr
+    assert f"OK   {HANG}  expected hang, observed hang" in r.stderr
+    assert (r.run_dir / "report.json").exists()
+
+    # JUnit: one passing testcase (the hang was expected), the diagnosis in system-out
+    suite = next(iter(JUnitXml.fromfile(str(junit_path))))
+    [case] = list(suite)
+    assert case.name == HANG and case.is_passed and suite.tests == 1 and suite.failures == 0
+    assert "Rank 0 is waiting in barrier #1" in case.system_out
+    assert {p.name: p.value for p in suite.properties()}["seed"] == "0"
+
+    # Chrome trace: one lane per rank, the stuck barrier marked on rank 0, rank 1 flagged as absent
+    trace = json.loads(trace_path.read_text())["traceEvents"]
+    assert all({"ph", "ts", "pid", "tid"} <= e.keys() for e in trace)
+    lanes = sorted(e["tid"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name")
+    assert lanes == [0, 1]
+    [stuck] = [e for e in trace if e.get("cat") == "distcheck.stuck"]
+    assert stuck["tid"] == 0 and stuck["name"].startswith("barrier #1 BinaryAUROC.compute")
+    assert stuck["args"]["callsite"].split(":")[0].endswith(f"{HANG}.py")
+    assert [e["tid"] for e in trace if e.get("cat") == "distcheck.absent"] == [1]
+
+    # the HTML timeline is in the run dir, self-contained
+    page = (r.run_dir / "timeline.html").read_text()
+    assert "m-stuck" in page and "never entered barrier #1" in page and "<script" not in page
+
+    # re-render from the run dir: same JSON, same JUnit, the same terminal view, the run's own exit code
+    junit_again = tmp_path / "again.xml"
+    again = distcheck("report", str(r.run_dir), "--json", "-", "--junit-xml", str(junit_again))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == doc
+    assert junit_again.read_text() == junit_path.read_text()
+    assert f"OK   {HANG}  expected hang, observed hang" in again.stderr
+    assert "barrier #1 [BinaryAUROC.compute]" in again.stderr
+
+    listed = distcheck("runs", "--dir", str(tmp_path), "--json")
+    assert listed.returncode == 0, listed.stderr
+    [run] = json.loads(listed.stdout)
+    assert (run["id"], run["verdict"], run["names"], run["backend"], run["world_size"]) == \
+        ("run", "pass", [HANG], "gloo", 2)
+    table = distcheck("runs", "--dir", str(tmp_path))
+    assert "PASS" in table.stdout and "gloo × 2" in table.stdout and f"1/1 ok: {HANG}" in table.stdout
+
+
+def test_env_json_redacts_secrets(distcheck):
+    secrets = {"TORCH_FAKE_API_TOKEN": "tok-s3cr3t-value",
+               "TORCHELASTIC_RDZV_ENDPOINT": "https://alice:hunter2@rdzv.example:29400",
+               "MASTER_ADDR": "10.1.2.3", "NCCL_DEBUG": "INFO", "SLURM_JOB_ID": "4242"}
+    r = distcheck("env", "--json", env=secrets)
+    assert r.returncode == 0, r.stderr
+    for leaked in ("tok-s3cr3t-value", "hunter2", "alice"):
+        assert leaked not in r.stdout
+    info = json.loads(r.stdout)
+    assert info["env"]["TORCH_FAKE_API_TOKEN"] == "***"
+    assert info["env"]["TORCHELASTIC_RDZV_ENDPOINT"] == "https://***@rdzv.example:29400"
+    assert info["env"]["MASTER_ADDR"] == "10.1.2.3" and info["context"]["slurm"].startswith("job 4242")
+    assert info["backends"]["gloo"] is True and info["torch"].startswith("2.")
+    assert "torchmetrics" in info["libraries"]
+    human = distcheck("env", env=secrets)
+    assert human.returncode == 0 and "hunter2" not in human.stdout and "tok-s3cr3t" not in human.stdout
+    assert "TORCH_FAKE_API_TOKEN" in human.stdout and "gloo" in human.stdout
+
+
+def test_bogus_run_dirs_are_one_line_errors_with_distinct_codes(distcheck, tmp_path):
+    missing = distcheck("report", str(tmp_path / "no-such-run"))
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("distcheck: error: no run directory at") and "Traceback" not in missing.stderr
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "report.json").write_text('{"schema": "distcheck.report/1", "scen')
+    corrupt = distcheck("report", str(torn))
+    assert corrupt.returncode == 5 and "not valid JSON" in corrupt.stderr and "Traceback" not in corrupt.stderr
+    (torn / "report.json").unlink()
+    (torn / "scenario" / "traces").mkdir(parents=True)
+    unfinished = distcheck("report", str(torn))
+    assert unfinished.returncode == 5 and "did not finish" in unfinished.stderr
+    assert distcheck("runs", "--limit", "0").returncode == 2
+    empty = distcheck("runs", "--dir", str(tmp_path / "nothing"))
+    assert empty.returncode == 0 and "no saved runs" in empty.stdout
+
+
+def test_every_command_help_lists_the_exit_codes():
+    runner = CliRunner()
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert {"run", "list", "report", "runs", "env"} <= set(names)
+    for name in names:
+        result = runner.invoke(app, [name, "--help"], terminal_width=200)
+        assert result.exit_code == 0, (name, result.output)
+        text = " ".join(result.output.split())
+        assert "Exit codes: 0 every scenario behaved as expected" in text, name
+        assert "5 a saved run (or dump) is corrupt or incomplete; 130 interrupted" in text, name
