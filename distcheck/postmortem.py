@@ -125,8 +125,8 @@ def analyze_paths(paths: Sequence[Path], world_size: int | None = None, command:
     if saved_run.get("backend"):
         backends.add(saved_run["backend"])
     info = RunInfo(
-        backend="+".join(sorted(backends)) or "unknown", world_size=world, nnodes=_int(saved_run.get("nnodes")),
-        nproc_per_node=_int(saved_run.get("nproc_per_node")),
+        backend="+".join(sorted(backends)) or "unknown", world_size=world, nnodes=_int(saved_run.get("nnodes")) or 1,
+        nproc_per_node=_int(saved_run.get("nproc_per_node")) or world,   # dumps do not say: one node assumed
         torch_version=str(saved_run.get("torch_version", "unknown")), distcheck_version=__version__,
         command=command, run_dir=str(run_dir), seed=_int(saved_run.get("seed")),
         duration_s=time.time() - started,

@@ -20,12 +20,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from conftest import REPO, kill_tree, survivors
 from distcheck.errors import CorruptInputError, ExitCode, UsageError
 from distcheck.flight_recorder import _load_pickle, load_dump
 from distcheck.postmortem import analyze_paths
+from distcheck.report.json_schema import REPORT
 
 JOB = REPO / "tests" / "fr_job.py"
 JOB_TIMEOUT_S = 240
@@ -100,7 +102,8 @@ def files(dumps: Path, form: str, order=range(WORLD)) -> list[Path]:
 
 
 def hangs(report) -> dict[str, dict]:
-    """group → hang finding (as JSON-ready dicts)."""
+    """group → hang finding (as JSON-ready dicts); the report must fit the JSON schema."""
+    jsonschema.validate(json.loads(json.dumps(report.to_dict())), REPORT)
     (scenario,) = report.scenarios
     return {f.group: f.to_dict() for f in scenario.findings if f.kind == "hang"}
 
@@ -114,6 +117,7 @@ def test_gloo_dumps_name_the_collective_the_waiting_and_the_missing_ranks(dumps,
     proc = analyze_cli(str(dumps / "pickle"), "--json", str(out))
     assert proc.returncode == ExitCode.FINDINGS, proc.stderr
     report = json.loads(out.read_text())
+    jsonschema.validate(report, REPORT)
     assert report["schema"] == "distcheck.report/1" and report["verdict"] == "fail"
     assert report["run"]["backend"] == "gloo" and report["run"]["world_size"] == WORLD
     (scenario,) = report["scenarios"]
@@ -399,7 +403,9 @@ def test_analyze_a_distcheck_run_dir(run_dir, tmp_path):
     out = tmp_path / "r.json"
     proc = analyze_cli(str(run_dir), "--json", str(out))
     assert proc.returncode == ExitCode.OK, proc.stderr   # the scenario expects this hang
-    (scenario,) = json.loads(out.read_text())["scenarios"]
+    report = json.loads(out.read_text())
+    jsonschema.validate(report, REPORT)
+    (scenario,) = report["scenarios"]
     assert scenario["name"] == "auroc_rank0_only_compute" and scenario["ok"]
     (hang,) = [f for f in scenario["findings"] if f["kind"] == "hang"]
     assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
