@@ -337,8 +337,8 @@ STALLED = {0: RankProgress(records=9, open_collectives=1, phase="running", curre
 
 def test_live_rows_group_ranks_with_the_same_state():
     rows = rank_rows(STALLED, now=T0 + 2.5)
-    assert rows == [("rank 0", "in collective", "yellow", "barrier #4 [group 0]", "BinaryAUROC.compute", "2.5 s"),
-                    ("ranks 1, 2, 3", "finished (idle)", "green", "", "", "")]
+    assert rows == [("rank 0", "waiting", "yellow", "barrier #4 [group 0]", "BinaryAUROC.compute", "2.5 s"),
+                    ("ranks 1, 2, 3", "finished", "green", "", "", "")]
 
 
 def test_live_renderable_shows_per_rank_state_only_during_a_stall():

@@ -44,11 +44,11 @@ def rank_state(p: RankProgress) -> tuple[str, str]:
     if p.dead:
         return "dead", "bold red"
     if p.open_collectives:
-        return "in collective", "yellow"
+        return "waiting", "yellow"
     if p.phase is None or p.phase == "starting":
         return "starting", "dim"
     if p.phase == "finished":
-        return "finished (idle)", "green"
+        return "finished", "green"
     return p.phase, ""
 
 
@@ -101,11 +101,11 @@ def rank_rows(progress: Mapping[int, RankProgress], now: float) -> list[tuple[st
 
 
 def rank_table(progress: Mapping[int, RankProgress], now: float) -> Table:
-    table = Table(show_header=True, header_style="dim", box=None, padding=(0, 2), pad_edge=False)
+    table = Table(show_header=True, header_style="dim", box=None, padding=(0, 1), pad_edge=False)
     table.add_column("      ranks", no_wrap=True)
     table.add_column("state", no_wrap=True)
     table.add_column("collective", no_wrap=True)
-    table.add_column("label", overflow="fold")
+    table.add_column("label", no_wrap=True, overflow="ellipsis", min_width=12)
     table.add_column("for", justify="right", no_wrap=True)
     rows = rank_rows(progress, now)
     for ranks, text, style, current, label, waited in rows[:MAX_ROWS]:
