@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from distcheck import procs
+from distcheck import procs, rendezvous
 from distcheck.errors import LaunchError
 from distcheck.rankfiles import LaunchFiles
 from distcheck.watchdog import Decision, Limits, RankProgress, Watchdog, WatchdogResult
@@ -155,9 +155,12 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     files.make()
     endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     single = spec.nnodes == 1
+    rdzv_backend = spec.rdzv_backend
+    if single and rdzv_backend == "c10d" and rendezvous.is_loopback(endpoint.rsplit(":", 1)[0]):
+        rdzv_backend = rendezvous.register()   # torch's c10d, its stores bound to loopback (not *:PORT)
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
-        run_id=spec.run_id, rdzv_backend=spec.rdzv_backend, rdzv_endpoint=endpoint,
+        run_id=spec.run_id, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint,
         rdzv_configs=_rdzv_configs(spec),
         max_restarts=0, monitor_interval=0.05, local_addr="127.0.0.1" if single else None,
         logs_specs=DefaultLogsSpecs(log_dir=str(files.root / "agent")),
@@ -168,6 +171,8 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCHELASTIC_ERROR_FILE": "",
     }
+    if single and sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        worker_env["GLOO_SOCKET_IFNAME"] = "lo"   # gloo would listen on whatever the hostname resolves to
     watchdog = Watchdog(files, spec.world_size, spec.limits, on_poll=on_poll, channel=spec.channel)
     started = time.time()
     end_reason = "completed"
@@ -181,6 +186,8 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             end_reason = "interrupted"
         except KeyboardInterrupt:
             end_reason = "interrupted"
+        except LaunchError:       # e.g. the rendezvous port is taken: already a clear message
+            raise
         except Exception as exc:  # ChildFailedError, rendezvous errors
             failures = _failures(exc)
             if not failures:

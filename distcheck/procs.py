@@ -89,3 +89,17 @@ def terminate_tree(root_pids: Iterable[int], grace_s: float = 2.0) -> list[int]:
 def kill_descendants(grace_s: float = 2.0) -> list[int]:
     """The last line of defence: no process this launcher started survives it."""
     return terminate(descendants(), grace_s)
+
+
+def processes_mentioning(path: str) -> list[psutil.Process]:
+    """Live processes (not this one) with ``path``, or a path below it, as a command-line argument."""
+    below = path.rstrip(os.sep) + os.sep
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            args = p.info["cmdline"] or []
+        except psutil.Error:
+            continue
+        if p.pid != os.getpid() and any(a == path or a.startswith(below) for a in args) and is_alive(p.pid):
+            found.append(p)
+    return found

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from distcheck import __version__
+from distcheck import __version__, rundir
 from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.errors import UsageError
 from distcheck.health import first_tables, health_findings
@@ -77,18 +77,8 @@ def new_run_id() -> str:
 
 
 def make_run_dir(run_dir: Path | None, run_id: str) -> Path:
-    path = run_dir or Path(".distcheck") / "runs" / run_id
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        from distcheck.errors import LaunchError
-
-        raise LaunchError(f"cannot write the run directory {path}: {exc.strerror}",
-                          "pick a writable place with --run-dir") from None
-    return path.resolve()
+    """Writable (a real write), private (0700) when created; LaunchError before any launch otherwise."""
+    return rundir.make_run_dir(run_dir or Path(".distcheck") / "runs" / run_id)
 
 
 def missing_requirements(spec: ScenarioSpec) -> list[str]:
@@ -98,7 +88,8 @@ def missing_requirements(spec: ScenarioSpec) -> list[str]:
 def skip_reason(spec: ScenarioSpec, options: RunOptions) -> str | None:
     missing = missing_requirements(spec)
     if missing:
-        return f"needs {', '.join(missing)} (pip install 'distcheck[metrics]')"
+        extra = "'distcheck[metrics]'" if set(missing) <= set(OPTIONAL_LIBRARIES) else " ".join(missing)
+        return f"needs {', '.join(missing)}, which is not installed (pip install {extra})"
     if options.backend not in spec.backends:
         return f"only meaningful on {'/'.join(spec.backends)}; this run uses {options.backend}"
     if options.nproc_per_node < spec.min_world_size:
@@ -156,6 +147,7 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
     if reason:
         return ScenarioResult(name=spec.name, source=source, expected=spec.expect, observed=(), ok=True,
                               duration_s=0.0, skipped=reason, description=spec.description)
+    rundir.prepare_launch_dir(launch_dir)   # a re-used --run-dir: nothing stale mixes into this launch
     limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
     nodes = options.nodes
     channel = cluster.launch(launch_dir.name, options.world_size) if cluster is not None else None
