@@ -82,6 +82,7 @@ def run(
     store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
     min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor."),
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
+    flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="Record PyTorch's Flight Recorder and dump it on a stall (default: on with NCCL)."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
@@ -121,7 +122,8 @@ def run(
                      on_poll=view.on_poll)
     options = RunOptions(
         nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
-        max_duration=max_duration, seed=seed, nodes=nodes, scenario_options=_scenario_options(option, min_busbw), run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
+        max_duration=max_duration, seed=seed, nodes=nodes, scenario_options=_scenario_options(option, min_busbw),
+        flight_recorder=flight_recorder, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

@@ -40,6 +40,7 @@ class LaunchSpec:
     rdzv_backend: str = "c10d"
     rdzv_timeout: float = 300.0
     channel: Any = None                   # multi-node: cluster.LaunchChannel
+    flight_recorder: bool = False         # PyTorch's Flight Recorder on, dumped on a stall
 
     @property
     def world_size(self) -> int:
@@ -173,6 +174,9 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     }
     if single and sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
         worker_env["GLOO_SOCKET_IFNAME"] = "lo"   # gloo would listen on whatever the hostname resolves to
+    if spec.flight_recorder:
+        worker_env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")
+        worker_env["DISTCHECK_FLIGHT_RECORDER"] = "1"
     watchdog = Watchdog(files, spec.world_size, spec.limits, on_poll=on_poll, channel=spec.channel)
     started = time.time()
     end_reason = "completed"

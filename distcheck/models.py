@@ -120,6 +120,9 @@ class RankOutcome:
     exception: str | None = None    # "TypeName: message" when the rank raised
     traceback: str | None = None
     phase: str | None = None        # worker phase: starting, running, finished, error
+    # PyTorch Flight Recorder per process group: last enqueued / started / completed collective
+    # (GPU-side truth on NCCL, where "exit" only means enqueued), when it was dumped.
+    flight_recorder: dict[str, dict[str, int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

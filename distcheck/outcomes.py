@@ -11,6 +11,7 @@ were in (``stuck`` in the collective they were waiting in, or ``killed``).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class _RankFacts:
     exit_code: int | None
     signal: str | None
     dump: StackDump | None
+    flight_recorder: dict[str, dict[str, int]] | None = None
     primary: bool = False
 
     @property
@@ -69,6 +71,19 @@ def _read_dump(files: LaunchFiles, rank: int) -> StackDump | None:
         return None
     dumps = parse_dumps(path.read_text(encoding="utf-8", errors="replace"))
     return dumps[0] if dumps else None
+
+
+def read_flight_recorder_status(path) -> dict[str, dict[str, int]] | None:
+    """pg_status of a Flight Recorder JSON dump: {group: {last_enqueued_collective, ...}}."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    status = data.get("pg_status") if isinstance(data, dict) else None
+    if not isinstance(status, dict):
+        return None
+    return {str(g): {str(k): int(v) for k, v in s.items() if str(v).lstrip("-").isdigit()}
+            for g, s in status.items() if isinstance(s, dict)}
 
 
 def is_peer_failure(exception: str | None) -> bool:
@@ -99,7 +114,8 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
         failure = launch.failures.get(rank)
         exit_code = failure.exit_code if failure else (0 if launch.end_reason == "completed" else None)
         f = _RankFacts(rank, status, traces.get(rank) or RankTrace(rank=rank), exit_code,
-                       failure.signal if failure else None, _read_dump(files, rank))
+                       failure.signal if failure else None, _read_dump(files, rank),
+                       read_flight_recorder_status(files.flight_recorder(rank)))
         facts.append(f)
     if launch.end_reason != "interrupted":
         _mark_primary(facts, killed)
@@ -160,4 +176,5 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
         exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
         where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
         exception=f.status.get("exception"), traceback=f.status.get("traceback"), phase=f.status.get("phase"),
+        flight_recorder=f.flight_recorder,
     )

@@ -91,6 +91,16 @@ def kill_descendants(grace_s: float = 2.0) -> list[int]:
     return terminate(descendants(), grace_s)
 
 
+def wait_for_files(paths: Iterable[Path], timeout_s: float) -> None:
+    """Until every path exists or the deadline passes (ranks answering a dump request)."""
+    pending = list(paths)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        pending = [p for p in pending if not p.exists()]
+        if pending:
+            time.sleep(0.02)
+
+
 def processes_mentioning(path: str) -> list[psutil.Process]:
     """Live processes (not this one) with ``path``, or a path below it, as a command-line argument."""
     below = path.rstrip(os.sep) + os.sep

@@ -33,6 +33,13 @@ class LaunchFiles:
     def stacks(self, rank: int) -> Path:
         return self.root / "stacks" / f"rank{rank}.txt"
 
+    def flight_recorder(self, rank: int) -> Path:
+        return self.root / "flight_recorder" / f"rank{rank}.json"
+
+    @property
+    def flight_recorder_request(self) -> Path:
+        return self.root / "flight_recorder_request"
+
     def samples(self, rank: int) -> Path:
         return self.root / "samples" / f"rank{rank}.jsonl"
 

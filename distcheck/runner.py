@@ -50,6 +50,7 @@ class RunOptions:
     command: str = ""
     nodes: NodeConfig = NodeConfig()
     scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
+    flight_recorder: bool | None = None   # None: on for NCCL (GPU-side state), off for gloo
 
     @property
     def world_size(self) -> int:
@@ -156,7 +157,9 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
                              run_id=f"{run_id}-{launch_dir.name}", device=options.device,
                              rdzv_endpoint=nodes.rdzv_endpoint if nodes.multi else None, nnodes=nodes.nnodes,
                              node_rank=nodes.node_rank, rdzv_backend=nodes.rdzv_backend,
-                             rdzv_timeout=nodes.rdzv_timeout, channel=channel)
+                             rdzv_timeout=nodes.rdzv_timeout, channel=channel,
+                             flight_recorder=options.flight_recorder if options.flight_recorder is not None
+                             else options.backend == "nccl")
     outcome = launch(launch_spec, on_poll=on_poll)
     files = LaunchFiles(launch_dir)
     if channel is not None:

@@ -275,8 +275,12 @@ class Watchdog(threading.Thread):
 
     def _tear_down(self, progress: dict[int, RankProgress]) -> None:
         pids = self.monitor.pids()
-        self.result.killed_ranks = tuple(sorted(r for r, pid in pids.items() if procs.is_alive(pid)))
+        alive = tuple(sorted(r for r, pid in pids.items() if procs.is_alive(pid)))
+        self.result.killed_ranks = alive
+        self.files.flight_recorder_request.touch()   # served by ranks that run the Flight Recorder sidecar
         procs.request_stacks(pids, self.files.stacks)
+        procs.wait_for_files([self.files.flight_recorder(r) for r in alive
+                              if self.monitor.status.get(r, {}).get("flight_recorder")], timeout_s=2.0)
         procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)])
         procs.kill_descendants()
         self.result.torn_down_at = time.time()

@@ -13,6 +13,7 @@ import ctypes
 import datetime
 import faulthandler
 import functools
+import json
 import os
 import runpy
 import signal
@@ -188,6 +189,30 @@ def run_script(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
+    """On the launcher's request, dump PyTorch's Flight Recorder (GPU-side state on NCCL).
+
+    A thread, because the main thread may be blocked inside the collective;
+    collectives release the GIL while they wait, so this thread runs.
+    """
+    def serve() -> None:
+        while not files.flight_recorder_request.exists():
+            time.sleep(0.05)
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json
+
+            data = _dump_fr_trace_json()
+        except Exception as exc:   # an old torch, or no process group yet
+            data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+        path = files.flight_recorder(rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data if isinstance(data, bytes) else str(data).encode())
+        os.replace(tmp, path)
+
+    threading.Thread(target=serve, name="distcheck-flight-recorder", daemon=True).start()
+
+
 def wait_for_release(files: LaunchFiles) -> None:
     """Idle like a healthy rank whose peers are stuck, until the launcher says stop."""
     while not files.release.exists():
@@ -209,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     STATUS = Status(files, rank)
     STATUS.update(phase="starting")
     install_stack_dumps(files.stacks(rank))
+    if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
+        start_flight_recorder_sidecar(files, rank)
+        STATUS.update(flight_recorder=True)
     tracer = install(files.trace(rank), rank)
     note_process_group_init()
     if not args.scenario_file:

@@ -53,7 +53,7 @@ def sigkilled_rank2(ctx):
 def test_seed_hang_is_attributed_to_rank0_and_BinaryAUROC_compute(distcheck):
     stall = 5
     r = distcheck("run", "auroc_rank0_only_compute", "--nproc-per-node", "4", "--backend", "gloo",
-                  "--stall-timeout", str(stall))
+                  "--stall-timeout", str(stall), "--flight-recorder")
     assert r.returncode == 0, r.stderr[-3000:]
     s = r.scenario("auroc_rank0_only_compute")
     assert s["ok"] and s["observed"] == ["hang"]
@@ -74,6 +74,9 @@ def test_seed_hang_is_attributed_to_rank0_and_BinaryAUROC_compute(distcheck):
     launch = Path(s["launch_dir"])
     assert sorted(p.name for p in (launch / "traces").iterdir()) == [f"rank{i}.trace" for i in range(4)]
     assert (launch / "stacks" / "rank0.txt").read_text().count("barrier") >= 1
+    # PyTorch's Flight Recorder, dumped on the stall: rank 0 enqueued the collective, never completed it
+    [fr] = ranks[0]["flight_recorder"].values()
+    assert fr["last_enqueued_collective"] >= 1 > fr["last_completed_collective"]
 
 
 def test_pass_scenarios_pass_with_numeric_checks(distcheck):

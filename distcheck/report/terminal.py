@@ -49,8 +49,24 @@ def _rank_table(ranks: tuple[RankOutcome, ...]) -> Table:
         if r.state == "stuck" and r.last_event is not None:
             e = r.last_event
             where = f"{e.op} #{e.seq} [{e.label or '-'}] {short_path(e.callsite)}"
+        if r.flight_recorder:
+            where = f"{where}  {flight_recorder_text(r.flight_recorder)}".strip()
         table.add_row(str(r.rank), r.state, str(r.collectives), escape(where or "-"))
     return table
+
+
+def flight_recorder_text(status: dict[str, dict[str, int]]) -> str:
+    """'FR[group 0]: enqueued #5, started -, completed #4' — the GPU-side truth on NCCL."""
+    def seq(n: int | None) -> str:
+        return "-" if n is None or n < 0 else f"#{n}"
+
+    parts = []
+    for group, s in sorted(status.items()):
+        if s:
+            parts.append(f"FR[group {group}]: enqueued {seq(s.get('last_enqueued_collective'))}, "
+                         f"started {seq(s.get('last_started_collective'))}, "
+                         f"completed {seq(s.get('last_completed_collective'))}")
+    return "; ".join(parts)
 
 
 def finding_block(finding: Finding) -> Group:

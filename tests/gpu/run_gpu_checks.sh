@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What can be checked on ONE GPU (two NCCL ranks cannot share a GPU):
+#   1. multi-rank gloo with CUDA tensors through the whole catalogue,
+#   2. one-rank NCCL (clean), and a one-rank NCCL stall with the Flight Recorder dump,
+#   3. the tracer's overhead on one-rank NCCL.
+# Usage (on the GPU machine, from the repo root): bash tests/gpu/run_gpu_checks.sh OUTDIR
+set -uo pipefail
+out=${1:-gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())" | tee "$out/env.txt"
+python -m distcheck env >> "$out/env.txt" 2>&1
+
+echo "== 1. catalogue, 4 gloo ranks, CUDA tensors"
+python -m distcheck run --nproc-per-node 4 --backend gloo --device cuda --stall-timeout 5 \
+  --json "$out/gloo_cuda.json" --run-dir "$out/run_gloo_cuda" 2>&1 | tee "$out/gloo_cuda.txt" | tail -40
+echo "exit code: ${PIPESTATUS[0]}" | tee -a "$out/gloo_cuda.txt"
+
+echo "== 2a. one-rank NCCL, clean"
+python -m distcheck run tests/gpu/nccl_one_rank.py --nproc-per-node 1 --backend nccl \
+  --json "$out/nccl_clean.json" --run-dir "$out/run_nccl_clean" -- --mode clean 2>&1 | tail -10
+echo "== 2b. one-rank NCCL, stall + Flight Recorder"
+python -m distcheck run tests/gpu/nccl_one_rank.py --nproc-per-node 1 --backend nccl --stall-timeout 5 \
+  --json "$out/nccl_stall.json" --run-dir "$out/run_nccl_stall" -- --mode stall 2>&1 | tail -20
+python - "$out/nccl_stall.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for s in r["scenarios"]:
+    for rank in s["ranks"]:
+        print("rank", rank["rank"], rank["state"], "flight recorder:", rank.get("flight_recorder"))
+    for f in s["findings"]:
+        print(f["kind"], f["summary"])
+PY
+
+echo "== 3. tracer overhead, one-rank NCCL"
+python benchmarks/tracer_overhead.py --nccl 2>&1 | tail -30
