@@ -54,10 +54,12 @@ class _RankFacts:
     dump: StackDump | None
     flight_recorder: dict[str, dict[str, int]] | None = None
     primary: bool = False
+    left_early: bool = False     # exited with code 0 in the middle of its work (os._exit(0)) while others ran
 
     @property
     def failed(self) -> bool:
-        return self.status.get("phase") == "error" or self.signal is not None or self.exit_code not in (None, 0)
+        return (self.status.get("phase") == "error" or self.signal is not None or self.exit_code not in (None, 0)
+                or self.left_early)
 
 
 def _torch_dir() -> str:
@@ -113,9 +115,15 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
         status = files.read_status(rank) or {}
         failure = launch.failures.get(rank)
         exit_code = failure.exit_code if failure else (0 if launch.end_reason == "completed" else None)
+        # The agent lists only failures: a rank it does not list, that distcheck did not kill and that
+        # never reached the end of its work, left by itself with code 0 (os._exit(0)) while others ran.
+        left_early = (failure is None and rank not in killed and status.get("phase") in ("starting", "running")
+                      and launch.end_reason in ("crash", "stall", "timeout", "max_duration"))
+        if left_early:
+            exit_code = 0
         f = _RankFacts(rank, status, traces.get(rank) or RankTrace(rank=rank), exit_code,
                        failure.signal if failure else None, _read_dump(files, rank),
-                       read_flight_recorder_status(files.flight_recorder(rank)))
+                       read_flight_recorder_status(files.flight_recorder(rank)), left_early=left_early)
         facts.append(f)
     if launch.end_reason != "interrupted":
         _mark_primary(facts, killed)
