@@ -383,7 +383,8 @@ def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: li
     details += [RankDetail(rank=r, role="absent", state=outcomes[r].state if r in outcomes else None,
                            where=outcomes[r].where if r in outcomes else None, note=where[r]) for r in absent]
     verb = "is" if len(waiting) == 1 else "are"
-    summary = f"{rank_list(waiting).capitalize()} {verb} waiting in {op} #{seq} (group {group}) called from {_who(ref)}"
+    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
+    summary = f"{rank_list(waiting).capitalize()} {verb} waiting in {op} #{seq} (group {group}) {called}"
     if absent:
         groups: dict[str, list[int]] = defaultdict(list)
         for r in absent:
@@ -466,8 +467,9 @@ def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
     summary += f" at {site(root.where or (inside.callsite if inside else None))}" if root.where or inside else ""
     if cause is not None:
         summary += (f" — most likely a consequence of the {' and '.join(cause.fields)} mismatch in that very "
-                    f"collective (see the mismatch finding): a backend that receives a buffer of the wrong size "
-                    f"aborts the process")
+                    f"collective (see the mismatch finding)")
+        if {"shape", "dtype"} & set(cause.fields):
+            summary += ": gloo aborts a process that receives a buffer of another size than it expects"
     same = [o for o in crashed if o.rank != root.rank and _cause_text(o) == _cause_text(root)]
     other = [o for o in crashed if o.rank != root.rank and o not in same]
     if same:
@@ -677,7 +679,9 @@ def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]
     cause, fix = _sample_cause(size, by_rank, world_size, acc)
     counted = _how_counted(duplicated, missing)
     shown = ", ".join(f"id {i} (ranks {', '.join(map(str, rs))})" for i, rs in list(duplicated.items())[:10])
-    detail = f" — {shown}" + (", ..." if len(duplicated) > 10 else "") if duplicated else ""
+    same_everywhere = cause.startswith("every rank evaluated")
+    # Who saw which duplicate — unless it is "everyone saw everything", which the cause already says.
+    detail = f" — {shown}" + (", ..." if len(duplicated) > 10 else "") if duplicated and not same_everywhere else ""
     summary = f"Dataset {dataset!r} ({plural(size, 'sample')}): {counted}{detail}; because {cause}. Fix: {fix}."
     extra = acc["total"] - (size - len(missing))
     return Finding(
@@ -685,9 +689,14 @@ def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]
         odd_ranks=tuple(sorted({r for rs in duplicated.values() for r in rs})),
         data={"dataset": dataset, "dataset_size": size, "duplicated": {str(i): rs for i, rs in duplicated.items()},
               "missing": missing, "extra": extra, "cause": cause, "counted": counted,
-              "same_on_every_rank": cause.startswith("every rank evaluated"),
+              "same_on_every_rank": same_everywhere,
               "per_rank": {str(r): sorted(ids) for r, ids in sorted(by_rank.items())}},
     )
+
+
+def _ids(ids: Iterable[int]) -> str:
+    ids = list(ids)
+    return f"id {ids[0]}" if len(ids) == 1 else f"ids {id_list(ids)}"
 
 
 def _how_counted(duplicated: Mapping[int, list[int]], missing: Sequence[int]) -> str:
@@ -697,19 +706,26 @@ def _how_counted(duplicated: Mapping[int, list[int]], missing: Sequence[int]) ->
         most = max(len(rs) for rs in duplicated.values())
         how = _times(most) if all(len(rs) == most for rs in duplicated.values()) else "more than once"
         n = len(duplicated)
-        parts.append(f"{plural(n, 'sample')} (ids {id_list(duplicated)}) {'was' if n == 1 else 'were'} counted {how}")
+        parts.append(f"{plural(n, 'sample')} ({_ids(duplicated)}) {'was' if n == 1 else 'were'} counted {how}")
     if missing:
         n = len(missing)
-        parts.append(f"{plural(n, 'sample')} (ids {id_list(missing)}) {'was' if n == 1 else 'were'} never seen")
+        parts.append(f"{plural(n, 'sample')} ({_ids(missing)}) {'was' if n == 1 else 'were'} never seen")
     return " and ".join(parts)
 
 
-def explain_numbers(numeric: list[Finding], duplicates: list[Finding]) -> list[Finding]:
-    """A wrong number next to duplicated/missing samples: say that the samples are the likely reason."""
-    if not numeric or not duplicates:
+def explain_numbers(numeric: list[Finding], duplicates: Sequence[Finding], crossings: Sequence[Finding] = ()) -> list[Finding]:
+    """A wrong number next to duplicated/missing samples or crossed calls: name them as the likely reason."""
+    reasons = []
+    if duplicates:
+        d = duplicates[0].data
+        reasons.append(f"{d['counted']}, because {d['cause']} (see the duplicates finding)")
+    if crossings:
+        c = crossings[0]
+        reasons.append(f"collectives of different metrics/modules were crossed from {c.op} #{c.seq} "
+                       f"(group {c.group}) onwards (see the order finding)")
+    if not numeric or not reasons:
         return numeric
-    d = duplicates[0].data
-    why = f" Likely reason: {d['counted']}, because {d['cause']} (see the duplicates finding)."
+    why = f" Likely reason: {'; and '.join(reasons)}."
     return [dataclasses.replace(f, summary=f.summary + why) for f in numeric]
 
 
@@ -775,7 +791,7 @@ def analyze(
     timeout = find_timeout(outcomes, facts, crashes + hangs)
     results = results or {}
     duplicates = find_duplicates(results, facts.world_size)
-    numeric = explain_numbers(find_numeric(results), duplicates)
+    numeric = explain_numbers(find_numeric(results), duplicates, [m for m in mismatches if m.kind == "order"])
     stopped = crashes + hangs + timeout
     caused = [f for f in stopped if "caused_by" in f.data]
     first = [f for f in stopped if f not in caused]

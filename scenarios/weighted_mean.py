@@ -5,7 +5,7 @@ from _catalogue import global_accuracy, rank_predictions
 from distcheck import scenario
 
 
-@scenario(expect="pass", requires=("torchmetrics",))
+@scenario(expect="pass")
 def weighted_mean(ctx):
     """all_reduce(SUM) of (correct, count) and one division: equals the accuracy over all samples."""
     import torch

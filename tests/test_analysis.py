@@ -453,3 +453,14 @@ def test_a_thousand_ranks_are_analysed_quickly_and_the_odd_one_is_found():
     assert time.perf_counter() - t0 < 5
     [f] = found
     assert (f.seq, f.odd_ranks, f.fields) == (40, (517,), ("reduce_op",))
+
+
+def test_wrong_numbers_next_to_crossed_calls_name_the_crossing():
+    label = {r: "MulticlassConfusionMatrix.compute" if r == 3 else "BinaryConfusionMatrix.compute" for r in WORLD4}
+    traces = traces_of(*(ev(r, 1, "barrier", reduce_op=None, shapes=(), dtypes=(), label=label[r]) for r in WORLD4))
+    ctx = _ctx()
+    ctx.check_close("spam confusion matrix", [[9, 8], [7, 12]], [[11, 11], [13, 13]])
+    found = run(traces, results={0: ctx.results()})
+    assert kinds(found) == ["order", "numeric"]
+    assert "Likely reason: collectives of different metrics/modules were crossed from barrier #1 (group 0)" \
+        in found[1].summary
