@@ -155,7 +155,7 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
     launch_spec = LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
                              worker_args=worker_args(spec, options, launch_dir), limits=limits,
                              run_id=f"{run_id}-{launch_dir.name}", device=options.device,
-                             rdzv_endpoint=nodes.rdzv_endpoint if nodes.multi else None, nnodes=nodes.nnodes,
+                             rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes,
                              node_rank=nodes.node_rank, rdzv_backend=nodes.rdzv_backend,
                              rdzv_timeout=nodes.rdzv_timeout, channel=channel,
                              flight_recorder=options.flight_recorder if options.flight_recorder is not None
