@@ -218,14 +218,21 @@ def _mismatch_at(group: str, members: tuple[int, ...], seq: int, events: Mapping
     ref = None if tie else next(e for r, e in sorted(events.items()) if sigs[r] == expected)
     role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
     details = tuple(_detail(r, role(r), e) for r, e in sorted(events.items()))
-    sample = ref or events[min(events)]
+    op, label, callsite = (ref.op, ref.label, ref.callsite) if ref else _common(events.values())
     return Finding(
-        kind="mismatch", severity="error", group=group, seq=seq, op=sample.op,
-        label=sample.label, callsite=sample.callsite, odd_ranks=tuple(odd), fields=fields,
+        kind="mismatch", severity="error", group=group, seq=seq, op=op,
+        label=label, callsite=callsite, odd_ranks=tuple(odd), fields=fields,
         majority=ref.fingerprint() if ref else None, tie=tie, ranks=details,
         summary=_mismatch_summary(seq, group, members, fields, events, ref, odd),
         data={"values": _values_by_field(fields, events, members)},
     )
+
+
+def _common(events: Iterable[Event]) -> tuple[str | None, str | None, str | None]:
+    """(op, label, callsite) where every rank agrees, None where they do not: a tie names no side."""
+    events = list(events)
+    return tuple(getattr(events[0], a) if len({getattr(e, a) for e in events}) == 1 else None  # type: ignore[return-value]
+                 for a in ("op", "label", "callsite"))
 
 
 def _values_by_field(fields: Sequence[str], events: Mapping[int, Event], members: tuple[int, ...]) -> dict[str, dict[str, list[int]]]:

@@ -464,3 +464,13 @@ def test_wrong_numbers_next_to_crossed_calls_name_the_crossing():
     assert kinds(found) == ["order", "numeric"]
     assert "Likely reason: collectives of different metrics/modules were crossed from barrier #1 (group 0)" \
         in found[1].summary
+
+
+def test_a_tie_names_no_sides_call_site_at_the_top_level():
+    traces = traces_of(*(ev(r, 1, reduce_op="MAX" if r else "SUM", line=24 if r else 26, label="Loss.forward")
+                         for r in (0, 1)))
+    traces = {r: [Event(**{**e.to_dict(), "group_ranks": (0, 1), "shapes": e.shapes, "dtypes": e.dtypes})
+                  for e in es] for r, es in traces.items()}
+    [f] = run(traces, finished(0, 1), world=2)
+    assert f.tie and f.callsite is None and f.label == "Loss.forward" and f.op == "all_reduce"
+    assert {d.rank: d.callsite for d in f.ranks} == {0: SITE.format(26), 1: SITE.format(24)}

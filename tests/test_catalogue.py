@@ -63,13 +63,17 @@ def odd(world: int) -> list[int]:
     return [world - 1] if world > 2 else []
 
 
+def _behaved(s: dict, world: int) -> None:
+    """Nothing beyond ``ok``, which ``verify`` asserts for every scenario."""
+
+
 def verify(run, world: int, names: tuple[str, ...]) -> None:
     failures = []
     for name in names:
         s = run.scenario(name)
         try:
             assert s["ok"], f"expected {s['expected']}, observed {s['observed']}"
-            CHECKS[name](s, world)
+            CHECKS.get(name, _behaved)(s, world)   # scenarios added by others: their expectation only
         except AssertionError as exc:
             summaries = "\n".join(f"    {f['kind']}: {f['summary']}" for f in s["findings"])
             failures.append(f"{name} at {world} ranks: {exc}\n{summaries}")
