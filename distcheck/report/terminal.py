@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.models import Finding, RankOutcome, Report, ScenarioResult
-from distcheck.text import short_path
+from distcheck.text import rank_list, short_path
 
 KIND_STYLE = {
     "hang": "bold red", "crash": "bold red", "mismatch": "bold magenta", "order": "bold magenta",
@@ -72,10 +72,14 @@ def flight_recorder_text(status: dict[str, dict[str, int]]) -> str:
 def finding_block(finding: Finding) -> Group:
     parts = [Text.assemble(("    ", ""), (f"{finding.kind.upper()}", KIND_STYLE.get(finding.kind, "bold")),
                            (f" [{finding.severity}] ", "dim"), finding.summary)]
+    # One line per distinct call (role, op, label, line), not one per rank: readable at 1000 ranks.
+    calls: dict[tuple, list[int]] = {}
     for d in finding.ranks:
-        if finding.kind in ("mismatch", "order") and d.callsite:
-            parts.append(Text(f"        rank {d.rank} ({d.role}): {d.op} #{d.seq} "
-                              f"{d.label or '-'} at {short_path(d.callsite)}", style="dim"))
+        if finding.kind in ("mismatch", "order", "count") and d.callsite:
+            calls.setdefault((d.role, d.op, d.seq, d.label, d.callsite), []).append(d.rank)
+    for (role, op, seq, label, callsite), ranks in calls.items():
+        parts.append(Text(f"        {rank_list(ranks)} ({role}): {op} #{seq} "
+                          f"{label or '-'} at {short_path(callsite)}", style="dim"))
     if finding.detected_after_s is not None:
         parts.append(Text(f"        detected {finding.detected_after_s:.1f} s after the last progress", style="dim"))
     return Group(*parts)
