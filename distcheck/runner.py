@@ -18,9 +18,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from distcheck import __version__, rundir
+from distcheck import __version__, batch, rundir
 from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.errors import UsageError
 from distcheck.health import first_tables, health_findings
@@ -49,6 +49,7 @@ class RunOptions:
     run_dir: Path | None = None
     command: str = ""
     nodes: NodeConfig = NodeConfig()
+    batching: bool = True            # scenarios that keep their process group healthy share a launch
     scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
     flight_recorder: bool | None = None   # None: on for NCCL (GPU-side state), off for gloo
 
@@ -116,14 +117,17 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def worker_args(spec: Target, options: RunOptions, launch_dir: Path) -> tuple[str, ...]:
+def worker_args(spec: Target | list[ScenarioSpec], options: RunOptions, launch_dir: Path) -> tuple[str, ...]:
+    """``python -m distcheck.worker`` arguments for a script, a scenario, or a batch of scenarios."""
     common = ("--launch-dir", str(launch_dir), "--backend", options.backend, "--device", options.device,
               "--seed", str(options.seed), "--pg-timeout", str(pg_timeout(options)))
     if isinstance(spec, ScriptSpec):
         what = ("--module", spec.module) if spec.module else ("--script", spec.file)
         return (*common, *what, "--", *spec.args)
     opts = tuple(a for key, value in options.scenario_options for a in ("--option", f"{key}={value}"))
-    return (*common, *opts, "--scenario-file", spec.file, "--scenario-name", spec.name)
+    specs = spec if isinstance(spec, list) else [spec]
+    pairs = tuple(a for s in specs for a in ("--scenario-file", s.file, "--scenario-name", s.name))
+    return (*common, *opts, *pairs)
 
 
 def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: str) -> None:
@@ -143,30 +147,42 @@ def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: st
 
 def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
                  on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
-    source = spec.source if isinstance(spec, ScriptSpec) else spec.file
     reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options)
     if reason:
-        return ScenarioResult(name=spec.name, source=source, expected=spec.expect, observed=(), ok=True,
-                              duration_s=0.0, skipped=reason, description=spec.description)
+        return skipped_result(spec, reason)
     rundir.prepare_launch_dir(launch_dir)   # a re-used --run-dir: nothing stale mixes into this launch
-    limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
     nodes = options.nodes
     channel = cluster.launch(launch_dir.name, options.world_size) if cluster is not None else None
-    launch_spec = LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
-                             worker_args=worker_args(spec, options, launch_dir), limits=limits,
-                             run_id=f"{run_id}-{launch_dir.name}", device=options.device,
-                             rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes,
-                             node_rank=nodes.node_rank, rdzv_backend=nodes.rdzv_backend,
-                             rdzv_timeout=nodes.rdzv_timeout, channel=channel,
-                             flight_recorder=options.flight_recorder if options.flight_recorder is not None
-                             else options.backend == "nccl")
-    outcome = launch(launch_spec, on_poll=on_poll)
+    outcome = launch(launch_spec(options, launch_dir, worker_args(spec, options, launch_dir), run_id, channel),
+                     on_poll=on_poll)
     files = LaunchFiles(launch_dir)
     if channel is not None:
         channel.upload(files, launch_summary(outcome))
         if not channel.is_leader:   # node 0 writes the report; this node returns its verdict
             return ScenarioResult.from_dict(channel.result(timeout_s=nodes.rdzv_timeout + 60))
         outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=nodes.rdzv_timeout + 60))
+    result = result_of_launch(spec, options, launch_dir, outcome)
+    if channel is not None:
+        channel.post_result(result.to_dict())
+    return result
+
+
+def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], run_id: str,
+                channel: Any = None) -> LaunchSpec:
+    nodes = options.nodes
+    limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
+    return LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
+                      worker_args=args, limits=limits, run_id=f"{run_id}-{launch_dir.name}", device=options.device,
+                      rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes, node_rank=nodes.node_rank,
+                      rdzv_backend=nodes.rdzv_backend, rdzv_timeout=nodes.rdzv_timeout, channel=channel,
+                      flight_recorder=options.flight_recorder if options.flight_recorder is not None
+                      else options.backend == "nccl")
+
+
+def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome) -> ScenarioResult:
+    """Collect what the ranks left in ``launch_dir`` and analyze it (the pure part is ``analysis``)."""
+    source = spec.source if isinstance(spec, ScriptSpec) else spec.file
+    files = LaunchFiles(launch_dir)
     run = collect(files, options.world_size, outcome)
     check_script_was_distributed(spec, run, outcome.end_reason)
     facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
@@ -187,8 +203,6 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
         started_at=outcome.started_at, ended_at=outcome.ended_at,
         stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
     )
-    if channel is not None:
-        channel.post_result(result.to_dict())
     return result
 
 
@@ -234,28 +248,72 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     cluster = ClusterStore(options.nodes) if options.nodes.multi else None
     started = time.time()
     state = RunState()
-    used = set()
-    for i, spec in enumerate(specs):
-        hooks.scenario_started(spec, i, len(specs))
-        name = spec.name if spec.name not in used else f"{spec.name}-{i}"
-        used.add(name)
+    specs = unique_names(specs)
+    position = {s.name: i for i, s in enumerate(specs)}
+    units = batch.plan(specs, batching=options.batching and not options.nodes.multi and not options.max_duration)
+    batches = 0
+    while units:
+        unit = units.pop(0)
+        hooks.scenario_started(unit[0], position[unit[0].name], len(specs))
         try:
-            result = run_scenario(spec, options, run_dir / name, launch_base, hooks.on_poll, cluster)
+            if len(unit) == 1:
+                results, leftover = [run_scenario(unit[0], options, run_dir / unit[0].name, launch_base,
+                                                  hooks.on_poll, cluster)], []
+            else:
+                batches += 1
+                results, leftover = run_batch(unit, options, run_dir, f"batch-{batches}", launch_base, hooks.on_poll)
         except KeyboardInterrupt:
             state.interrupted = True
             break
-        state.results.append(result)
-        hooks.scenario_finished(result)
-        if result.end_reason == "interrupted":
+        for result in results:
+            state.results.append(result)
+            hooks.scenario_finished(result)
+        if leftover:   # what a failed batch never reached runs next; with no progress at all, each alone
+            units[0:0] = [leftover] if results else [[s] for s in leftover]
+        if any(r.end_reason == "interrupted" for r in results):
             state.interrupted = True
             break
-        if result.end_reason == "timeout":
+        if any(r.end_reason == "timeout" for r in results):
             state.timed_out = True
             break
+    state.results.sort(key=lambda r: position.get(r.name, len(position)))
     report = Report(run=run_info(options, run_dir, started), scenarios=tuple(state.results),
                     interrupted=state.interrupted)
     write_json_atomic(run_dir / "report.json", report.to_dict())
     return report
+
+
+def unique_names(specs: list[Target]) -> list[Target]:
+    """Scenario names name launch directories: a repeated name gets a suffix."""
+    seen: set[str] = set()
+    out = []
+    for i, spec in enumerate(specs):
+        if spec.name in seen:
+            spec = dataclasses.replace(spec, name=f"{spec.name}-{i}")
+        seen.add(spec.name)
+        out.append(spec)
+    return out
+
+
+def run_batch(unit: list[ScenarioSpec], options: RunOptions, run_dir: Path, batch_name: str, run_id: str,
+              on_poll: Callable | None) -> tuple[list[ScenarioResult], list[ScenarioSpec]]:
+    """Several scenarios in one launch; returns their results and the ones it never reached."""
+    results = [skipped_result(s, reason) for s in unit if (reason := skip_reason(s, options))]
+    runnable = [s for s in unit if not skip_reason(s, options)]
+    if len(runnable) <= 1:
+        return results + [run_scenario(s, options, run_dir / s.name, run_id, on_poll) for s in runnable], []
+    batch_dir = run_dir / batch_name
+    rundir.prepare_launch_dir(batch_dir)
+    outcome = launch(launch_spec(options, batch_dir, worker_args(runnable, options, batch_dir), run_id), on_poll=on_poll)
+    parts = batch.split(LaunchFiles(batch_dir), runnable, options.world_size, outcome, run_dir)
+    done = parts.completed + ([parts.failed] if parts.failed else [])
+    results += [result_of_launch(spec, options, launch_dir, o) for spec, launch_dir, o in done]
+    return results, parts.not_started
+
+
+def skipped_result(spec: ScenarioSpec, reason: str) -> ScenarioResult:
+    return ScenarioResult(name=spec.name, source=spec.file, expected=spec.expect, observed=(), ok=True,
+                          duration_s=0.0, skipped=reason, description=spec.description)
 
 
 def run_info(options: RunOptions, run_dir: Path, started: float) -> RunInfo:

@@ -35,6 +35,26 @@ from distcheck.models import Event
 
 NONE = "-"
 FORMAT_VERSION = 2
+SEGMENT_TAG = "B"   # "B<TAB>name": a batched launch's next scenario starts here
+
+
+def split_segments(data: bytes) -> dict[str, bytes]:
+    """A batched launch's trace cut at its ``B`` records: {scenario name: its own trace}."""
+    segments: dict[str, bytes] = {}
+    name, start = None, 0
+    marker = f"{SEGMENT_TAG}\t".encode()
+    pos = 0
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        end = len(data) if end < 0 else end + 1
+        if data.startswith(marker, pos):
+            if name is not None:
+                segments[name] = data[start:pos]
+            name, start = data[pos + len(marker):end].decode("utf-8", "replace").strip(), end
+        pos = end
+    if name is not None:
+        segments[name] = data[start:]
+    return segments
 
 
 def encode_shapes(shapes: tuple[tuple[int, ...], ...]) -> str:

@@ -31,7 +31,7 @@ from time import time_ns
 from typing import Any, Callable
 
 from distcheck.callsite import CallsiteResolver
-from distcheck.tracefile import NONE, TraceWriter, clean, encode_shapes
+from distcheck.tracefile import SEGMENT_TAG, NONE, TraceWriter, clean, encode_shapes
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,18 @@ class Tracer:
         self._local = _Local()
         self._originals: dict[str, Callable] = {}
         self.count = 0
+
+    def begin_segment(self, name: str) -> None:
+        """Start a self-contained part of the trace (the next scenario of a batched launch).
+
+        Sequence numbers restart and every definition is written again after the
+        ``B`` record, so each part parses on its own (``tracefile.split_segments``).
+        """
+        self._seq.clear()
+        self._groups.clear()
+        self._sites.clear()
+        self._fps.clear()
+        self.writer.write(f"{SEGMENT_TAG}\t{clean(name)}\n")
 
     # -- installation -------------------------------------------------------
 

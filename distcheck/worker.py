@@ -104,8 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=1800.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--option", action="append", default=[], help="KEY=VALUE for ctx.options")
-    p.add_argument("--scenario-file")
-    p.add_argument("--scenario-name")
+    p.add_argument("--scenario-file", action="append", default=[], help="repeat for a batch")
+    p.add_argument("--scenario-name", action="append", default=[], help="repeat for a batch")
     p.add_argument("--script")
     p.add_argument("--module")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -133,9 +133,26 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def run_scenario(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> dict[str, Any]:
+def load_scenario(file: str, name: str, index: int) -> Any:
     import importlib.util
 
+    path = Path(file)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"distcheck_scenario_{index}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return getattr(module, name)
+
+
+def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: int, tracer: Any) -> dict[str, Any]:
+    """One scenario, or several in a row on the same process group (a batched launch).
+
+    In a batch every scenario's calls go to their own self-contained part of the
+    trace, and the ranks wait for each other between scenarios through the c10d
+    store — never through a collective, which would pair with the scenarios' own.
+    """
     import torch
     import torch.distributed as dist
 
@@ -144,19 +161,33 @@ def run_scenario(args: argparse.Namespace, rank: int, world: int, local_rank: in
     device = pick_device(args.backend, args.device, local_rank)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
     STATUS.update(phase="running")
-    path = Path(args.scenario_file)
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"distcheck_scenario_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    fn = getattr(module, args.scenario_name)
-    ctx = ScenarioContext(rank=rank, world_size=world, local_rank=local_rank, backend=args.backend,
-                          device=device, seed=args.seed, options=parse_options(args.option))
-    ctx.generator = ctx.generator_for(rank)
-    torch.manual_seed(args.seed * 100_003 + rank)
-    fn(ctx)
-    return ctx.results()
+    batch = len(args.scenario_name) > 1
+    done: dict[str, Any] = {}
+    results: dict[str, Any] = {}
+    for index, (file, name) in enumerate(zip(args.scenario_file, args.scenario_name)):
+        if batch:
+            tracer.begin_segment(name)
+            STATUS.update(current=name, scenarios=done)
+        fn = load_scenario(file, name, index)
+        ctx = ScenarioContext(rank=rank, world_size=world, local_rank=local_rank, backend=args.backend,
+                              device=device, seed=args.seed, options=parse_options(args.option))
+        ctx.generator = ctx.generator_for(rank)
+        torch.manual_seed(args.seed * 100_003 + rank)
+        started, before = time.time(), tracer.count
+        fn(ctx)
+        results = ctx.results()
+        done[name] = {"results": results, "collectives": tracer.count - before,
+                      "t_start": started, "t_end": time.time()}
+        if batch:
+            STATUS.update(scenarios=done)
+            _wait_for_peers(dist, world, rank, index, args.pg_timeout)
+    return results
+
+
+def _wait_for_peers(dist: Any, world: int, rank: int, index: int, timeout_s: float) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"distcheck/batch/{index}/{rank}", "1")
+    store.wait([f"distcheck/batch/{index}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
 
 
 def note_process_group_init() -> None:
@@ -244,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         integrations.install()
     try:
         if args.scenario_file:
-            results = run_scenario(args, rank, world, local_rank)
+            results = run_scenarios(args, rank, world, local_rank, tracer)
         else:
             results = run_script(args)
     except SystemExit as exc:

@@ -1,0 +1,117 @@
+"""Running several scenarios in one launch, and splitting that launch back into per-scenario runs.
+
+Starting ranks costs seconds (torch import, rendezvous), so scenarios that
+leave their process group healthy — those expected to pass, or to show only
+findings that complete normally (wrong numbers, crossed calls, stragglers) —
+share one launch. A scenario expected to hang, crash or mismatch poisons its
+process group and gets a launch of its own; so does a batch's remaining
+scenarios after one of them unexpectedly failed.
+
+After the launch each scenario gets an ordinary launch directory of its own
+(its part of every rank's trace, its status, the logs), so every later step —
+analysis, ``distcheck report``, timelines — sees no difference.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distcheck.launcher import LaunchOutcome
+from distcheck.rankfiles import LaunchFiles, read_json, write_json_atomic
+from distcheck.scenario import ScenarioSpec
+from distcheck.tracefile import split_segments
+from distcheck.watchdog import WatchdogResult
+
+# Expectations whose scenarios end with a healthy process group.
+BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "health"})
+# Per-batch fields of a rank's status that do not belong to one scenario.
+_BATCH_FIELDS = ("scenarios", "current", "results", "collectives")
+
+
+def can_share_launch(spec: Any) -> bool:
+    return isinstance(spec, ScenarioSpec) and set(spec.expect) <= BATCHABLE
+
+
+def plan(specs: list[Any], batching: bool) -> list[list[Any]]:
+    """Launch units in order: batchable scenarios together, every other target alone."""
+    if not batching:
+        return [[s] for s in specs]
+    shared = [s for s in specs if can_share_launch(s)]
+    alone = [[s] for s in specs if not can_share_launch(s)]
+    return ([shared] if shared else []) + alone
+
+
+@dataclass
+class SplitLaunch:
+    """What became of each scenario of a batched launch."""
+
+    completed: list[tuple[ScenarioSpec, Path, LaunchOutcome]] = field(default_factory=list)
+    failed: tuple[ScenarioSpec, Path, LaunchOutcome] | None = None   # the one running when the launch ended
+    not_started: list[ScenarioSpec] = field(default_factory=list)
+
+
+def split(batch: LaunchFiles, specs: list[ScenarioSpec], world_size: int, outcome: LaunchOutcome,
+          run_dir: Path) -> SplitLaunch:
+    statuses = {r: read_json(batch.status(r)) or {} for r in range(world_size)}
+    segments = {r: _segments(batch.trace(r)) for r in range(world_size)}
+    out = SplitLaunch()
+    for spec in specs:
+        done = [statuses[r].get("scenarios", {}).get(spec.name) for r in range(world_size)]
+        started = any(spec.name in segments[r] or statuses[r].get("current") == spec.name
+                      for r in range(world_size))
+        if all(done):
+            launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=False)
+            out.completed.append((spec, launch_dir, _completed_outcome(done)))
+        elif started and out.failed is None:
+            launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=True)
+            out.failed = (spec, launch_dir, outcome)
+        else:
+            out.not_started.append(spec)
+    return out
+
+
+def _segments(path: Path) -> dict[str, bytes]:
+    try:
+        return split_segments(path.read_bytes())
+    except OSError:
+        return {}
+
+
+def _completed_outcome(done: list[dict]) -> LaunchOutcome:
+    start = min(d["t_start"] for d in done)
+    end = max(d["t_end"] for d in done)
+    return LaunchOutcome(end_reason="completed", started_at=start, ended_at=end, watchdog=WatchdogResult())
+
+
+def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses: dict[int, dict],
+                 segments: dict[int, dict[str, bytes]], world_size: int, failed: bool) -> Path:
+    """An ordinary launch directory holding only this scenario's part of the batch."""
+    files = LaunchFiles(run_dir / spec.name)
+    if files.root.exists():
+        shutil.rmtree(files.root)
+    files.make()
+    for rank in range(world_size):
+        files.trace(rank).write_bytes(segments[rank].get(spec.name, b""))
+        write_json_atomic(files.status(rank), _status_for(statuses[rank], spec.name))
+        _copy(batch.log(rank), files.log(rank))
+        if failed:   # stacks and Flight Recorder dumps were taken while this scenario ran
+            _copy(batch.stacks(rank), files.stacks(rank))
+            _copy(batch.flight_recorder(rank), files.flight_recorder(rank))
+    return files.root
+
+
+def _status_for(status: dict[str, Any], name: str) -> dict[str, Any]:
+    own = {k: v for k, v in status.items() if k not in _BATCH_FIELDS}
+    done = status.get("scenarios", {}).get(name)
+    if done is not None:
+        own.update(phase="finished", results=done["results"], collectives=done["collectives"])
+    return own
+
+
+def _copy(src: Path, dst: Path) -> None:
+    if src.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)

@@ -1,0 +1,81 @@
+"""Scenarios sharing one launch: planning, splitting traces, and a batch that fails midway."""
+
+from __future__ import annotations
+
+import pytest
+
+from distcheck.batch import plan
+from distcheck.scenario import ScenarioSpec
+from distcheck.tracefile import split_segments
+
+
+def spec(name: str, *expect: str) -> ScenarioSpec:
+    return ScenarioSpec(name=name, file=f"/x/{name}.py", expect=expect or ("pass",))
+
+
+def test_plan_shares_a_launch_only_among_scenarios_that_keep_their_group_healthy():
+    specs = [spec("a"), spec("h", "hang"), spec("n", "numeric"), spec("m", "mismatch"), spec("o", "order", "numeric")]
+    units = plan(specs, batching=True)
+    assert [[s.name for s in u] for u in units] == [["a", "n", "o"], ["h"], ["m"]]
+    assert [[s.name for s in u] for u in plan(specs, batching=False)] == [["a"], ["h"], ["n"], ["m"], ["o"]]
+
+
+def test_split_segments_cuts_at_B_records_and_keeps_a_torn_tail():
+    data = b"B\ta\nG\t0\t0,1\nE\t0\t1\t0\t5\nX\t0\t1\t6\t-\nB\tb\nG\t0\t0,1\nE\t0\t1\t0\t9"
+    parts = split_segments(data)
+    assert list(parts) == ["a", "b"]
+    assert parts["a"].endswith(b"X\t0\t1\t6\t-\n")
+    assert parts["b"] == b"G\t0\t0,1\nE\t0\t1\t0\t9"
+    assert split_segments(b"") == {}
+
+
+BATCH = '''
+from distcheck import scenario
+
+
+@scenario(expect="pass")
+def first_ok(ctx):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    ctx.check_close("sum", t, torch.full((2,), float(ctx.world_size)))
+
+
+@scenario(expect="pass")
+def second_hangs(ctx):
+    """Expected to pass, but rank 0 alone enters a barrier: the shared launch is poisoned."""
+    import torch.distributed as dist
+
+    if ctx.rank == 0:
+        dist.barrier()
+
+
+@scenario(expect="pass")
+def third_ok(ctx):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+'''
+
+
+@pytest.mark.e2e
+def test_a_batch_that_hangs_midway_reports_it_and_reruns_the_rest(distcheck, tmp_path):
+    path = tmp_path / "batch.py"
+    path.write_text(BATCH)
+    r = distcheck("run", str(path), "--nproc-per-node", "2", "--stall-timeout", "3")
+    assert r.returncode == 1, r.stderr[-3000:]
+    report = r.report
+    assert [s["name"] for s in report["scenarios"]] == ["first_ok", "second_hangs", "third_ok"]
+    first, second, third = report["scenarios"]
+    assert first["ok"] and first["end_reason"] == "completed" and first["collectives_compared"] == 1
+    assert not second["ok"] and second["observed"] == ["hang"]
+    [hang] = second["findings"]
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1] and hang["seq"] == 1
+    assert {x["rank"]: x["state"] for x in second["ranks"]} == {0: "stuck", 1: "finished"}
+    assert third["ok"] and third["collectives_compared"] == 1     # ran again, in a launch of its own
+    for s in report["scenarios"]:   # each has an ordinary launch dir with its own part of the traces
+        assert sorted(p.name for p in (r.run_dir / s["name"] / "traces").iterdir()) == ["rank0.trace", "rank1.trace"]
