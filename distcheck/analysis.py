@@ -179,17 +179,19 @@ def find_mismatches(table: Table) -> list[Finding]:
             events = seqs[seq]
             if len(events) < 2:
                 continue
-            if p2p:
+            # Judge cheaply first; build the full finding (details for every rank) only for a new kind of difference.
+            if p2p:   # two ranks: cheap to build right away
                 finding = _p2p_mismatch_at(group, seq, events)
+                key = finding and (finding.kind, finding.fields, finding.odd_ranks, finding.tie)
             else:
-                finding = _mismatch_at(group, members, seq, events, gid) or _crossing_at(group, seq, events)
-            if finding is None:
+                verdict = _judge(members, events, gid)
+                key = verdict and verdict.key
+            if not key:
                 continue
-            key = (finding.kind, finding.fields, finding.odd_ranks, finding.tie)
             if key in first:
                 repeats[key].append(seq)
             elif len(first) < MAX_REPORTED_PER_GROUP:
-                first[key] = finding
+                first[key] = finding if p2p else _build(verdict, group, members, seq, events, gid)
         findings.extend(_with_repeats(f, repeats[key]) for key, f in first.items())
     return findings
 
@@ -208,23 +210,49 @@ def _differing(sigs: Mapping[int, tuple], fields: Sequence[str], expected: tuple
     return tuple(f for i, f in enumerate(fields) if any(sigs[r][i] != expected[i] for r in odd))
 
 
-def _mismatch_at(group: str, members: tuple[int, ...], seq: int, events: Mapping[int, Event],
-                 gid: _GroupIds) -> Finding | None:
+@dataclass(frozen=True)
+class _Verdict:
+    """How the ranks at one (group, seq) differ, before any text is written."""
+
+    kind: str                      # mismatch or order
+    fields: tuple[str, ...]
+    odd: tuple[int, ...]
+    tie: bool
+    expected: Any                  # the majority signature or label; None on a tie
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.fields, self.odd, self.tie)
+
+
+def _judge(members: tuple[int, ...], events: Mapping[int, Event], gid: _GroupIds) -> _Verdict | None:
     sigs = {r: _signature(e, members, gid) for r, e in events.items()}
-    if len(set(sigs.values())) == 1:
-        return None
-    expected, odd, tie = majority(sigs)
-    fields = _differing(sigs, COMPARED_FIELDS, expected, odd)
-    ref = None if tie else next(e for r, e in sorted(events.items()) if sigs[r] == expected)
-    role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
+    if len(set(sigs.values())) > 1:
+        expected, odd, tie = majority(sigs)
+        return _Verdict("mismatch", _differing(sigs, COMPARED_FIELDS, expected, odd), tuple(odd), tie, expected)
+    # Same signature, different metric/module: the backend pairs them silently. Only the label counts:
+    # the same label reached from different lines (if rank == 0: broadcast(a) else: broadcast(b)) is ordinary code.
+    labels = {r: e.label for r, e in events.items()}
+    if len(set(labels.values())) > 1:
+        expected, odd, tie = majority(labels)
+        return _Verdict("order", ("label",), tuple(odd), tie, expected)
+    return None
+
+
+def _build(v: _Verdict, group: str, members: tuple[int, ...], seq: int, events: Mapping[int, Event],
+           gid: _GroupIds) -> Finding:
+    role = lambda r: "tie" if v.tie else ("odd" if r in v.odd else "majority")  # noqa: E731
     details = tuple(_detail(r, role(r), e) for r, e in sorted(events.items()))
+    if v.kind == "order":
+        return _crossing_finding(v, group, seq, events, details)
+    ref = None if v.tie else next(e for _, e in sorted(events.items()) if _signature(e, members, gid) == v.expected)
     op, label, callsite = (ref.op, ref.label, ref.callsite) if ref else _common(events.values())
     return Finding(
         kind="mismatch", severity="error", group=group, seq=seq, op=op,
-        label=label, callsite=callsite, odd_ranks=tuple(odd), fields=fields,
-        majority=ref.fingerprint() if ref else None, tie=tie, ranks=details,
-        summary=_mismatch_summary(seq, group, members, fields, events, ref, odd),
-        data={"values": _values_by_field(fields, events, members)},
+        label=label, callsite=callsite, odd_ranks=v.odd, fields=v.fields,
+        majority=ref.fingerprint() if ref else None, tie=v.tie, ranks=details,
+        summary=_mismatch_summary(seq, group, members, v.fields, events, ref, list(v.odd)),
+        data={"values": _values_by_field(v.fields, events, members)},
     )
 
 
@@ -289,32 +317,22 @@ def _p2p_mismatch_at(group: str, seq: int, events: Mapping[int, Event]) -> Findi
     )
 
 
-def _crossing_at(group: str, seq: int, events: Mapping[int, Event]) -> Finding | None:
-    """Same signature, different metric/module: the backend pairs them silently.
-
-    Only the label counts: the same label reached from different lines
-    (``if rank == 0: broadcast(a) else: broadcast(b)``) is ordinary code.
-    """
-    labels = {r: e.label for r, e in events.items()}
-    if len(set(labels.values())) == 1:
-        return None
-    expected, odd, tie = majority(labels)
-    role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
-    details = tuple(_detail(r, role(r), e) for r, e in sorted(events.items()))
+def _crossing_finding(v: _Verdict, group: str, seq: int, events: Mapping[int, Event],
+                      details: tuple[RankDetail, ...]) -> Finding:
     by_label: dict[str, list[int]] = defaultdict(list)
-    for r, label in sorted(labels.items()):
-        by_label[label or "(no module)"].append(r)
+    for r, e in sorted(events.items()):
+        by_label[e.label or "(no module)"].append(r)
     sides = " meets ".join(f"{label} on {rank_list(rs)}" for label, rs in by_label.items())
     sample = events[min(events)]
-    ref = None if tie else next(e for r, e in sorted(events.items()) if labels[r] == expected)
+    ref = None if v.tie else next(e for _, e in sorted(events.items()) if e.label == v.expected)
     summary = (f"Crossed calls at {sample.op} #{seq} (group {group}): {sides}. The signatures match, so the "
                f"backend pairs them without any error and the values are exchanged between different "
-               f"metrics/modules" + (" (a tie: no side has a majority)" if tie else "")
+               f"metrics/modules" + (" (a tie: no side has a majority)" if v.tie else "")
                + ". Call them in the same order on every rank.")
     return Finding(
         kind="order", severity="error", summary=summary, group=group, seq=seq, op=sample.op,
         label=ref.label if ref else None, callsite=ref.callsite if ref else None,
-        odd_ranks=tuple(odd), fields=("label",), tie=tie,
+        odd_ranks=v.odd, fields=("label",), tie=v.tie,
         majority=ref.fingerprint() | {"label": ref.label} if ref else None, ranks=details,
         data={"labels": dict(by_label)},
     )
@@ -461,6 +479,7 @@ def _inside(o: RankOutcome) -> Event | None:
 
 def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
                  mismatches: Sequence[Finding] = ()) -> list[Finding]:
+    """The root-cause crash (outcomes already tell primary failures from their consequences)."""
     crashed = [o for _, o in sorted(outcomes.items()) if o.state == "crashed"]
     if not crashed:
         return []
@@ -468,27 +487,7 @@ def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
     root = sorted(crashed, key=lambda o: (o.exception is None, o.signal is None, o.rank))[0]
     inside = _inside(root)
     cause = next((m for m in mismatches if inside and (m.group, m.seq) == (inside.group, inside.seq)), None)
-    summary = f"Rank {root.rank} {_cause_text(root)}"
-    if inside is not None:
-        summary += f" inside {_call(inside)}"
-    summary += f" at {site(root.where or (inside.callsite if inside else None))}" if root.where or inside else ""
-    if cause is not None:
-        summary += (f" — most likely a consequence of the {' and '.join(cause.fields)} mismatch in that very "
-                    f"collective (see the mismatch finding)")
-        if {"shape", "dtype"} & set(cause.fields):
-            summary += ": gloo aborts a process that receives a buffer of another size than it expects"
-    same = [o for o in crashed if o.rank != root.rank and _cause_text(o) == _cause_text(root)]
-    other = [o for o in crashed if o.rank != root.rank and o not in same]
-    if same:
-        summary += f"; {rank_list(o.rank for o in same)} failed the same way"
-    if other:
-        summary += "; " + "; ".join(f"rank {o.rank} {_cause_text(o)}" for o in other)
     peers = sorted(r for r, o in outcomes.items() if o.state != "crashed")
-    if peers:
-        groups: dict[str, list[int]] = defaultdict(list)
-        for r in peers:
-            groups[_whereabouts(r, outcomes[r])].append(r)
-        summary += "; meanwhile " + "; ".join(f"{rank_list(rs)} {w}" for w, rs in groups.items())
     details = [RankDetail(rank=o.rank, role="crashed", state=o.state, where=o.where,
                           op=_inside(o).op if _inside(o) else None, seq=_inside(o).seq if _inside(o) else None,
                           note=o.exception or o.signal or f"exit code {o.exit_code}") for o in crashed]
@@ -499,11 +498,38 @@ def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
     if cause is not None:
         data["caused_by"] = {"kind": cause.kind, "group": cause.group, "seq": cause.seq, "fields": list(cause.fields)}
     return [Finding(
-        kind="crash", severity="error", summary=summary + ".", op=last.op if last else None,
-        group=last.group if last else None, seq=last.seq if last else None,
+        kind="crash", severity="error", summary=_crash_summary(root, inside, cause, crashed, outcomes),
+        op=last.op if last else None, group=last.group if last else None, seq=last.seq if last else None,
         label=last.label if last else None, callsite=root.where or (inside.callsite if inside else None),
         odd_ranks=(root.rank,), ranks=tuple(details), data=data,
     )]
+
+
+def _crash_summary(root: RankOutcome, inside: Event | None, cause: Finding | None,
+                   crashed: Sequence[RankOutcome], outcomes: Mapping[int, RankOutcome]) -> str:
+    summary = f"Rank {root.rank} {_cause_text(root)}"
+    if inside is not None:
+        summary += f" inside {_call(inside)}"
+    where = root.where or (inside.callsite if inside else None)
+    if where:
+        summary += f" at {site(where)}"
+    if cause is not None:
+        summary += (f" — most likely a consequence of the {' and '.join(cause.fields)} mismatch in that very "
+                    f"collective (see the mismatch finding)")
+        if {"shape", "dtype"} & set(cause.fields):
+            summary += ": gloo aborts a process that receives a buffer of another size than it expects"
+    same = [o.rank for o in crashed if o.rank != root.rank and _cause_text(o) == _cause_text(root)]
+    if same:
+        summary += f"; {rank_list(same)} failed the same way"
+    summary += "".join(f"; rank {o.rank} {_cause_text(o)}" for o in crashed
+                       if o.rank != root.rank and o.rank not in same)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for r, o in sorted(outcomes.items()):
+        if o.state != "crashed":
+            groups[_whereabouts(r, o)].append(r)
+    if groups:
+        summary += "; meanwhile " + "; ".join(f"{rank_list(rs)} {w}" for w, rs in groups.items())
+    return summary + "."
 
 
 # -- counts ------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from distcheck.analysis import (
-    RunFacts, analyze, behaved_as_expected, collectives_compared, find_duplicates, find_mismatches,
+    RunFacts, analyze, behaved_as_expected, collectives_compared, find_duplicates,
     find_stragglers, group_table, majority, observed_kinds,
 )
 from distcheck.models import Event, Finding, RankOutcome
@@ -474,3 +474,22 @@ def test_a_tie_names_no_sides_call_site_at_the_top_level():
     [f] = run(traces, finished(0, 1), world=2)
     assert f.tie and f.callsite is None and f.label == "Loss.forward" and f.op == "all_reduce"
     assert {d.rank: d.callsite for d in f.ranks} == {0: SITE.format(26), 1: SITE.format(24)}
+
+
+def test_a_repeated_p2p_buffer_difference_is_reported_once():
+    send = [ev(0, s, "send", group="p2p:0>1", members=(0, 1), reduce_op=None, root=1, shapes=((4,),)) for s in (1, 2)]
+    recv = [ev(1, s, "recv", group="p2p:0>1", members=(0, 1), reduce_op=None, root=0, shapes=((8,),)) for s in (1, 2)]
+    [f] = run({0: send, 1: recv}, finished(0, 1), world=2)
+    assert f.seq == 1 and f.data["repeated_at"] == [2]
+
+
+def test_every_rank_failing_the_same_way_is_said_once():
+    # cpu_state_on_nccl: every rank's metric sync hands CPU tensors to an NCCL-only group.
+    error = "RuntimeError: No backend type associated with device type cpu"
+    traces = traces_of(*(ev(r, 1, "all_gather", reduce_op=None, error=error) for r in WORLD4))
+    outcomes = {r: RankOutcome(rank=r, state="crashed", exception=error, exit_code=1, where=SITE.format(17),
+                               last_event=traces[r][0]) for r in WORLD4}
+    [f] = run(traces, outcomes, end="crash")
+    assert f.data["root_rank"] == 0
+    assert f.summary == (f"Rank 0 raised {error} inside all_gather #1 (group 0) at /home/u/train.py:17; "
+                         f"ranks 1, 2, 3 failed the same way.")
