@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from distcheck.errors import LaunchError, UsageError
+from distcheck.rendezvous import bound_listener
 from distcheck.rankfiles import LaunchFiles
 from distcheck.watchdog import RankProgress
 
@@ -113,10 +114,13 @@ class ClusterStore:
         host, port = config.store_address
         self.config = config
         timeout = datetime.timedelta(seconds=config.rdzv_timeout)
+        leader = config.node_rank == 0
+        # Listen on the endpoint's address only, not on every interface (TCPStore's default).
+        self._listener = bound_listener(host, port) if leader else None
         try:
             with _quiet_native_stderr():
-                self.store = TCPStore(host, port, is_master=config.node_rank == 0, wait_for_workers=False,
-                                      timeout=timeout)
+                self.store = TCPStore(host, port, is_master=leader, wait_for_workers=False, timeout=timeout,
+                                      master_listen_fd=self._listener.fileno() if leader else None)
         except (RuntimeError, OSError) as exc:
             role = "host" if config.node_rank == 0 else "reach node 0's"
             raise LaunchError(
