@@ -596,7 +596,7 @@ def find_numeric(results: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
 def _numeric_finding(name: str, bad: Mapping[int, Mapping[str, Any]]) -> Finding:
     first = bad[min(bad)]
     differing = first["differing"]
-    n = len(differing)
+    n = first.get("n_differing") or len(differing)   # older results list every entry they know
     total = math.prod(first["shape"]) if first["shape"] else 1
     if first["shape"] and differing and differing[0]["index"] is None:   # the shapes themselves differ
         what = f"its shape is {differing[0]['actual']} instead of {differing[0]['reference']}"

@@ -78,6 +78,7 @@ class NumericCheck:
     actual: Any = None
     reference: Any = None
     note: str = ""
+    n_differing: int = 0            # all differing entries; ``differing`` keeps the first 50
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -145,6 +146,7 @@ class ScenarioContext:
         check = NumericCheck(
             name, not bool(bad.any()), float(diff.max()) if diff.numel() else 0.0, list(a.shape), differing,
             actual=a.tolist() if small else None, reference=r.tolist() if small else None, note=note,
+            n_differing=int(bad.sum()),
         )
         self.numeric_checks.append(check)
         return check.ok

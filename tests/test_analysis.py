@@ -493,3 +493,13 @@ def test_every_rank_failing_the_same_way_is_said_once():
     assert f.data["root_rank"] == 0
     assert f.summary == (f"Rank 0 raised {error} inside all_gather #1 (group 0) at /home/u/train.py:17; "
                          f"ranks 1, 2, 3 failed the same way.")
+
+
+def test_a_large_result_counts_every_differing_entry_but_lists_a_few():
+    import torch
+
+    ctx = _ctx()
+    ctx.check_close("logits", torch.ones(100, 10), torch.zeros(100, 10))
+    [f] = run({}, results={0: ctx.results()})
+    assert "1000 entries of 1000 off" in f.summary and len(f.data["differing"]) == 50
+    assert f.summary.count(" instead of ") == 8
