@@ -31,7 +31,7 @@ SEND_OPS = ("send", "isend", "send_object_list")
 # What a difference in each field does, in words a user can act on.
 CONSEQUENCE = {
     "op": "different collectives were paired with each other",
-    "reduce_op": "the call completes on every backend, but the result is neither the SUM nor the MAX",
+    "reduce_op": "the call completes without any error on every backend, but its result is wrong",
     "shape": "the buffers differ in size: gloo aborts a rank, NCCL hangs or corrupts memory",
     "dtype": "the buffers differ in byte size or meaning: gloo aborts a rank, NCCL hangs or returns garbage",
     "device": "ranks passed tensors on different devices",
