@@ -289,3 +289,21 @@ def test_time_resolution_is_microseconds(tmp_path):
     (e, *_) = parse_trace(0, _sample_file(tmp_path)).events
     assert abs(e.t_enter - __import__("time").time()) < 60
     assert sys.float_info.epsilon * e.t_enter < 1e-6
+
+
+def test_segments_parse_on_their_own(tmp_path):
+    from distcheck.tracefile import split_segments
+
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    tracer.begin_segment("first")
+    traced(torch.ones(2))
+    traced(torch.ones(2))
+    tracer.begin_segment("second")
+    traced(torch.ones(2))            # the fast path must not reuse the first segment's ids
+    segments = split_segments(path.read_bytes())
+    first, second = (parse_trace(0, segments[name]) for name in ("first", "second"))
+    assert [(e.seq, e.shapes) for e in first.events] == [(1, ((2,),)), (2, ((2,),))]
+    assert [(e.seq, e.shapes, e.group_ranks) for e in second.events] == [(1, ((2,),), (0, 1))]
+    assert first.corrupt_lines == second.corrupt_lines == 0
