@@ -9,7 +9,6 @@ import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import secrets
 import shlex

@@ -11,7 +11,6 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from distcheck import procs

@@ -79,22 +79,30 @@ def distcheck(tmp_path):
             if json and "--json" not in ours:
                 ours += ["--json", str(json_path)]
             args = ours + script
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True, cwd=cwd or tmp_path, env={**os.environ, **(env or {})},
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            out, err = proc.communicate()
-            pytest.fail(f"distcheck {' '.join(args)} did not finish in {timeout} s\n{err[-3000:]}")
-        finally:
-            kill_tree(proc)
-        left = survivors(str(run_dir))
-        for p in left:
-            p.kill()
-        assert not left, f"processes survived the run: {[p.info['cmdline'] for p in left]}"
-        return DistcheckRun(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), run_dir, json_path)
+        done = run_distcheck(args, cwd or tmp_path, run_dir, timeout, env)
+        return DistcheckRun(done, run_dir, json_path)
 
     return run
+
+
+def run_distcheck(args: list[str], cwd: Path, marker: Path, timeout: float = HARD_TIMEOUT_S,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m distcheck ARGS`` in its own session, killed whole on timeout; no survivor
+    whose command line mentions ``marker`` (the run dir) may be left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, cwd=cwd, env={**os.environ, **(env or {})},
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"distcheck {' '.join(args)} did not finish in {timeout} s\n{err[-3000:]}")
+    finally:
+        kill_tree(proc)
+    left = survivors(str(marker))
+    for p in left:
+        p.kill()
+    assert not left, f"processes survived the run: {[p.info['cmdline'] for p in left]}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -26,12 +26,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import kill_tree, survivors
+from conftest import kill_tree, run_distcheck, survivors
 
 pytestmark = pytest.mark.e2e
 
 STALL = 3
-HARD_TIMEOUT_S = 240
 CANARY = "distcheck-canary-7f3a"          # a source line no stack passes through
 SECRET = "distcheck-secret-value-91c2"    # in the environment of the run only
 
@@ -203,27 +202,6 @@ def rank1_sleeps(ctx):
 
 def line_of(path: Path, marker: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
-
-
-def run_distcheck(args: list[str], cwd: Path, marker: Path, timeout: float = HARD_TIMEOUT_S,
-                  env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m distcheck ARGS`` in its own session, killed whole on timeout; no survivors."""
-    proc = subprocess.Popen([sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=cwd,
-                            env={**os.environ, **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"distcheck {' '.join(args)} did not finish in {timeout} s\n{err[-3000:]}")
-    finally:
-        kill_tree(proc)
-    left = survivors(str(marker))
-    for p in left:
-        p.kill()
-    assert not left, f"processes survived: {[p.info['cmdline'] for p in left]}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def wait_for(predicate, timeout: float, poll: float = 0.1) -> bool:
