@@ -18,8 +18,6 @@ FINDING_KINDS = (
 RANK_STATES = ("finished", "stuck", "crashed", "killed", "running")
 SEVERITIES = ("error", "warning", "info")
 
-# Fingerprint fields compared across ranks, in the order they are reported.
-FINGERPRINT_FIELDS = ("op", "reduce_op", "shapes", "dtypes", "device", "root", "group")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +49,6 @@ class Event:
     @property
     def completed(self) -> bool:
         return self.t_exit is not None
-
-    def field_value(self, name: str) -> Any:
-        if name == "group":
-            return self.group_ranks
-        return getattr(self, name)
-
-    def signature(self) -> tuple:
-        return tuple(self.field_value(f) for f in FINGERPRINT_FIELDS)
 
     def fingerprint(self) -> dict[str, Any]:
         """The comparable part of the call, as JSON-ready values."""
