@@ -98,12 +98,13 @@ def group_table(traces: Mapping[int, Sequence[Event]]) -> dict[GroupKey, dict[in
                     keys[(name, members)] = key
     table: dict[GroupKey, dict[int, dict[int, Event]]] = defaultdict(lambda: defaultdict(dict))
     for rank, events in traces.items():
-        cache: dict[str, tuple[tuple[int, ...], GroupKey]] = {}
+        # Keep the group's own dict, not its key: hashing a 1000-rank member tuple per event is slow.
+        cache: dict[str, tuple[tuple[int, ...], dict[int, dict[int, Event]]]] = {}
         for e in events:
             hit = cache.get(e.group)
             if hit is None or hit[0] is not e.group_ranks:
-                hit = cache[e.group] = (e.group_ranks, keys[(e.group, e.group_ranks or (rank,))])
-            table[hit[1]][e.seq][rank] = e
+                hit = cache[e.group] = (e.group_ranks, table[keys[(e.group, e.group_ranks or (rank,))]])
+            hit[1][e.seq][rank] = e
     return table
 
 
