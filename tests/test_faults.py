@@ -557,6 +557,23 @@ def test_unwritable_run_dir_is_a_clear_error_before_launch(distcheck, tmp_path, 
     assert not survivors(target)
 
 
+def test_a_run_dir_with_no_room_is_a_clear_error_before_launch(tmp_path):
+    """A full disk, as far as distcheck can tell: writes beyond 16 KiB fail (RLIMIT_FSIZE; EFBIG)."""
+    import resource
+
+    def no_room() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "distcheck", "run", "collectives_sanity", "--nproc-per-node", "2",
+                           "--run-dir", str(run)], preexec_fn=no_room, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "cannot write the run directory" in proc.stderr and "File too large" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(run.glob("*/traces")) and not survivors(str(run))
+
+
 # -- bad command lines (the ones test_run_e2e.py does not have) ------------------------
 
 
