@@ -3,9 +3,10 @@
 Starting ranks costs seconds (torch import, rendezvous), so scenarios that
 leave their process group healthy — those expected to pass, or to show only
 findings that complete normally (wrong numbers, crossed calls, stragglers) —
-share one launch. A scenario expected to hang, crash or mismatch poisons its
-process group and gets a launch of its own; so does a batch's remaining
-scenarios after one of them unexpectedly failed.
+share one launch. Scenarios expected to mismatch may or may not poison their
+process group: they share it too, after the healthy ones. A scenario expected
+to hang or crash always poisons it and gets a launch of its own; the scenarios
+a shared launch never reached, because one of them failed, run again.
 
 After the launch each scenario gets an ordinary launch directory of its own
 (its part of every rank's trace, its status, the logs), so every later step —
@@ -27,19 +28,27 @@ from distcheck.watchdog import WatchdogResult
 
 # Expectations whose scenarios end with a healthy process group.
 BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "health"})
+# Expectations that may or may not poison the group (SUM vs MAX completes; a shape
+# mismatch aborts a gloo rank): they share the launch too, after the healthy ones,
+# since a poisoned launch only ends the batch there and the rest runs again.
+RISKY = frozenset({"mismatch", "count"})
 # Per-batch fields of a rank's status that do not belong to one scenario.
 _BATCH_FIELDS = ("scenarios", "current", "results", "collectives")
 
 
 def can_share_launch(spec: Any) -> bool:
-    return isinstance(spec, ScenarioSpec) and set(spec.expect) <= BATCHABLE
+    return isinstance(spec, ScenarioSpec) and set(spec.expect) <= BATCHABLE | RISKY
+
+
+def _risky(spec: ScenarioSpec) -> bool:
+    return not set(spec.expect) <= BATCHABLE
 
 
 def plan(specs: list[Any], batching: bool) -> list[list[Any]]:
-    """Launch units in order: batchable scenarios together, every other target alone."""
+    """Launch units in order: shareable scenarios together (healthy first), every other target alone."""
     if not batching:
         return [[s] for s in specs]
-    shared = [s for s in specs if can_share_launch(s)]
+    shared = sorted((s for s in specs if can_share_launch(s)), key=_risky)   # stable: keeps their order
     alone = [[s] for s in specs if not can_share_launch(s)]
     return ([shared] if shared else []) + alone
 

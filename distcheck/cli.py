@@ -83,7 +83,7 @@ def run(
     min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor."),
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
     flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="Record PyTorch's Flight Recorder and dump it on a stall (default: on with NCCL)."),
-    isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: scenarios that keep their process group healthy share one)."),
+    isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
