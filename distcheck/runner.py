@@ -1,4 +1,5 @@
-"""Running targets end to end: one launch per scenario, then analysis.
+"""Running targets end to end: launches (shared by scenarios where they can be, see
+``batch``), then collection and analysis of what every rank left behind.
 
 This is the library behind ``distcheck run``; the CLI only parses options.
 """
@@ -48,7 +49,7 @@ class RunOptions:
     run_dir: Path | None = None
     command: str = ""
     nodes: NodeConfig = NodeConfig()
-    batching: bool = True            # scenarios that keep their process group healthy share a launch
+    batching: bool = True            # all but expected hangs/crashes share a launch (see batch.plan)
     scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
     flight_recorder: bool | None = None   # None: on for NCCL (GPU-side state), off for gloo
 
