@@ -93,15 +93,20 @@ def run_distcheck(args: list[str], cwd: Path, marker: Path, timeout: float = HAR
         [sys.executable, "-m", "distcheck", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True, cwd=cwd, env={**os.environ, **(env or {})},
     )
+    return finish_process(proc, str(marker), timeout)
+
+
+def finish_process(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.CompletedProcess:
+    """Wait with a hard timeout; kill the whole process tree; prove nothing mentioning ``marker`` survived."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, err = proc.communicate()
-        pytest.fail(f"distcheck {' '.join(args)} did not finish in {timeout} s\n{err[-3000:]}")
+        pytest.fail(f"{' '.join(map(str, proc.args))} did not finish in {timeout} s\n{err[-3000:]}")
     finally:
         kill_tree(proc)
-    left = survivors(str(marker))
+    left = survivors(marker)
     for p in left:
         p.kill()
     assert not left, f"processes survived the run: {[p.info['cmdline'] for p in left]}"

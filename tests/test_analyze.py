@@ -23,7 +23,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from conftest import REPO, kill_tree, survivors
+from conftest import REPO, finish_process
 from distcheck.errors import CorruptInputError, ExitCode, UsageError
 from distcheck.flight_recorder import _load_pickle, load_dump
 from distcheck.postmortem import analyze_paths
@@ -39,25 +39,8 @@ def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
                             start_new_session=True, env={**os.environ, **(env or {})}, cwd=REPO)
 
 
-def _finish(proc: subprocess.Popen, marker: str, timeout: float) -> subprocess.CompletedProcess:
-    """Wait with a hard timeout; kill the whole process tree; prove nothing survived."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(proc.args)} did not finish in {timeout} s\n{err[-3000:]}")
-    finally:
-        kill_tree(proc)
-    left = survivors(marker)
-    for p in left:
-        p.kill()
-    assert not left, f"processes survived: {[p.info['cmdline'] for p in left]}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 def analyze_cli(*args: str) -> subprocess.CompletedProcess:
-    return _finish(_start([sys.executable, "-m", "distcheck", "analyze", *args]), "distcheck analyze", 60)
+    return finish_process(_start([sys.executable, "-m", "distcheck", "analyze", *args]), "distcheck analyze", 60)
 
 
 def flat(text: str) -> str:
@@ -79,9 +62,9 @@ def jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess 
         dc = _start([sys.executable, "-m", "distcheck", "run", "auroc_rank0_only_compute", "--nproc-per-node", "2",
                      "--backend", "gloo", "--stall-timeout", "3", "--run-dir", str(run)])
     try:
-        fr_done = _finish(fr, str(out), JOB_TIMEOUT_S)
+        fr_done = finish_process(fr, str(out), JOB_TIMEOUT_S)
     finally:
-        dc_done = _finish(dc, str(run), JOB_TIMEOUT_S) if dc is not None else None
+        dc_done = finish_process(dc, str(run), JOB_TIMEOUT_S) if dc is not None else None
     return {"dumps": (out, fr_done), "run": (run, dc_done)}
 
 

@@ -114,8 +114,7 @@ def busy_python_loop(ctx):
     dist.all_reduce(t)
     if ctx.rank == 1:
         x = 0
-        while True:
-            x += 1  # STUCK
+        while True: x += 1  # STUCK   (one line: a stack sample can land on the loop test or its body)
     dist.all_reduce(t)
 
 
