@@ -15,10 +15,8 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from distcheck.errors import LaunchError, UsageError
@@ -137,10 +135,6 @@ class ClusterStore:
         return LaunchChannel(PrefixStore(prefix, self.store), self.config, world_size)
 
 
-def _progress_to_dict(p: RankProgress) -> dict[str, Any]:
-    return asdict(p)
-
-
 class LaunchChannel:
     """One launch's keys: progress of each node's ranks, the decision, the bundles, the result."""
 
@@ -155,7 +149,7 @@ class LaunchChannel:
         return self.config.node_rank == 0
 
     def publish(self, progress: Mapping[int, RankProgress]) -> None:
-        data = {str(r): _progress_to_dict(p) for r, p in progress.items()}
+        data = {str(r): asdict(p) for r, p in progress.items()}
         self.store.set(f"progress/{self.config.node_rank}", json.dumps(data))
 
     def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]:
@@ -220,15 +214,3 @@ class LaunchChannel:
             raise LaunchError(f"node 0 published no result within {timeout_s:g} s",
                               "its report may still be in its run dir") from None
         return json.loads(self.store.get("result"))
-
-
-def node_label() -> str:
-    return socket.gethostname()
-
-
-def pointer_text(leader: dict[str, Any]) -> str:
-    return f"full report on node 0 ({leader.get('host', '?')}): {leader.get('run_dir', '?')}"
-
-
-def leader_info(run_dir: Path) -> dict[str, Any]:
-    return {"host": node_label(), "run_dir": str(run_dir)}

@@ -176,8 +176,8 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
     events = f.trace.events
     # The collective it was in at the end: still open, or the one that failed under it.
     waiting_in = next((e for e in reversed(events) if not e.async_op and (e.t_exit is None or e.error)), None)
-    if waiting_in is not None and waiting_in is not (events[-1] if events else None):
-        waiting_in = None if waiting_in.t_exit is not None else waiting_in
+    if waiting_in is not None and waiting_in.t_exit is not None and waiting_in is not events[-1]:
+        waiting_in = None   # an older call that failed and was survived: not where the rank is now
     state, where = _state(f, launch, killed_by_us, waiting_in)
     return RankOutcome(
         rank=f.rank, state=state, host=f.status.get("host", ""), node=f.status.get("node", 0), pid=f.status.get("pid"),

@@ -71,7 +71,6 @@ class RunHooks:
 class RunState:
     results: list[ScenarioResult] = field(default_factory=list)
     interrupted: bool = False
-    timed_out: bool = False
 
 
 def new_run_id() -> str:
@@ -212,7 +211,7 @@ def launch_summary(outcome: LaunchOutcome) -> dict:
     return {
         "end_reason": outcome.end_reason,
         "failures": {str(r): [f.exit_code, f.signal, f.pid] for r, f in outcome.failures.items()},
-        "killed_ranks": list(w.killed_ranks), "death_times": {str(r): t for r, t in w.death_times.items()},
+        "killed_ranks": list(w.killed_ranks),
     }
 
 
@@ -220,14 +219,13 @@ END_REASON_PRIORITY = ("interrupted", "stall", "timeout", "max_duration", "crash
 
 
 def merge_node_summaries(outcome: LaunchOutcome, summaries: list[dict]) -> LaunchOutcome:
-    """Node 0's view of the whole job: every node's failures, kills and deaths."""
+    """Node 0's view of the whole job: every node's failures and the ranks it killed."""
     w = outcome.watchdog
     reasons = [outcome.end_reason] + [s["end_reason"] for s in summaries]
     failures = dict(outcome.failures)
     for s in summaries:
         failures.update({int(r): RankFailure(*f) for r, f in s["failures"].items()})
         w.killed_ranks = tuple(sorted(set(w.killed_ranks) | set(s["killed_ranks"])))
-        w.death_times.update({int(r): t for r, t in s["death_times"].items()})
     end_reason = min(reasons, key=lambda r: END_REASON_PRIORITY.index(r) if r in END_REASON_PRIORITY else 99)
     return dataclasses.replace(outcome, failures=failures, end_reason=end_reason)
 
@@ -274,7 +272,6 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
             state.interrupted = True
             break
         if any(r.end_reason == "timeout" for r in results):
-            state.timed_out = True
             break
     state.results.sort(key=lambda r: position.get(r.name, len(position)))
     report = Report(run=run_info(options, run_dir, started), scenarios=tuple(state.results),

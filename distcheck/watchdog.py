@@ -189,8 +189,6 @@ class WatchdogResult:
     detected_at: float | None = None     # wall time the decision was taken
     torn_down_at: float | None = None
     killed_ranks: tuple[int, ...] = ()   # ranks alive when distcheck ended the run
-    first_deaths: tuple[int, ...] = ()   # ranks seen dead first (the likely root cause)
-    death_times: dict[int, float] = field(default_factory=dict)   # wall time each rank was first seen dead
     error: str | None = None             # why the watchdog itself failed
     last_progress: dict[int, RankProgress] = field(default_factory=dict)
 
@@ -236,7 +234,6 @@ class Watchdog(threading.Thread):
                 self.channel.publish(progress)
                 progress = self.channel.everyone(progress)
             self.result.last_progress = progress
-            self._note_deaths(progress)
             now = self.clock()
             decision = self.detector.observe(now, progress)
             if self.on_poll is not None:
@@ -263,14 +260,6 @@ class Watchdog(threading.Thread):
                 self._tear_down(progress)
                 return
             self._stop_event.wait(self.poll_s)
-
-    def _note_deaths(self, progress: dict[int, RankProgress]) -> None:
-        dead = [r for r, p in progress.items() if p.dead and r not in self.result.death_times]
-        now = time.time()
-        for r in dead:
-            self.result.death_times[r] = now
-        if dead and not self.result.first_deaths:
-            self.result.first_deaths = tuple(sorted(dead))
 
     def _tear_down(self, progress: dict[int, RankProgress]) -> None:
         pids = self.monitor.pids()

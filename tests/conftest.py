@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -28,6 +29,16 @@ def survivors(marker: str) -> list[psutil.Process]:
         if marker in cmd and p.pid != os.getpid():
             found.append(p)
     return found
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.1) -> bool:
+    """Poll an observable condition until it holds or the deadline passes (never a bare sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

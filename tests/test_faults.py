@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import kill_tree, run_distcheck, survivors
+from conftest import kill_tree, run_distcheck, survivors, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -201,15 +201,6 @@ def rank1_sleeps(ctx):
 
 def line_of(path: Path, marker: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if marker in line)
-
-
-def wait_for(predicate, timeout: float, poll: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(poll)
-    return False
 
 
 def crash_of(s: dict) -> dict:

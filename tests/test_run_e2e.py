@@ -6,13 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import kill_tree, survivors
+from conftest import kill_tree, survivors, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -119,15 +118,6 @@ def _start(args: list[str], tmp_path: Path, console_script: bool = False) -> sub
                             start_new_session=True, cwd=tmp_path)
 
 
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _ranks_started(run_dir: Path, n: int) -> bool:
     return len(list(run_dir.glob("*/status/rank*.json"))) >= n
 
@@ -138,7 +128,7 @@ def test_ctrl_c_stops_the_run_keeps_traces_and_leaves_nothing(tmp_path):
                    "--stall-timeout", "60", "--run-dir", str(run_dir), "--json", str(tmp_path / "r.json")],
                   tmp_path, console_script=True)
     try:
-        assert _wait_for(lambda: _ranks_started(run_dir, 2), 90), "ranks never started"
+        assert wait_for(lambda: _ranks_started(run_dir, 2), 90), "ranks never started"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -147,7 +137,7 @@ def test_ctrl_c_stops_the_run_keeps_traces_and_leaves_nothing(tmp_path):
     assert "Traceback" not in err
     assert list(run_dir.glob("*/traces/rank0.trace"))
     assert (run_dir / "report.json").exists()
-    assert _wait_for(lambda: not survivors(str(run_dir)), 10), survivors(str(run_dir))
+    assert wait_for(lambda: not survivors(str(run_dir)), 10), survivors(str(run_dir))
 
 
 def test_ranks_die_with_a_sigkilled_distcheck(tmp_path):
@@ -155,7 +145,7 @@ def test_ranks_die_with_a_sigkilled_distcheck(tmp_path):
     proc = _start(["run", "auroc_rank0_only_compute", "--nproc-per-node", "2", "--backend", "gloo",
                    "--stall-timeout", "60", "--run-dir", str(run_dir)], tmp_path)
     try:
-        assert _wait_for(lambda: _ranks_started(run_dir, 2), 90), "ranks never started"
+        assert wait_for(lambda: _ranks_started(run_dir, 2), 90), "ranks never started"
         workers = survivors(str(run_dir))
         assert workers
         os.kill(proc.pid, signal.SIGKILL)
