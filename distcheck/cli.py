@@ -75,10 +75,11 @@ def run(
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank; node 0 hosts distcheck's store and writes the full report."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0's host)."),
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="Job id shared by every node."),
-    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", help="c10d (default) or static."),
+    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", help="c10d, torch's rendezvous (the only one supported)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every node to join."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rendezvous host when --rdzv-endpoint is not given."),
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port with --master-addr (default 29500)."),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address, where its stores listen (default: the one it reaches the endpoint from)."),
     store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
     min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor."),
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
@@ -107,7 +108,7 @@ def run(
     _positive("--max-duration", max_duration)
     _positive("--rdzv-timeout", rdzv_timeout)
     nodes = node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_timeout,
-                        master_addr, master_port, store_port)
+                        master_addr, master_port, store_port, local_addr)
     targets, script_args = _split_script_args(list(targets or []))
     specs = resolve_run_targets(targets, module=module, script_args=script_args)
     nproc = nproc_per_node or _default_nproc(backend)

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import json
 import os
+import socket
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+import psutil
 
 from distcheck.errors import LaunchError, UsageError
 from distcheck.rendezvous import bound_listener
@@ -36,6 +40,7 @@ class NodeConfig:
     rdzv_backend: str = "c10d"
     rdzv_timeout: float = 300.0
     store_port: int | None = None
+    local_addr: str | None = None          # this node's address (torchrun's --local-addr)
 
     @property
     def multi(self) -> bool:
@@ -58,7 +63,7 @@ class NodeConfig:
 def node_config(
     nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str | None,
     rdzv_backend: str, rdzv_timeout: float, master_addr: str | None, master_port: int | None,
-    store_port: int | None, env: Mapping[str, str] | None = None,
+    store_port: int | None, local_addr: str | None = None, env: Mapping[str, str] | None = None,
 ) -> NodeConfig:
     """Command-line flags first, then SLURM's environment (one distcheck per node under srun)."""
     env = os.environ if env is None else env
@@ -74,8 +79,11 @@ def node_config(
         raise UsageError(f"--nnodes must be at least 1 (got {nnodes})")
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank})")
-    if rdzv_backend not in ("c10d", "static"):
-        raise UsageError(f"unsupported --rdzv-backend {rdzv_backend!r}", "use c10d (default) or static")
+    if rdzv_backend != "c10d":
+        # static (and etcd) would share one store between distcheck's successive launches,
+        # and the workers' keys of one launch would collide with the next one's.
+        raise UsageError(f"unsupported --rdzv-backend {rdzv_backend!r}: distcheck runs on torch's c10d rendezvous only",
+                         "leave --rdzv-backend out (c10d)")
     if rdzv_endpoint is None and master_addr:
         rdzv_endpoint = f"{master_addr}:{master_port or DEFAULT_RDZV_PORT}"
     if nnodes > 1:
@@ -85,7 +93,74 @@ def node_config(
         if not rdzv_id:
             raise UsageError("a multi-node run needs --rdzv-id", "give every node the same id, e.g. the job id")
     return NodeConfig(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                      rdzv_backend=rdzv_backend, rdzv_timeout=rdzv_timeout, store_port=store_port)
+                      rdzv_backend=rdzv_backend, rdzv_timeout=rdzv_timeout, store_port=store_port,
+                      local_addr=local_addr)
+
+
+def node_address(config: NodeConfig) -> str:
+    """Where this node's stores listen and what it tells the other nodes to connect to:
+    ``--local-addr``, else the address this node reaches the rendezvous endpoint from."""
+    if config.local_addr:
+        return config.local_addr
+    if not config.multi:
+        return "127.0.0.1"
+    family, _, _, _, address = _resolve(config.host)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)       # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
+
+
+def check_endpoint_address(config: NodeConfig, resolve: Callable[[str], list[str]] | None = None) -> None:
+    """Node 0 listens on the endpoint's address only: refuse one the other nodes cannot reach.
+
+    The classic case is a host name that /etc/hosts maps to 127.0.1.1 on its own machine;
+    torch's stores, listening on every interface, hide it, ours would not be reachable.
+    """
+    host = config.host
+    if not config.multi or config.node_rank != 0 or host == "localhost" or _is_ip_literal(host):
+        return
+    resolved = sorted(set((resolve or _addresses)(host)))
+    if all(_is_loopback(a) for a in resolved):
+        mine = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                if a.family in (socket.AF_INET, socket.AF_INET6) and not _is_loopback(a.address)
+                and not a.address.startswith("fe80")]
+        raise LaunchError(
+            f"the rendezvous host {host!r} resolves to {', '.join(resolved)} on node 0, which the other nodes "
+            f"cannot reach (distcheck listens on the endpoint's address only)",
+            "give --rdzv-endpoint as an address of this node that the others reach"
+            + (f" ({', '.join(mine)})" if mine else ""))
+
+
+def gloo_interface(address: str) -> str | None:
+    """The network interface that holds ``address`` (for GLOO_SOCKET_IFNAME), if any."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def _addresses(host: str) -> list[str]:
+    return [info[4][0] for info in _resolve(host)]
+
+
+def _resolve(host: str) -> list[tuple]:
+    try:
+        return socket.getaddrinfo(host.strip("[]"), 9, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise LaunchError(f"cannot resolve the rendezvous host {host!r}: {exc.strerror}",
+                          "check --rdzv-endpoint (or --master-addr / MASTER_ADDR)") from None
 
 
 @contextlib.contextmanager
@@ -204,8 +279,13 @@ class LaunchChannel:
             summaries.append(bundle["summary"])
         return summaries
 
-    def post_result(self, result: dict[str, Any]) -> None:
+    def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
+        """Publish the verdict, then stay until every node has read it: the store ends with node 0."""
         self.store.set("result", json.dumps(result))
+        try:
+            self.store.wait([f"read/{n}" for n in range(1, self.config.nnodes)], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            pass   # a node that went away says so itself
 
     def result(self, timeout_s: float) -> dict[str, Any]:
         try:
@@ -213,4 +293,6 @@ class LaunchChannel:
         except RuntimeError:
             raise LaunchError(f"node 0 published no result within {timeout_s:g} s",
                               "its report may still be in its run dir") from None
-        return json.loads(self.store.get("result"))
+        result = json.loads(self.store.get("result"))
+        self.store.set(f"read/{self.config.node_rank}", "1")
+        return result

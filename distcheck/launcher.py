@@ -9,10 +9,10 @@ the per-rank failures it reports, never from its exit code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from distcheck import procs, rendezvous
+from distcheck.cluster import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.rankfiles import LaunchFiles
 from distcheck.watchdog import Decision, Limits, RankProgress, Watchdog, WatchdogResult
@@ -37,7 +38,7 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None      # None: a free loopback port
     nnodes: int = 1
     node_rank: int = 0                    # 0 hosts the rendezvous store
-    rdzv_backend: str = "c10d"
+    local_addr: str = "127.0.0.1"          # where this node's workers' store listens
     rdzv_timeout: float = 300.0
     channel: Any = None                   # multi-node: cluster.LaunchChannel
     flight_recorder: bool = False         # PyTorch's Flight Recorder on, dumped on a stall
@@ -62,12 +63,6 @@ class LaunchOutcome:
     watchdog: WatchdogResult
     failures: dict[int, RankFailure] = field(default_factory=dict)
     error: str | None = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -126,13 +121,26 @@ def _failures(exc: BaseException) -> dict[int, RankFailure]:
     return out
 
 
+@functools.cache
+def _default_endpoint() -> str:
+    """One loopback port for every launch of this run: its rendezvous store is kept for the run."""
+    return f"127.0.0.1:{rendezvous.kept_store_on_a_free_port('127.0.0.1').port}"
+
+
 def _rdzv_configs(spec: LaunchSpec) -> dict[str, Any]:
-    if spec.nnodes == 1:
+    # Node 0 hosts the store (not "whoever matches the endpoint's host": on one machine all do).
+    configs: dict[str, Any] = {"is_host": spec.node_rank == 0}
+    if spec.nnodes > 1:
+        configs["join_timeout"] = int(spec.rdzv_timeout)
+    return configs
+
+
+def _network_environment(spec: LaunchSpec) -> dict[str, str]:
+    """gloo listens on the node's address too (it would take whatever the host name resolves to)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or not sys.platform.startswith("linux"):
         return {}
-    if spec.rdzv_backend == "static":
-        return {"rank": spec.node_rank}
-    # On one machine every "node" matches the endpoint's host: say which one hosts the store.
-    return {"is_host": spec.node_rank == 0, "join_timeout": int(spec.rdzv_timeout)}
+    interface = "lo" if spec.nnodes == 1 else gloo_interface(spec.local_addr)
+    return {"GLOO_SOCKET_IFNAME": interface} if interface else {}
 
 
 def _launch_error(exc: BaseException, spec: LaunchSpec, endpoint: str) -> str:
@@ -154,16 +162,12 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
 
     files = LaunchFiles(spec.launch_dir)
     files.make()
-    endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    single = spec.nnodes == 1
-    rdzv_backend = spec.rdzv_backend
-    if single and rdzv_backend == "c10d" and rendezvous.is_loopback(endpoint.rsplit(":", 1)[0]):
-        rdzv_backend = rendezvous.register()   # torch's c10d, its stores bound to loopback (not *:PORT)
+    endpoint = spec.rdzv_endpoint or _default_endpoint()
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
-        run_id=spec.run_id, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint,
-        rdzv_configs=_rdzv_configs(spec),
-        max_restarts=0, monitor_interval=0.05, local_addr="127.0.0.1" if single else None,
+        run_id=spec.run_id, rdzv_backend=rendezvous.register(),   # torch's c10d, stores bound (not *:PORT)
+        rdzv_endpoint=endpoint, rdzv_configs=_rdzv_configs(spec),
+        max_restarts=0, monitor_interval=0.05, local_addr=spec.local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(files.root / "agent")),
     )
     worker_env = {
@@ -171,9 +175,8 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCHELASTIC_ERROR_FILE": "",
+        **_network_environment(spec),
     }
-    if single and sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        worker_env["GLOO_SOCKET_IFNAME"] = "lo"   # gloo would listen on whatever the hostname resolves to
     if spec.flight_recorder:
         worker_env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")
         worker_env["DISTCHECK_FLIGHT_RECORDER"] = "1"

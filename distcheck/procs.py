@@ -61,15 +61,37 @@ def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list
             signalled.append(p.pid)
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s) if procs else ([], [])
+    alive = _wait_gone(procs, grace_s)
     for p in alive:
         try:
             p.kill()
         except psutil.Error:
             pass
-    if alive:
-        psutil.wait_procs(alive, timeout=2.0)
+    _wait_gone(alive, 2.0)
     return signalled
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until the processes are dead (zombies count) and return those still alive.
+
+    Never reaps: the ranks are the launcher's own children, and a child reaped here
+    would read as exit code 0 to the launcher's ``Popen.poll()`` (ECHILD), so a rank
+    killed in a stall teardown would count as a success (and make the launcher wait
+    out torch's 300 s exit barrier for the other nodes).
+    """
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in procs if _running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE   # is_running: not a reused pid
+    except psutil.Error:
+        return False
 
 
 def terminate_tree(root_pids: Iterable[int], grace_s: float = 2.0) -> list[int]:

@@ -1,14 +1,14 @@
-"""A c10d rendezvous whose TCP stores listen on the rendezvous address only.
+"""torch's c10d rendezvous, with its TCP stores listening only where asked.
 
 torch's ``c10d`` rendezvous backend creates its ``TCPStore`` servers (the
-rendezvous store, and the store it shares with the workers as
+rendezvous store on the endpoint, and the store it shares with the workers as
 MASTER_ADDR/MASTER_PORT) with the C++ default of listening on *every*
-interface (``*:PORT``), whatever host the endpoint names: a single-node
-``distcheck run`` would open two ports to the network, and any peer that
-reaches them can read and write the job's store. ``TCPStore`` takes no bind
-address, but it does take ``master_listen_fd``: a socket we bound ourselves.
-This backend binds both stores to the endpoint's address (127.0.0.1 for a
-single-node run) that way, and is otherwise torch's own c10d rendezvous
+interface (``*:PORT``), whatever host the endpoint names: any peer that
+reaches those ports can read and write the job's store. ``TCPStore`` takes no
+bind address, but it does take ``master_listen_fd``: a socket we bound
+ourselves. This backend binds the rendezvous store to the endpoint's address
+and the workers' store to the node's own address (``local_addr``: 127.0.0.1
+for a single-node run), and is otherwise torch's own c10d rendezvous
 (``C10dRendezvousBackend`` + ``DynamicRendezvousHandler``).
 
 Binding ourselves also turns "port already in use" into an immediate, named
@@ -20,23 +20,13 @@ from __future__ import annotations
 
 import datetime
 import errno
-import ipaddress
 import socket
 from typing import Any
 
 from distcheck.errors import LaunchError
 
-BACKEND = "distcheck-loopback"
+BACKEND = "distcheck-c10d"
 DEFAULT_PORT = 29400
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def bound_listener(host: str, port: int) -> socket.socket:
@@ -73,12 +63,45 @@ def bound_tcp_store(host: str, port: int, timeout_s: float = 60.0) -> Any:
         raise
 
 
+# One rendezvous store per endpoint for the whole distcheck run, not one per launch (torch's
+# lifetime): the store dies with the launch's handler, and in a multi-node run a node still
+# closing the previous round then talks to a closed port, which a c10d client does not take
+# as refused but retries for its whole timeout (300 s).
+_kept_stores: dict[tuple[str, int, bool], Any] = {}
+
+
+def kept_store(host: str, port: int, *, is_host: bool, timeout_s: float) -> Any:
+    """This process's rendezvous store at ``host:port``: the server if it hosts it, else a client."""
+    key = (host, port, is_host)
+    if key not in _kept_stores:
+        _kept_stores[key] = bound_tcp_store(host, port, timeout_s) if is_host else _client_store(host, port, timeout_s)
+    return _kept_stores[key]
+
+
+def kept_store_on_a_free_port(host: str, timeout_s: float = 60.0) -> Any:
+    """A kept rendezvous store on a port the kernel picks: no window between choosing and binding."""
+    store = bound_tcp_store(host, 0, timeout_s)
+    _kept_stores[(host, store.port, True)] = store
+    return store
+
+
+def _client_store(host: str, port: int, timeout_s: float) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, TimeoutError) as exc:
+        raise RendezvousConnectionError(
+            f"cannot reach the rendezvous store at {host}:{port}: {str(exc).splitlines()[0]}") from None
+
+
 def _handler_class() -> type:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     class BoundRendezvousHandler(DynamicRendezvousHandler):
         """torch's handler, except that the store it shares with the workers
-        (MASTER_ADDR/MASTER_PORT) also listens on the node's address only."""
+        (MASTER_ADDR/MASTER_PORT) listens on this node's address only."""
 
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
             return bound_tcp_store(master_addr, master_port)
@@ -90,13 +113,18 @@ def _handler_class() -> type:
 
 
 def create_handler(params: Any) -> Any:
-    """The registry's creator for ``rdzv_backend=distcheck-loopback``."""
+    """The registry's creator for ``rdzv_backend=distcheck-c10d``.
+
+    ``is_host`` (default true) says whether this node hosts the rendezvous store;
+    ``local_addr`` (torch's node address) is where the workers' store listens.
+    """
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as torch_create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    store = bound_tcp_store(host, port, timeout_s=float(params.get_as_int("read_timeout", 60) or 60))
+    is_host = params.get_as_bool("is_host", True)
+    store = kept_store(host, port, is_host=is_host, timeout_s=float(params.get_as_int("read_timeout", 60) or 60))
     handler = torch_create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
     # Same object, one overridden method: the shared store's bind address. If a torch release
     # renames that method the override goes unused, and tests/test_faults.py (which checks
@@ -106,7 +134,7 @@ def create_handler(params: Any) -> Any:
 
 
 def register() -> str:
-    """Make ``rdzv_backend="distcheck-loopback"`` known to torch's launcher (idempotent)."""
+    """Make ``rdzv_backend="distcheck-c10d"`` known to torch's launcher (idempotent)."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     try:

@@ -24,7 +24,7 @@ from distcheck import __version__, batch, rundir
 from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.errors import UsageError
 from distcheck.health import first_tables, health_findings
-from distcheck.cluster import ClusterStore, NodeConfig
+from distcheck.cluster import ClusterStore, NodeConfig, check_endpoint_address, node_address
 from distcheck.launcher import LaunchOutcome, LaunchSpec, RankFailure, launch
 from distcheck.models import Report, RunInfo, ScenarioResult
 from distcheck.discovery import ScriptSpec, Target
@@ -173,7 +173,7 @@ def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], ru
     return LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
                       worker_args=args, limits=limits, run_id=f"{run_id}-{launch_dir.name}", device=options.device,
                       rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes, node_rank=nodes.node_rank,
-                      rdzv_backend=nodes.rdzv_backend, rdzv_timeout=nodes.rdzv_timeout, channel=channel,
+                      local_addr=node_address(nodes), rdzv_timeout=nodes.rdzv_timeout, channel=channel,
                       flight_recorder=options.flight_recorder if options.flight_recorder is not None
                       else options.backend == "nccl")
 
@@ -243,6 +243,7 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     run_dir = make_run_dir(options.run_dir, run_id)
     # Every node must name its launches alike for torch's rendezvous to pair them.
     launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
+    check_endpoint_address(options.nodes)
     cluster = ClusterStore(options.nodes) if options.nodes.multi else None
     started = time.time()
     state = RunState()

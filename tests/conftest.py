@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,37 @@ def wait_for(predicate, timeout: float, poll: float = 0.1) -> bool:
             return True
         time.sleep(poll)
     return False
+
+
+def free_port() -> int:
+    """A loopback port free right now (two distcheck "nodes" must be told the same one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def listening_sockets(tree: list[psutil.Process]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket of these processes."""
+    out = []
+    for p in tree:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        out += [(p.pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def is_loopback_ip(ip: str) -> bool:
+    return ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or ip.startswith("127.")
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import kill_tree, run_distcheck, survivors, wait_for
+from conftest import is_loopback_ip, kill_tree, listening_sockets, process_tree, run_distcheck, survivors, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -452,21 +452,6 @@ def test_launch_dir_in_use_by_a_live_run_is_refused(tmp_path):
 # -- distcheck itself: SIGTERM, ports, run dirs ----------------------------------------
 
 
-def _listening(tree: list[psutil.Process]) -> list[tuple[int, str, int]]:
-    out = []
-    for p in tree:
-        try:
-            conns = p.net_connections(kind="inet")
-        except psutil.Error:
-            continue
-        out += [(p.pid, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
-    return out
-
-
-def _loopback(ip: str) -> bool:
-    return ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or ip.startswith("127.")
-
-
 def test_sigterm_mid_run_and_every_port_listens_on_loopback_only(tmp_path):
     source = tmp_path / "hang.py"
     source.write_text(HANG)
@@ -485,11 +470,11 @@ def test_sigterm_mid_run_and_every_port_listens_on_loopback_only(tmp_path):
                 return False
 
         assert wait_for(initialized, 120), "ranks never initialized their process group"
-        tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-        listening = _listening(tree)
+        tree = process_tree(proc.pid)
+        listening = listening_sockets(tree)
         # the rendezvous store and the workers' store (distcheck), one gloo listener per rank
         assert len(listening) >= 4, listening
-        assert all(_loopback(ip) for _, ip, _ in listening), listening
+        assert all(is_loopback_ip(ip) for _, ip, _ in listening), listening
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -521,14 +506,12 @@ def test_rendezvous_port_already_in_use_is_a_clear_error_before_launch(distcheck
 
 
 def test_stores_bind_to_the_address_they_are_given():
-    from distcheck.rendezvous import bound_tcp_store, is_loopback
+    from distcheck.rendezvous import bound_tcp_store
 
-    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("10.0.0.1") and not is_loopback("node-17")
     store = bound_tcp_store("127.0.0.1", 0, timeout_s=10)
-    listening = _listening([psutil.Process()])
+    listening = listening_sockets([psutil.Process()])
     assert ("127.0.0.1", store.port) in [(ip, port) for _, ip, port in listening]
-    assert not [x for x in listening if x[2] == store.port and not _loopback(x[1])]
+    assert not [x for x in listening if x[2] == store.port and not is_loopback_ip(x[1])]
 
 
 @pytest.mark.parametrize("where, message", [

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import kill_tree, survivors
-from distcheck.cluster import node_config
-from distcheck.errors import UsageError
-from distcheck.launcher import free_port
+from conftest import free_port, kill_tree, listening_sockets, process_tree, survivors, wait_for
+from distcheck.cluster import check_endpoint_address, node_address, node_config
+from distcheck.errors import LaunchError, UsageError
 
 pytestmark = pytest.mark.e2e
 
@@ -32,17 +32,39 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
         for p in procs:
             o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             out.append((p.returncode, o, e))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            kill_tree(p)
+        tails = [f"node {n}:\n" + "".join(x[-3000:] for x in p.communicate()) for n, p in enumerate(procs)]
+        pytest.fail(f"the nodes did not finish within {timeout:g} s\n" + "\n".join(tails))
     finally:
         for p in procs:
             kill_tree(p)
     return out
 
 
+def _initialized(tmp_path, launch: str, ranks_of_node: dict[int, list[int]]) -> bool:
+    try:
+        return all(json.loads((tmp_path / f"node{n}" / launch / "status" / f"rank{r}.json").read_text())
+                   .get("pg_initialized") for n, ranks in ranks_of_node.items() for r in ranks)
+    except (OSError, ValueError):
+        return False
+
+
 def test_two_nodes_one_merged_report_with_a_hang_across_nodes(tmp_path):
     port = free_port()
     targets = ["auroc_rank0_only_compute", "collectives_sanity", "--stall-timeout", "5"]
     procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
-    (rc0, out0, err0), (rc1, out1, err1) = _finish(procs, 240)
+    try:
+        # While every rank is up: what does the whole job listen on?
+        assert wait_for(lambda: _initialized(tmp_path, "auroc_rank0_only_compute", {0: [0, 1], 1: [2, 3]}), 120)
+        listening = listening_sockets([p for proc in procs for p in process_tree(proc.pid)])
+    finally:
+        (rc0, out0, err0), (rc1, out1, err1) = _finish(procs, 240)
+    # node 0: rendezvous store and distcheck's store; the workers' store; one gloo listener per rank
+    assert len(listening) >= 7, listening
+    assert {port, port + 1} <= {p for _, _, p in listening}
+    assert all(ip == "127.0.0.1" for _, ip, _ in listening), listening     # nothing on *:PORT
     assert rc0 == 0, out0[-2000:] + err0[-2000:]
     assert rc1 == 0, out1[-2000:] + err1[-2000:]
     report = json.loads((tmp_path / "node0.json").read_text())
@@ -72,6 +94,27 @@ def test_a_node_that_never_arrives_is_a_clear_rendezvous_error(tmp_path):
     assert not survivors(str(tmp_path))
 
 
+def test_a_node_waiting_for_node_0_stops_at_once_on_sigterm(tmp_path):
+    # Node 1 alone: it waits for node 0's distcheck. That wait is a C call; one long call
+    # would hold off the signal handler for the whole --rdzv-timeout.
+    node = _node(1, free_port(), tmp_path, "collectives_sanity", "--rdzv-timeout", "200")
+    try:
+        lines = []
+        while not any("waiting for node 0's distcheck" in line for line in lines):
+            line = node.stdout.readline()
+            assert line, "".join(lines) + node.stderr.read()
+            lines.append(line)
+        signalled = time.monotonic()
+        node.send_signal(signal.SIGTERM)
+        node.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        kill_tree(node)
+    assert node.returncode == 130
+    assert took < 10, took
+    assert not survivors(str(tmp_path))
+
+
 def test_slurm_environment_gives_the_node_layout():
     env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "MASTER_ADDR": "node-a"}
     cfg = node_config(None, None, None, None, "c10d", 300, None, None, None, env=env)
@@ -79,11 +122,34 @@ def test_slurm_environment_gives_the_node_layout():
     assert cfg.rdzv_endpoint == "node-a:29500" and cfg.store_address == ("node-a", 29501)
 
 
+def test_node_address_is_local_addr_or_the_route_to_the_endpoint():
+    def config(**kw):
+        return node_config(2, 1, kw.pop("endpoint", "127.0.0.1:29500"), "job", "c10d", 300, None, None, None, env={}, **kw)
+
+    assert node_address(config()) == "127.0.0.1"
+    assert node_address(config(local_addr="10.1.2.3")) == "10.1.2.3"
+    assert node_address(node_config(None, None, None, None, "c10d", 300, None, None, None, env={})) == "127.0.0.1"
+
+
+def test_node_0_refuses_an_endpoint_name_that_resolves_to_loopback():
+    def check(endpoint, node_rank=0, resolved=("127.0.1.1",)):
+        cfg = node_config(2, node_rank, endpoint, "job", "c10d", 300, None, None, None, env={})
+        check_endpoint_address(cfg, resolve=lambda host: list(resolved))
+
+    with pytest.raises(LaunchError, match="'node-a' resolves to 127.0.1.1 on node 0, which the other nodes cannot"):
+        check("node-a:29500")
+    check("node-a:29500", resolved=("10.0.0.5",))          # a real address
+    check("node-a:29500", node_rank=1)                       # only node 0 listens there
+    check("127.0.0.1:29500")                                 # asked for loopback in so many words
+    check("localhost:29500")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"nnodes": 2, "node_rank": 2}, "--node-rank must be between 0 and 1"),
     ({"nnodes": 2, "node_rank": 0}, "needs --rdzv-endpoint"),
     ({"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "h:1"}, "needs --rdzv-id"),
     ({"rdzv_backend": "etcd"}, "unsupported --rdzv-backend 'etcd'"),
+    ({"rdzv_backend": "static"}, "unsupported --rdzv-backend 'static': distcheck runs on torch's c10d"),
 ])
 def test_bad_node_flags_are_usage_errors(kwargs, message):
     args = {"nnodes": None, "node_rank": None, "rdzv_endpoint": None, "rdzv_id": None, "rdzv_backend": "c10d",
