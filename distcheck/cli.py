@@ -121,7 +121,7 @@ def run(
                   + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
     view = LiveView(console, stall_timeout=stall_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
-                     on_poll=view.on_poll)
+                     on_poll=view.on_poll, note=view.note)
     options = RunOptions(
         nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
         max_duration=max_duration, seed=seed, nodes=nodes, scenario_options=_scenario_options(option, min_busbw),

@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
@@ -178,24 +179,47 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
+def _connect(host: str, port: int, timeout_s: float, slice_s: float = 1.0) -> Any:
+    """A client of node 0's store, tried in short slices so that Ctrl-C is not held off
+    for the whole timeout (Python runs signal handlers only between C calls)."""
+    from torch.distributed import TCPStore
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        attempt = max(0.1, min(slice_s, deadline - time.monotonic()))
+        try:
+            with _quiet_native_stderr():
+                store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=attempt))
+        except RuntimeError:
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
+
+
 class ClusterStore:
     """distcheck's coordination store for a multi-node run (node 0 hosts it)."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, note: Callable[[str], None] = lambda text: None) -> None:
         from torch.distributed import TCPStore
 
         host, port = config.store_address
         self.config = config
         timeout = datetime.timedelta(seconds=config.rdzv_timeout)
         leader = config.node_rank == 0
-        # Listen on the endpoint's address only, not on every interface (TCPStore's default).
-        self._listener = bound_listener(host, port) if leader else None
         try:
-            with _quiet_native_stderr():
-                self.store = TCPStore(host, port, is_master=leader, wait_for_workers=False, timeout=timeout,
-                                      master_listen_fd=self._listener.fileno() if leader else None)
+            if leader:
+                # Listen on the endpoint's address only, not on every interface (TCPStore's default).
+                self._listener = bound_listener(host, port)
+                self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                      master_listen_fd=self._listener.fileno())
+            else:
+                note(f"node {config.node_rank}: waiting for node 0's distcheck at {host}:{port} "
+                     f"(up to {config.rdzv_timeout:g} s)")
+                self.store = _connect(host, port, config.rdzv_timeout)
         except (RuntimeError, OSError) as exc:
-            role = "host" if config.node_rank == 0 else "reach node 0's"
+            role = "host" if leader else "reach node 0's"
             raise LaunchError(
                 f"node {config.node_rank} could not {role} distcheck store at {host}:{port} within "
                 f"{config.rdzv_timeout:g} s: {str(exc).splitlines()[0]}",
@@ -208,6 +232,24 @@ class ClusterStore:
 
         prefix = f"distcheck/{self.config.rdzv_id}/{name}"
         return LaunchChannel(PrefixStore(prefix, self.store), self.config, world_size)
+
+
+def wait_for_keys(store: Any, keys: list[str], timeout_s: float, slice_s: float = 0.5) -> bool:
+    """Wait until every key is set, in short slices: Python runs signal handlers only
+    between C calls, so one long ``store.wait`` would hold off Ctrl-C for minutes."""
+    from torch.distributed import DistNetworkError, DistStoreError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(0.01, min(slice_s, deadline - time.monotonic()))))
+            return True
+        except DistStoreError:   # this slice timed out
+            if time.monotonic() >= deadline:
+                return False
+        except DistNetworkError as exc:
+            raise LaunchError(f"lost the connection to node 0's distcheck store: {str(exc).splitlines()[0]}",
+                              "node 0's distcheck has probably ended; its report, if any, is in its run dir") from None
 
 
 class LaunchChannel:
@@ -262,9 +304,7 @@ class LaunchChannel:
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:
         """Node 0: every other node's bundle, written into this launch's directory."""
         keys = [f"bundle/{n}" for n in range(1, self.config.nnodes)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except RuntimeError:
+        if not wait_for_keys(self.store, keys, timeout_s):
             missing = [k.split("/")[1] for k in keys if not self.store.check([k])]
             raise LaunchError(f"node(s) {', '.join(missing)} sent no traces within {timeout_s:g} s",
                               "check that distcheck is still running there") from None
@@ -282,17 +322,13 @@ class LaunchChannel:
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
         """Publish the verdict, then stay until every node has read it: the store ends with node 0."""
         self.store.set("result", json.dumps(result))
-        try:
-            self.store.wait([f"read/{n}" for n in range(1, self.config.nnodes)], datetime.timedelta(seconds=timeout_s))
-        except RuntimeError:
-            pass   # a node that went away says so itself
+        wait_for_keys(self.store, [f"read/{n}" for n in range(1, self.config.nnodes)], timeout_s)
+        # (a node that went away says so itself)
 
     def result(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            self.store.wait(["result"], datetime.timedelta(seconds=timeout_s))
-        except RuntimeError:
+        if not wait_for_keys(self.store, ["result"], timeout_s):
             raise LaunchError(f"node 0 published no result within {timeout_s:g} s",
-                              "its report may still be in its run dir") from None
+                              "its report may still be in its run dir")
         result = json.loads(self.store.get("result"))
         self.store.set(f"read/{self.config.node_rank}", "1")
         return result

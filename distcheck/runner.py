@@ -65,6 +65,7 @@ class RunHooks:
     scenario_started: Callable[[ScenarioSpec, int, int], None] = lambda spec, i, n: None
     scenario_finished: Callable[[ScenarioResult], None] = lambda result: None
     on_poll: Callable | None = None
+    note: Callable[[str], None] = lambda text: None      # what distcheck itself is waiting for
 
 
 @dataclass
@@ -244,7 +245,7 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     # Every node must name its launches alike for torch's rendezvous to pair them.
     launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
     check_endpoint_address(options.nodes)
-    cluster = ClusterStore(options.nodes) if options.nodes.multi else None
+    cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None
     started = time.time()
     state = RunState()
     specs = unique_names(specs)

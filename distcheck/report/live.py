@@ -180,6 +180,9 @@ class LiveView:
             self.console.print(f"  RUN  {spec.name}  [{index + 1}/{total}]", style="dim", markup=False,
                                highlight=False, soft_wrap=True)
 
+    def note(self, text: str) -> None:
+        self.console.print(f"  {text}", style="dim", markup=False, highlight=False, soft_wrap=True)
+
     def on_poll(self, progress: Mapping[int, RankProgress], idle_s: float) -> None:
         with self._lock:
             state = LiveState(name=self.state.name, index=self.state.index, total=self.state.total,
