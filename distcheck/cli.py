@@ -95,6 +95,7 @@ def run(
     from distcheck.discovery import resolve_run_targets
     from distcheck.report import json_report, terminal
     from distcheck.report.live import LiveView
+    from distcheck.rundir import make_run_dir
     from distcheck.runner import RunHooks, RunOptions, resolve_backend, run_targets
 
     if backend not in ("auto", "gloo", "nccl"):
@@ -109,6 +110,8 @@ def run(
     _positive("--rdzv-timeout", rdzv_timeout)
     nodes = node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_timeout,
                         master_addr, master_port, store_port, local_addr)
+    if run_dir is not None:
+        make_run_dir(run_dir)   # a bad --run-dir is refused now, before torch is imported
     targets, script_args = _split_script_args(list(targets or []))
     specs = resolve_run_targets(targets, module=module, script_args=script_args)
     nproc = nproc_per_node or _default_nproc(backend)

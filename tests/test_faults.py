@@ -524,9 +524,11 @@ def test_unwritable_run_dir_is_a_clear_error_before_launch(distcheck, tmp_path, 
     source = tmp_path / "hang.py"
     source.write_text(HANG)
     target = where.format(tmp=tmp_path)
-    r = distcheck("run", str(source), "--nproc-per-node", "2", "--run-dir", target, json=False, timeout=120)
+    r = distcheck("run", str(source), "--nproc-per-node", "2", "--run-dir", target, json=False, timeout=120,
+                  env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 3, r.stderr[-2000:]
     assert message in r.stderr and "--run-dir" in r.stderr and "Traceback" not in r.stderr
+    assert not [line for line in r.stderr.splitlines() if line.endswith("| torch")]   # refused before torch loads
     assert not survivors(target)
 
 
