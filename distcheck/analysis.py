@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.models import Event, Finding, RankDetail, RankOutcome
-from distcheck.text import field_value, id_list, plural, rank_list, signed, site
+from distcheck.text import field_value, gib, id_list, plural, rank_list, signed, site
 
 # Fingerprint fields compared across ranks: (name in findings, Event attribute).
 COMPARED = (
@@ -53,6 +53,7 @@ class RunFacts:
     detected_at: float | None = None     # wall time the stall was declared
     timeout_s: float | None = None
     straggler_min_lag_s: float = 0.1
+    oom_kills: int | None = None         # OOM kills counted in distcheck's memory cgroup (None: no counter)
 
 
 # -- matching ---------------------------------------------------------------
@@ -496,10 +497,13 @@ def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
                            note=_whereabouts(r, outcomes[r])) for r in peers]
     last = inside or root.last_event
     data = {"root_rank": root.rank, "exception": root.exception, "signal": root.signal, "exit_code": root.exit_code}
+    if root.signal == "SIGKILL":
+        data.update(oom_kills=facts.oom_kills, rss_bytes=root.rss_bytes, peak_rss_bytes=root.peak_rss_bytes)
     if cause is not None:
         data["caused_by"] = {"kind": cause.kind, "group": cause.group, "seq": cause.seq, "fields": list(cause.fields)}
     return [Finding(
-        kind="crash", severity="error", summary=_crash_summary(root, inside, cause, crashed, outcomes),
+        kind="crash", severity="error",
+        summary=_crash_summary(root, inside, cause, crashed, outcomes) + _sigkill_note(root, facts),
         op=last.op if last else None, group=last.group if last else None, seq=last.seq if last else None,
         label=last.label if last else None, callsite=root.where or (inside.callsite if inside else None),
         odd_ranks=(root.rank,), ranks=tuple(details), data=data,
@@ -531,6 +535,24 @@ def _crash_summary(root: RankOutcome, inside: Event | None, cause: Finding | Non
     if groups:
         summary += "; meanwhile " + "; ".join(f"{rank_list(rs)} {w}" for w, rs in groups.items())
     return summary + "."
+
+
+def _sigkill_note(o: RankOutcome, facts: RunFacts) -> str:
+    """Who sent a SIGKILL that distcheck did not send: the OOM killer, as far as the facts say."""
+    if o.signal != "SIGKILL":
+        return ""
+    used = ""
+    if o.rss_bytes is not None:
+        used = f"; rank {o.rank} was last seen using {gib(o.rss_bytes)} resident"
+        if o.peak_rss_bytes and o.peak_rss_bytes > o.rss_bytes:
+            used += f" (peak {gib(o.peak_rss_bytes)})"
+    if facts.oom_kills:
+        return (f" The kernel's OOM killer sent that SIGKILL: the memory cgroup distcheck runs in counted "
+                f"{plural(facts.oom_kills, 'OOM kill')} during the run{used}.")
+    if facts.oom_kills == 0:
+        return (f" distcheck did not send that SIGKILL, and the memory cgroup it runs in counted no OOM kill during "
+                f"the run: it came from elsewhere (a scheduler, an operator, another cgroup's OOM killer){used}.")
+    return f" distcheck did not send that SIGKILL; the kernel's OOM killer is the usual sender (see dmesg){used}."
 
 
 # -- counts ------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from distcheck import procs, rendezvous
+from distcheck import memory, procs, rendezvous
 from distcheck.cluster import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.rankfiles import LaunchFiles
@@ -63,6 +63,7 @@ class LaunchOutcome:
     watchdog: WatchdogResult
     failures: dict[int, RankFailure] = field(default_factory=dict)
     error: str | None = None
+    oom_kills: int | None = None          # OOM kills in distcheck's memory cgroup during the launch
 
 
 @contextlib.contextmanager
@@ -182,6 +183,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         worker_env["DISTCHECK_FLIGHT_RECORDER"] = "1"
     watchdog = Watchdog(files, spec.world_size, spec.limits, on_poll=on_poll, channel=spec.channel)
     started = time.time()
+    oom_before = memory.oom_kills()
     end_reason = "completed"
     failures: dict[int, RankFailure] = {}
     error = None
@@ -218,4 +220,5 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             end_reason = "crash"
         elif error:
             raise LaunchError(f"could not run the job: {error}", "run 'distcheck env' to check the setup")
-    return LaunchOutcome(end_reason, started, time.time(), watchdog.result, failures, error)
+    return LaunchOutcome(end_reason, started, time.time(), watchdog.result, failures, error,
+                         oom_kills=memory.oom_kills_since(oom_before))

@@ -113,6 +113,8 @@ class RankOutcome:
     # PyTorch Flight Recorder per process group: last enqueued / started / completed collective
     # (GPU-side truth on NCCL, where "exit" only means enqueued), when it was dumped.
     flight_recorder: dict[str, dict[str, int]] | None = None
+    rss_bytes: int | None = None        # resident memory when last seen alive (sampled by the watchdog)
+    peak_rss_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -179,10 +179,12 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
     if waiting_in is not None and waiting_in.t_exit is not None and waiting_in is not events[-1]:
         waiting_in = None   # an older call that failed and was survived: not where the rank is now
     state, where = _state(f, launch, killed_by_us, waiting_in)
+    seen = launch.watchdog.last_progress.get(f.rank)
     return RankOutcome(
         rank=f.rank, state=state, host=f.status.get("host", ""), node=f.status.get("node", 0), pid=f.status.get("pid"),
         exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
         where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
         exception=f.status.get("exception"), traceback=f.status.get("traceback"), phase=f.status.get("phase"),
         flight_recorder=f.flight_recorder,
+        rss_bytes=seen.rss_bytes if seen else None, peak_rss_bytes=seen.peak_rss_bytes if seen else None,
     )

@@ -187,7 +187,7 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
     check_script_was_distributed(spec, run, outcome.end_reason)
     facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
-                     timeout_s=options.timeout)
+                     timeout_s=options.timeout, oom_kills=outcome.oom_kills)
     events = {r: t.events for r, t in run.traces.items()}
     findings = analyze(events, run.outcomes, facts, run.results) + health_findings(run.results)
     observed = observed_kinds(findings)
@@ -213,6 +213,7 @@ def launch_summary(outcome: LaunchOutcome) -> dict:
         "end_reason": outcome.end_reason,
         "failures": {str(r): [f.exit_code, f.signal, f.pid] for r, f in outcome.failures.items()},
         "killed_ranks": list(w.killed_ranks),
+        "oom_kills": outcome.oom_kills,
     }
 
 
@@ -228,7 +229,9 @@ def merge_node_summaries(outcome: LaunchOutcome, summaries: list[dict]) -> Launc
         failures.update({int(r): RankFailure(*f) for r, f in s["failures"].items()})
         w.killed_ranks = tuple(sorted(set(w.killed_ranks) | set(s["killed_ranks"])))
     end_reason = min(reasons, key=lambda r: END_REASON_PRIORITY.index(r) if r in END_REASON_PRIORITY else 99)
-    return dataclasses.replace(outcome, failures=failures, end_reason=end_reason)
+    counts = [c for c in [outcome.oom_kills] + [s.get("oom_kills") for s in summaries] if c is not None]
+    return dataclasses.replace(outcome, failures=failures, end_reason=end_reason,
+                               oom_kills=sum(counts) if counts else None)
 
 
 def pg_timeout(options: RunOptions) -> float:

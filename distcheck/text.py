@@ -77,3 +77,8 @@ def signed(x: float) -> str:
     """'+1', '-0.125': a difference with its sign."""
     text = f"{x:+.6g}"
     return text[:-2] if text.endswith(".0") else text
+
+
+def gib(n: int) -> str:
+    """Bytes as MiB below a GiB, else GiB with one decimal."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

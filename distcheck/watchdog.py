@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from distcheck import procs
+from distcheck import memory, procs
 from distcheck.rankfiles import LaunchFiles
 
 STARTED_PHASES = ("running", "finished", "error")
@@ -37,6 +37,8 @@ class RankProgress:
     current: str | None = None   # "all_reduce #12 [group 0]" while inside a collective
     since: float | None = None   # wall time the current collective started
     label: str | None = None     # entry point of the current collective ("BinaryAUROC.compute")
+    rss_bytes: int | None = None       # resident memory when last seen alive
+    peak_rss_bytes: int | None = None  # the most it was seen using
 
     @property
     def dead(self) -> bool:
@@ -109,6 +111,15 @@ class RankMonitor:
         self.world_size = world_size
         self._cursors = {r: _TraceCursor() for r in range(world_size)}
         self.status: dict[int, dict] = {}
+        self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
+
+    def _sample_memory(self, rank: int, pid: int | None) -> tuple[int | None, int | None]:
+        """Last and peak resident memory; a dead rank keeps what it was last seen using."""
+        now = memory.resident_bytes(pid)
+        if now:   # 0: a dying process whose memory the kernel already reclaimed
+            _, peak = self._rss.get(rank, (0, 0))
+            self._rss[rank] = (now, max(now, peak))
+        return self._rss.get(rank, (None, None))
 
     def pids(self) -> dict[int, int]:
         return {r: s["pid"] for r, s in self.status.items() if s.get("pid")}
@@ -173,11 +184,12 @@ class RankMonitor:
             current = since = label = None
             if cur.open:
                 current, since, label = next(reversed(cur.open.values()))
+            alive = procs.is_alive(status.get("pid")) if status else True
+            rss, peak = self._sample_memory(rank, status.get("pid") if status and alive else None)
             out[rank] = RankProgress(
                 records=cur.records, open_collectives=len(cur.open),
-                phase=status.get("phase") if status else None,
-                alive=procs.is_alive(status.get("pid")) if status else True,
-                current=current, since=since, label=label,
+                phase=status.get("phase") if status else None, alive=alive,
+                current=current, since=since, label=label, rss_bytes=rss, peak_rss_bytes=peak,
             )
         return out
 

@@ -310,6 +310,22 @@ def test_a_raised_exception_is_the_root_cause_and_the_peers_are_described():
     assert "caused_by" not in crash.data
 
 
+@pytest.mark.parametrize("oom_kills, says", [
+    (2, "The kernel's OOM killer sent that SIGKILL: the memory cgroup distcheck runs in counted 2 OOM kills"),
+    (0, "distcheck did not send that SIGKILL, and the memory cgroup it runs in counted no OOM kill"),
+    (None, "distcheck did not send that SIGKILL; the kernel's OOM killer is the usual sender (see dmesg)"),
+])
+def test_a_sigkill_says_what_the_oom_counter_says_and_the_memory_last_seen(oom_kills, says):
+    traces = traces_of(*(ev(r, s, done=not (s == 2 and r == 0)) for r in (0, 1) for s in (1, 2) if (r, s) != (1, 2)))
+    outcomes = {0: RankOutcome(rank=0, state="stuck", last_event=traces[0][-1]),
+                1: RankOutcome(rank=1, state="crashed", signal="SIGKILL", exit_code=-9, last_event=traces[1][-1],
+                               rss_bytes=3 * 2**30, peak_rss_bytes=5 * 2**30)}
+    [crash] = analyze(traces, outcomes, RunFacts(world_size=2, end_reason="crash", oom_kills=oom_kills))
+    assert says in crash.summary
+    assert crash.summary.endswith("rank 1 was last seen using 3.0 GiB resident (peak 5.0 GiB).")
+    assert crash.data["oom_kills"] == oom_kills and crash.data["peak_rss_bytes"] == 5 * 2**30
+
+
 # -- wrong numbers -------------------------------------------------------------------
 
 

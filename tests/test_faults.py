@@ -12,9 +12,11 @@ report.json, `distcheck env` redaction) are not repeated here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import shlex
 import signal
 import socket
 import stat
@@ -59,7 +61,8 @@ def _inside(thread_id, name):
 
 @scenario(expect="crash")
 def sigkill_inside_all_reduce(ctx):
-    """Rank 1 is SIGKILLed while it waits inside all_reduce #3; rank 0 never comes."""
+    """The OOM killer, simulated: rank 1 allocates 256 MiB and is SIGKILLed while it waits
+    inside all_reduce #3; rank 0 never comes."""
     import torch
     import torch.distributed as dist
 
@@ -67,6 +70,7 @@ def sigkill_inside_all_reduce(ctx):
     dist.all_reduce(t)
     dist.all_reduce(t)
     if ctx.rank == 1:
+        ballast = torch.ones(64 * 2**20)   # 256 MiB, touched
         main = threading.get_ident()
 
         def killer():
@@ -261,13 +265,100 @@ def test_rank_sigkilled_inside_a_collective(faults):
     assert crash["data"]["root_rank"] == 1 and crash["data"]["signal"] == "SIGKILL"
     assert crash["op"] == "all_reduce" and crash["seq"] == 3
     assert "Rank 1 was killed by SIGKILL" in crash["summary"]
+    assert "distcheck did not send that SIGKILL" in crash["summary"]
+    assert crash["data"]["oom_kills"] in (0, None)          # a simulation: no OOM kill was counted
     r = ranks_of(s)
     assert r[1]["state"] == "crashed" and r[1]["collectives"] == 3
+    # sampled by the watchdog while the rank ran (the 256 MiB may or may not have been seen yet)
+    assert crash["data"]["rss_bytes"] == r[1]["rss_bytes"] and r[1]["rss_bytes"] > 50 * 2**20
+    assert r[1]["peak_rss_bytes"] >= r[1]["rss_bytes"]
     assert r[1]["where"].endswith(f"faults.py:{line_of(faults.source, 'KILLED-INSIDE')}:sigkill_inside_all_reduce")
     assert r[0]["state"] in ("killed", "running")          # never came: not blamed
     # the enter record written before the collective survived the SIGKILL; no exit record
     last = events(Path(s["launch_dir"]), 1)[-1]
     assert (last.op, last.seq, last.t_exit) == ("all_reduce", 3, None)
+
+
+OOM = '''
+import torch
+import torch.distributed as dist
+
+from distcheck import scenario
+
+
+@scenario(expect="crash")
+def rank1_eats_memory(ctx):
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        hog = []
+        while True:
+            hog.append(torch.ones(16 * 2**20))   # 64 MiB a step, touched, until the OOM killer comes
+    dist.all_reduce(t)
+'''
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A child memory cgroup of ours, limited to ``limit_bytes``; skips where cgroups are not writable."""
+    from distcheck.memory import CGROUP_ROOT
+
+    name = f"distcheck-oom-test-{os.getpid()}"
+    made = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        try:
+            if "memory" in controllers.split(","):                               # cgroup v1
+                made = CGROUP_ROOT / "memory" / path.lstrip("/") / name
+                made.mkdir()
+                (made / "memory.limit_in_bytes").write_text(str(limit_bytes))
+                with contextlib.suppress(OSError):                              # no swap accounting: fine
+                    (made / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+                break
+            if controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():   # cgroup v2
+                made = CGROUP_ROOT / path.lstrip("/") / name
+                made.mkdir()
+                (made / "memory.max").write_text(str(limit_bytes))
+                with contextlib.suppress(OSError):
+                    (made / "memory.swap.max").write_text("0")
+                break
+        except OSError as exc:
+            if made is not None and made.exists():
+                made.rmdir()
+            pytest.skip(f"cannot make a memory cgroup here: {exc}")
+    if made is None:
+        pytest.skip("no memory cgroup here")
+    try:
+        yield made
+    finally:
+        wait_for(lambda: not (made / "cgroup.procs").read_text().strip(), 30)
+        made.rmdir()
+
+
+def test_a_rank_killed_by_the_real_oom_killer_is_named_as_such(tmp_path):
+    source = tmp_path / "oom.py"
+    source.write_text(OOM)
+    run_dir = tmp_path / "run"
+    with memory_cgroup(1536 * 2**20) as cgroup:
+        # distcheck itself starts inside the cgroup, so its ranks (and its OOM counter) are there too
+        command = shlex.join([sys.executable, "-m", "distcheck", "run", str(source), "--nproc-per-node", "2",
+                              "--backend", "gloo", "--run-dir", str(run_dir), "--json", str(tmp_path / "r.json")])
+        proc = subprocess.Popen(["sh", "-c", f"echo $$ > {cgroup}/cgroup.procs && exec {command}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                cwd=tmp_path)
+        try:
+            out, err = proc.communicate(timeout=240)
+        finally:
+            kill_tree(proc)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    [s] = json.loads((tmp_path / "r.json").read_text())["scenarios"]
+    crash = crash_of(s)
+    assert crash["data"]["root_rank"] == 1 and crash["data"]["signal"] == "SIGKILL"
+    assert crash["data"]["oom_kills"] >= 1
+    assert "The kernel's OOM killer sent that SIGKILL" in crash["summary"]
+    assert crash["data"]["peak_rss_bytes"] > 512 * 2**20      # it was seen growing
+    assert ranks_of(s)[0]["state"] in ("stuck", "killed")     # waiting in all_reduce #2: not blamed
+    assert not survivors(str(run_dir))
 
 
 @pytest.mark.parametrize("name, sig, marker", [

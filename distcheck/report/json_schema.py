@@ -19,6 +19,7 @@ RANK = {
         "rank": {"type": "integer", "minimum": 0}, "host": {"type": "string"}, "pid": _INT_OR_NULL,
         "state": {"enum": list(RANK_STATES)}, "exit_code": _INT_OR_NULL, "signal": _STR_OR_NULL,
         "collectives": {"type": "integer", "minimum": 0}, "where": _STR_OR_NULL, "stack": _STR_OR_NULL,
+        "rss_bytes": _INT_OR_NULL, "peak_rss_bytes": _INT_OR_NULL,
     },
 }
 
