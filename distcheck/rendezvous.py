@@ -66,7 +66,7 @@ def bound_tcp_store(host: str, port: int, timeout_s: float = 60.0) -> Any:
 # One rendezvous store per endpoint for the whole distcheck run, not one per launch (torch's
 # lifetime): the store dies with the launch's handler, and in a multi-node run a node still
 # closing the previous round then talks to a closed port, which a c10d client does not take
-# as refused but retries for its whole timeout (300 s).
+# as refused but retries for its whole timeout.
 _kept_stores: dict[tuple[str, int, bool], Any] = {}
 
 
