@@ -329,6 +329,9 @@ def env_cmd(
 
 def main() -> None:
     """Entry point: one error boundary mapping known failures to a line and an exit code."""
+    from distcheck.launcher import quiet_native_warnings
+
+    quiet_native_warnings()
     try:
         code = app(standalone_mode=False)   # returns the typer.Exit code instead of exiting
         sys.exit(code if isinstance(code, int) else 0)

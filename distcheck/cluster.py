@@ -17,10 +17,12 @@ import ipaddress
 import json
 import os
 import socket
+import functools
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import psutil
 
@@ -218,6 +220,7 @@ class ClusterStore:
                 note(f"node {config.node_rank}: waiting for node 0's distcheck at {host}:{port} "
                      f"(up to {config.rdzv_timeout:g} s)")
                 self.store = _connect(host, port, config.rdzv_timeout)
+                _start_heartbeat(_connect(host, port, config.rdzv_timeout), config.node_rank)
         except (RuntimeError, OSError) as exc:
             role = "host" if leader else "reach node 0's"
             raise LaunchError(
@@ -231,34 +234,80 @@ class ClusterStore:
         from torch.distributed import PrefixStore
 
         prefix = f"distcheck/{self.config.rdzv_id}/{name}"
-        return LaunchChannel(PrefixStore(prefix, self.store), self.config, world_size)
+        return LaunchChannel(PrefixStore(prefix, self.store), self.config, world_size, self.liveness)
+
+    @functools.cached_property
+    def liveness(self) -> NodeLiveness:
+        return NodeLiveness(self.store, self.config.nnodes)
 
 
-def wait_for_keys(store: Any, keys: list[str], timeout_s: float, slice_s: float = 0.5) -> bool:
-    """Wait until every key is set, in short slices: Python runs signal handlers only
-    between C calls, so one long ``store.wait`` would hold off Ctrl-C for minutes."""
-    from torch.distributed import DistNetworkError, DistStoreError
+HEARTBEAT_S = 1.0
+SILENT_AFTER_S = 10.0   # a node whose distcheck has not beaten for this long is gone
+
+
+def _start_heartbeat(store: Any, node_rank: int) -> None:
+    """Every node but 0 says it is alive, on its own connection, for as long as its distcheck runs."""
+    def beat() -> None:
+        try:
+            while True:
+                store.add(f"heartbeat/{node_rank}", 1)
+                time.sleep(HEARTBEAT_S)
+        except RuntimeError:
+            return   # node 0's store is gone: the waits of the main thread say so
+
+    threading.Thread(target=beat, name="distcheck-heartbeat", daemon=True).start()
+
+
+class NodeLiveness:
+    """Node 0's view of the other nodes' heartbeats: who has gone silent."""
+
+    def __init__(self, store: Any, nnodes: int, silent_after_s: float = SILENT_AFTER_S) -> None:
+        self.store = store
+        self.silent_after_s = silent_after_s
+        self._seen: dict[int, tuple[int, float]] = {n: (-1, time.monotonic()) for n in range(1, nnodes)}
+        self.lost: list[int] = []    # went silent before sending a launch's traces
+
+    def silent(self, nodes: Iterable[int]) -> list[int]:
+        """Those of ``nodes`` whose heartbeat has not moved for ``silent_after_s``."""
+        now = time.monotonic()
+        out = []
+        for node in nodes:
+            count = self.store.add(f"heartbeat/{node}", 0)
+            last, since = self._seen[node]
+            if count != last:
+                self._seen[node] = (count, now)
+            elif now - since > self.silent_after_s:
+                out.append(node)
+        return out
+
+
+def wait_for_keys(store: Any, keys: list[str], timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Wait until every key is set, polling: Python runs signal handlers only between C
+    calls, so one long ``store.wait`` would hold off Ctrl-C for minutes (and short ones
+    make c10d log a warning per timeout)."""
+    from torch.distributed import DistNetworkError
 
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            store.wait(keys, datetime.timedelta(seconds=max(0.01, min(slice_s, deadline - time.monotonic()))))
-            return True
-        except DistStoreError:   # this slice timed out
+    try:
+        while not store.check(keys):
             if time.monotonic() >= deadline:
                 return False
-        except DistNetworkError as exc:
-            raise LaunchError(f"lost the connection to node 0's distcheck store: {str(exc).splitlines()[0]}",
-                              "node 0's distcheck has probably ended; its report, if any, is in its run dir") from None
+            time.sleep(poll_s)
+    except DistNetworkError as exc:
+        raise LaunchError(f"lost the connection to node 0's distcheck store: {str(exc).splitlines()[0]}",
+                          "node 0's distcheck has probably ended; its report, if any, is in its run dir") from None
+    return True
 
 
 class LaunchChannel:
     """One launch's keys: progress of each node's ranks, the decision, the bundles, the result."""
 
-    def __init__(self, store: Any, config: NodeConfig, world_size: int) -> None:
+    def __init__(self, store: Any, config: NodeConfig, world_size: int, liveness: NodeLiveness | None = None) -> None:
         self.store = store
         self.config = config
         self.world_size = world_size
+        self.liveness = liveness
+        self.lost_nodes: list[int] = []    # node 0: nodes that went silent before sending their traces
         self._nodes = [f"progress/{n}" for n in range(config.nnodes)]
 
     @property
@@ -302,15 +351,30 @@ class LaunchChannel:
         self.store.set(f"bundle/{self.config.node_rank}", json.dumps(bundle))
 
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:
-        """Node 0: every other node's bundle, written into this launch's directory."""
-        keys = [f"bundle/{n}" for n in range(1, self.config.nnodes)]
-        if not wait_for_keys(self.store, keys, timeout_s):
-            missing = [k.split("/")[1] for k in keys if not self.store.check([k])]
-            raise LaunchError(f"node(s) {', '.join(missing)} sent no traces within {timeout_s:g} s",
-                              "check that distcheck is still running there") from None
+        """Node 0: every other node's bundle, written into this launch's directory.
+
+        A node whose distcheck went silent (killed, its machine gone) is not waited for:
+        it is named in ``lost_nodes`` and its ranks are left without traces.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(range(1, self.config.nnodes))
+        while True:
+            pending = [n for n in pending if not self.store.check([f"bundle/{n}"])]
+            silent = self.liveness.silent(pending) if self.liveness is not None else []
+            if not pending or sorted(silent) == pending:
+                break
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"node(s) {', '.join(map(str, pending))} sent no traces within {timeout_s:g} s",
+                                  "check that distcheck is still running there")
+            wait_for_keys(self.store, [f"bundle/{n}" for n in pending], min(1.0, timeout_s))
+        self.lost_nodes = pending
+        if self.liveness is not None:
+            self.liveness.lost = sorted(set(self.liveness.lost) | set(pending))
         summaries = []
-        for key in keys:
-            bundle = json.loads(self.store.get(key))
+        for node in range(1, self.config.nnodes):
+            if node in self.lost_nodes:
+                continue
+            bundle = json.loads(self.store.get(f"bundle/{node}"))
             for rel, text in bundle["files"].items():
                 path = files.root / rel
                 if not path.exists():
@@ -320,9 +384,10 @@ class LaunchChannel:
         return summaries
 
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
-        """Publish the verdict, then stay until every node has read it: the store ends with node 0."""
+        """Publish the verdict, then stay until every live node has read it: the store ends with node 0."""
         self.store.set("result", json.dumps(result))
-        wait_for_keys(self.store, [f"read/{n}" for n in range(1, self.config.nnodes)], timeout_s)
+        readers = [n for n in range(1, self.config.nnodes) if n not in self.lost_nodes]
+        wait_for_keys(self.store, [f"read/{n}" for n in readers], timeout_s)
         # (a node that went away says so itself)
 
     def result(self, timeout_s: float) -> dict[str, Any]:

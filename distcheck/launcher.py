@@ -66,6 +66,18 @@ class LaunchOutcome:
     oom_kills: int | None = None          # OOM kills in distcheck's memory cgroup during the launch
 
 
+_workers_cpp_log_level: str | None = None
+
+
+def quiet_native_warnings() -> None:
+    """Call before torch loads. c10d logs a C++ warning with a backtrace for every store
+    connection that drops, which is how every node's ending looks; distcheck reports
+    those itself. The ranks keep the user's level (their warnings are the job's)."""
+    global _workers_cpp_log_level
+    _workers_cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+
+
 @contextlib.contextmanager
 def _worker_environment(extra: dict[str, str]) -> Iterator[None]:
     """Environment the agent copies into every worker, restored afterwards."""
@@ -177,6 +189,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCHELASTIC_ERROR_FILE": "",
         **_network_environment(spec),
+        **({"TORCH_CPP_LOG_LEVEL": _workers_cpp_log_level} if _workers_cpp_log_level else {}),
     }
     if spec.flight_recorder:
         worker_env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")
@@ -213,6 +226,10 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             end_reason = "timeout"
         elif decision is Decision.MAX_DURATION:
             end_reason = "max_duration"
+        elif decision is Decision.FAILED and watchdog.result.lost_node_0:
+            raise LaunchError(f"lost node 0's distcheck mid-run (killed, or its machine lost): "
+                              f"{watchdog.result.error}; this node's ranks were stopped",
+                              f"this node's traces are in {files.root} ('distcheck analyze' reads them)")
         elif decision is Decision.FAILED:
             raise LaunchError(f"the watchdog failed and ended the job: {watchdog.result.error}",
                               f"the traces so far are in {files.root}; please report this as a distcheck bug")

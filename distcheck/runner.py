@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from distcheck import __version__, batch, rundir
 from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
-from distcheck.errors import UsageError
+from distcheck.errors import LaunchError, UsageError
 from distcheck.health import first_tables, health_findings
 from distcheck.cluster import ClusterStore, NodeConfig, check_endpoint_address, node_address
 from distcheck.launcher import LaunchOutcome, LaunchSpec, RankFailure, launch
@@ -31,6 +31,7 @@ from distcheck.discovery import ScriptSpec, Target
 from distcheck.outcomes import CollectedRun, collect
 from distcheck.rankfiles import LaunchFiles, write_json_atomic
 from distcheck.scenario import ScenarioSpec
+from distcheck.text import plural
 from distcheck.watchdog import Limits
 
 OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")
@@ -278,11 +279,25 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
             break
         if any(r.end_reason == "timeout" for r in results):
             break
+        if cluster is not None and cluster.liveness.lost:
+            break
     state.results.sort(key=lambda r: position.get(r.name, len(position)))
     report = Report(run=run_info(options, run_dir, started), scenarios=tuple(state.results),
                     interrupted=state.interrupted)
     write_json_atomic(run_dir / "report.json", report.to_dict())
+    if cluster is not None and cluster.liveness.lost:
+        raise lost_nodes_error(cluster.liveness.lost, state.results[-1].name, len(specs) - len(state.results),
+                               run_dir)
     return report
+
+
+def lost_nodes_error(lost: list[int], scenario: str, not_run: int, run_dir: Path) -> LaunchError:
+    nodes = ", ".join(map(str, lost))
+    return LaunchError(
+        f"node {nodes} went silent during {scenario} (its distcheck was killed, or its machine lost) before "
+        f"sending its ranks' traces; {plural(not_run, 'scenario')} did not run",
+        f"the report so far, without those ranks' traces, is {run_dir / 'report.json'}; "
+        f"their traces stay in the run dir on node {nodes}")
 
 
 def unique_names(specs: list[Target]) -> list[Target]:

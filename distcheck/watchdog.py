@@ -202,6 +202,7 @@ class WatchdogResult:
     torn_down_at: float | None = None
     killed_ranks: tuple[int, ...] = ()   # ranks alive when distcheck ended the run
     error: str | None = None             # why the watchdog itself failed
+    lost_node_0: bool = False            # multi-node: node 0's distcheck went away mid-launch
     last_progress: dict[int, RankProgress] = field(default_factory=dict)
 
 
@@ -233,7 +234,9 @@ class Watchdog(threading.Thread):
         try:
             self._watch()
         except Exception as exc:   # a watchdog that dies silently would let the job hang forever
-            self.result.error = f"{type(exc).__name__}: {exc}"
+            self.result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            # a store connection that drops is node 0's distcheck ending, not a bug of ours
+            self.result.lost_node_0 = self.channel is not None and type(exc).__name__ == "DistNetworkError"
             self.result.decision = Decision.FAILED
             self.result.detected_at = time.time()
             self._tear_down({})

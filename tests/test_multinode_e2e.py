@@ -83,6 +83,43 @@ def test_two_nodes_one_merged_report_with_a_hang_across_nodes(tmp_path):
     assert not survivors(str(tmp_path))
 
 
+def test_a_node_whose_distcheck_is_killed_mid_run_ends_the_run_with_the_report_so_far(tmp_path):
+    port = free_port()
+    targets = ["auroc_rank0_only_compute", "collectives_sanity", "--stall-timeout", "5", "--rdzv-timeout", "30"]
+    procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
+    try:
+        assert wait_for(lambda: _initialized(tmp_path, "auroc_rank0_only_compute", {0: [0, 1], 1: [2, 3]}), 120)
+        procs[1].kill()                                       # node 1's distcheck; its ranks die with it
+    finally:
+        [(rc0, out0, err0), _] = _finish(procs, 180)
+    assert rc0 == 3, out0[-2000:] + err0[-2000:]
+    assert "node 1 went silent during auroc_rank0_only_compute" in err0 and "1 scenario did not run" in err0
+    assert "Traceback" not in err0 and "waitForInput" not in err0
+    report = json.loads((tmp_path / "node0" / "report.json").read_text())
+    [scenario] = report["scenarios"]
+    assert scenario["name"] == "auroc_rank0_only_compute" and scenario["observed"] == ["hang"]
+    assert not survivors(str(tmp_path))
+
+
+def test_losing_node_0_mid_run_stops_the_other_node_at_once_with_a_clear_error(tmp_path):
+    port = free_port()
+    targets = ["auroc_rank0_only_compute", "--stall-timeout", "60"]
+    procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
+    try:
+        assert wait_for(lambda: _initialized(tmp_path, "auroc_rank0_only_compute", {0: [0, 1], 1: [2, 3]}), 120)
+        procs[0].kill()
+        killed = time.monotonic()
+    finally:
+        [_, (rc1, out1, err1)] = _finish(procs, 120)
+    assert time.monotonic() - killed < 30                    # not the 60 s stall timeout, nor a store timeout
+    assert rc1 == 3, out1[-2000:] + err1[-2000:]
+    assert "lost node 0's distcheck mid-run" in err1 and "distcheck analyze" in err1
+    assert "Traceback" not in err1 and "frame #" not in err1   # no C++ backtraces from c10d either
+    assert sorted(p.name for p in (tmp_path / "node1" / "auroc_rank0_only_compute" / "traces").iterdir()) == [
+        "rank2.trace", "rank3.trace"]
+    assert not survivors(str(tmp_path))
+
+
 def test_a_node_that_never_arrives_is_a_clear_rendezvous_error(tmp_path):
     port = free_port()
     start = time.monotonic()
