@@ -640,6 +640,29 @@ def test_a_run_dir_with_no_room_is_a_clear_error_before_launch(tmp_path):
     assert not list(run.glob("*/traces")) and not survivors(str(run))
 
 
+@pytest.mark.parametrize("options, message, hint", [
+    ("ro,size=1m", "Read-only file system", "pick a writable place with --run-dir"),
+    ("size=32k", "No space left on device", "free some space there"),
+])
+def test_a_read_only_or_full_file_system_is_a_clear_error_before_launch(tmp_path, options, message, hint):
+    """Real file systems: a tmpfs mounted read-only, and one too small for the 64 KiB probe."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        run = mount_point / "run"
+        proc = subprocess.run([sys.executable, "-m", "distcheck", "run", "collectives_sanity", "--nproc-per-node",
+                               "2", "--run-dir", str(run)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"cannot write the run directory {run}: {message}" in proc.stderr and hint in proc.stderr
+    assert "Traceback" not in proc.stderr and not survivors(str(run))
+
+
 # -- bad command lines (the ones test_run_e2e.py does not have) ------------------------
 
 
