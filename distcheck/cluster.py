@@ -21,7 +21,7 @@ import functools
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import psutil
@@ -319,12 +319,18 @@ class LaunchChannel:
         self.store.set(f"progress/{self.config.node_rank}", json.dumps(data))
 
     def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]:
+        """Every rank's progress; on node 0, the ranks of a node gone silent count as dead
+        (else a run whose live ranks are all idle would wait for them forever)."""
+        others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
+        silent = set(self.liveness.silent(others)) if self.is_leader and self.liveness is not None else set()
         merged: dict[int, RankProgress] = {}
-        for node, key in enumerate(self._nodes):
-            if node == self.config.node_rank or not self.store.check([key]):
+        for node in others:
+            key = self._nodes[node]
+            if not self.store.check([key]):
                 continue
             for r, p in json.loads(self.store.get(key)).items():
-                merged[int(r)] = RankProgress(**p)
+                merged[int(r)] = replace(RankProgress(**p), alive=False) if node in silent \
+                    else RankProgress(**p)
         merged.update(local)
         return merged
 

@@ -101,6 +101,39 @@ def test_a_node_whose_distcheck_is_killed_mid_run_ends_the_run_with_the_report_s
     assert not survivors(str(tmp_path))
 
 
+IDLE_WHILE_NODE_1_COMPUTES = '''
+import time
+
+import torch
+import torch.distributed as dist
+
+from distcheck import scenario
+
+
+@scenario(expect="pass")
+def node_1_computes_long(ctx):
+    dist.all_reduce(torch.ones(4))
+    if ctx.rank >= 2:
+        time.sleep(3600)      # node 1's ranks compute; node 0's are done and idle: nobody waits
+'''
+
+
+def test_a_silent_node_counts_as_dead_even_when_nobody_waits_for_it(tmp_path):
+    source = tmp_path / "compute.py"
+    source.write_text(IDLE_WHILE_NODE_1_COMPUTES)
+    port = free_port()
+    targets = [str(source), "--stall-timeout", "5"]
+    procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
+    try:
+        assert wait_for(lambda: _initialized(tmp_path, "node_1_computes_long", {0: [0, 1], 1: [2, 3]}), 120)
+        procs[1].kill()
+    finally:
+        [(rc0, out0, err0), _] = _finish(procs, 120)       # without heartbeats: no end at all
+    assert rc0 == 3, out0[-2000:] + err0[-2000:]
+    assert "node 1 went silent during node_1_computes_long" in err0
+    assert not survivors(str(tmp_path))
+
+
 def test_losing_node_0_mid_run_stops_the_other_node_at_once_with_a_clear_error(tmp_path):
     port = free_port()
     targets = ["auroc_rank0_only_compute", "--stall-timeout", "60"]
