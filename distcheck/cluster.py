@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import ipaddress
 import json
 import os
 import socket
-import functools
 import sys
 import threading
 import time
@@ -302,12 +302,11 @@ def wait_for_keys(store: Any, keys: list[str], timeout_s: float, poll_s: float =
 class LaunchChannel:
     """One launch's keys: progress of each node's ranks, the decision, the bundles, the result."""
 
-    def __init__(self, store: Any, config: NodeConfig, world_size: int, liveness: NodeLiveness | None = None) -> None:
+    def __init__(self, store: Any, config: NodeConfig, world_size: int, liveness: NodeLiveness) -> None:
         self.store = store
         self.config = config
         self.world_size = world_size
         self.liveness = liveness
-        self.lost_nodes: list[int] = []    # node 0: nodes that went silent before sending their traces
         self._nodes = [f"progress/{n}" for n in range(config.nnodes)]
 
     @property
@@ -322,7 +321,7 @@ class LaunchChannel:
         """Every rank's progress; on node 0, the ranks of a node gone silent count as dead
         (else a run whose live ranks are all idle would wait for them forever)."""
         others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
-        silent = set(self.liveness.silent(others)) if self.is_leader and self.liveness is not None else set()
+        silent = set(self.liveness.silent(others)) if self.is_leader else set()
         merged: dict[int, RankProgress] = {}
         for node in others:
             key = self._nodes[node]
@@ -360,25 +359,23 @@ class LaunchChannel:
         """Node 0: every other node's bundle, written into this launch's directory.
 
         A node whose distcheck went silent (killed, its machine gone) is not waited for:
-        it is named in ``lost_nodes`` and its ranks are left without traces.
+        it is added to ``liveness.lost`` and its ranks are left without traces.
         """
         deadline = time.monotonic() + timeout_s
         pending = list(range(1, self.config.nnodes))
         while True:
             pending = [n for n in pending if not self.store.check([f"bundle/{n}"])]
-            silent = self.liveness.silent(pending) if self.liveness is not None else []
+            silent = self.liveness.silent(pending)
             if not pending or sorted(silent) == pending:
                 break
             if time.monotonic() >= deadline:
                 raise LaunchError(f"node(s) {', '.join(map(str, pending))} sent no traces within {timeout_s:g} s",
                                   "check that distcheck is still running there")
             wait_for_keys(self.store, [f"bundle/{n}" for n in pending], min(1.0, timeout_s))
-        self.lost_nodes = pending
-        if self.liveness is not None:
-            self.liveness.lost = sorted(set(self.liveness.lost) | set(pending))
+        self.liveness.lost = sorted(set(self.liveness.lost) | set(pending))
         summaries = []
         for node in range(1, self.config.nnodes):
-            if node in self.lost_nodes:
+            if node in self.liveness.lost:
                 continue
             bundle = json.loads(self.store.get(f"bundle/{node}"))
             for rel, text in bundle["files"].items():
@@ -392,7 +389,7 @@ class LaunchChannel:
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
         """Publish the verdict, then stay until every live node has read it: the store ends with node 0."""
         self.store.set("result", json.dumps(result))
-        readers = [n for n in range(1, self.config.nnodes) if n not in self.lost_nodes]
+        readers = [n for n in range(1, self.config.nnodes) if n not in self.liveness.lost]
         wait_for_keys(self.store, [f"read/{n}" for n in readers], timeout_s)
         # (a node that went away says so itself)
 

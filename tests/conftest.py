@@ -73,6 +73,14 @@ def is_loopback_ip(ip: str) -> bool:
     return ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or ip.startswith("127.")
 
 
+def process_groups_initialized(status_files: list[Path]) -> bool:
+    """Every rank behind these status files has initialized its process group."""
+    try:
+        return all(json.loads(p.read_text()).get("pg_initialized") for p in status_files)
+    except (OSError, ValueError):
+        return False
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)

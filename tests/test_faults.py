@@ -28,7 +28,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import is_loopback_ip, kill_tree, listening_sockets, process_tree, run_distcheck, survivors, wait_for
+from conftest import (is_loopback_ip, kill_tree, listening_sockets, process_groups_initialized, process_tree,
+                      run_distcheck, survivors, wait_for)
 
 pytestmark = pytest.mark.e2e
 
@@ -553,14 +554,8 @@ def test_sigterm_mid_run_and_every_port_listens_on_loopback_only(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path)
     try:
         statuses = [run_dir / "rank1_sleeps" / "status" / f"rank{r}.json" for r in (0, 1)]
-
-        def initialized() -> bool:
-            try:
-                return all(json.loads(p.read_text()).get("pg_initialized") for p in statuses)
-            except (OSError, ValueError):
-                return False
-
-        assert wait_for(initialized, 120), "ranks never initialized their process group"
+        assert wait_for(lambda: process_groups_initialized(statuses), 120), \
+            "ranks never initialized their process group"
         tree = process_tree(proc.pid)
         listening = listening_sockets(tree)
         # the rendezvous store and the workers' store (distcheck), one gloo listener per rank

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from conftest import free_port, kill_tree, listening_sockets, process_tree, survivors, wait_for
+from conftest import (free_port, kill_tree, listening_sockets, process_groups_initialized, process_tree, survivors,
+                      wait_for)
 from distcheck.cluster import check_endpoint_address, node_address, node_config
 from distcheck.errors import LaunchError, UsageError
 
@@ -44,11 +45,8 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
 
 
 def _initialized(tmp_path, launch: str, ranks_of_node: dict[int, list[int]]) -> bool:
-    try:
-        return all(json.loads((tmp_path / f"node{n}" / launch / "status" / f"rank{r}.json").read_text())
-                   .get("pg_initialized") for n, ranks in ranks_of_node.items() for r in ranks)
-    except (OSError, ValueError):
-        return False
+    return process_groups_initialized([tmp_path / f"node{n}" / launch / "status" / f"rank{r}.json"
+                                       for n, ranks in ranks_of_node.items() for r in ranks])
 
 
 def test_two_nodes_one_merged_report_with_a_hang_across_nodes(tmp_path):
