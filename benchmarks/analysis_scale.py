@@ -65,7 +65,7 @@ def synthetic(ranks: int, collectives: int) -> tuple[dict, dict]:
 
 
 def run_analysis(traces, outcomes, ranks):
-    from distcheck.analysis import RunFacts, analyze
+    from distcheck.diagnose.rules import RunFacts, analyze
 
     facts = RunFacts(world_size=ranks, end_reason="stall", stall_onset=1.0, detected_at=6.0)
     return analyze(traces, outcomes, facts, {})
@@ -90,7 +90,7 @@ def real_trace_file(path: Path, calls: int) -> None:
     import torch
     from torch.distributed import ReduceOp
 
-    from distcheck.tracer import Tracer
+    from distcheck.rank.tracer import Tracer
 
     world = object()
     tracer = Tracer(path, 0, group_resolver=lambda pg: ("0", tuple(range(8))), default_group=lambda: world)
@@ -113,7 +113,7 @@ def real_trace_file(path: Path, calls: int) -> None:
 
 def first_format(data: bytes) -> bytes:
     """The same records in the first trace format (fingerprint inline, float seconds)."""
-    from distcheck.tracefile import NONE, encode_shapes, parse_trace
+    from distcheck.files.trace import NONE, encode_shapes, parse_trace
 
     trace = parse_trace(0, data)
     sites: dict[tuple, int] = {}
@@ -133,7 +133,7 @@ def first_format(data: bytes) -> bytes:
 
 def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list]:
     from distcheck.models import Event
-    from distcheck.tracefile import parse_trace, read_trace_dir
+    from distcheck.files.trace import parse_trace, read_trace_dir
 
     tmp = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
     real_trace_file(tmp / "one.trace", calls)

@@ -55,7 +55,7 @@ def distcheck_run(targets: list[str], args: argparse.Namespace, tag: str) -> tup
 
 
 def first_collective(launch_dir: str) -> float | None:
-    from distcheck.tracefile import read_trace_dir
+    from distcheck.files.trace import read_trace_dir
 
     traces = read_trace_dir(Path(launch_dir) / "traces")
     starts = [t.events[0].t_enter for t in traces.values() if t.events]

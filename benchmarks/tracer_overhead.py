@@ -51,7 +51,7 @@ def hot_path(rounds: int, block: int) -> list[list]:
     import torch
     from torch.distributed import ReduceOp
 
-    from distcheck.tracer import Tracer
+    from distcheck.rank.tracer import Tracer
 
     fake_world = object()
     trace_dir = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
@@ -143,7 +143,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import DebugLevel
 
-    from distcheck.tracer import Tracer
+    from distcheck.rank.tracer import Tracer
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])

@@ -91,12 +91,12 @@ def run(
     TARGETS: built-in scenario names, scenario files or folders (none: all built-ins), or ONE
     ordinary script that calls init_process_group itself: distcheck run train.py -- --lr 0.1
     """
-    from distcheck.cluster import node_config
+    from distcheck.launch.cluster import node_config
     from distcheck.discovery import resolve_run_targets
     from distcheck.report import json_report, terminal
     from distcheck.report.live import LiveView
-    from distcheck.rundir import make_run_dir
-    from distcheck.runner import RunHooks, RunOptions, resolve_backend, run_targets
+    from distcheck.files.run_dir import make_run_dir
+    from distcheck.session import RunHooks, RunOptions, resolve_backend, run_targets
 
     if backend not in ("auto", "gloo", "nccl"):
         raise UsageError(f"unknown backend {backend!r}", "use auto, gloo or nccl")
@@ -151,7 +151,7 @@ def run(
 def _write_formats(report, console: Console, *, junit_xml: Path | None, chrome_trace: Path | None,
                    timeline: bool, html: Path | None = None) -> None:
     """JUnit, Chrome trace and the HTML timeline (always into the run dir after a run)."""
-    from distcheck.runs import TIMELINE_FILE, load_events, write_outputs
+    from distcheck.files.saved_runs import TIMELINE_FILE, load_events, write_outputs
 
     run_dir = Path(report.run.run_dir)
     html_path = html or (run_dir / TIMELINE_FILE if timeline else None)
@@ -220,7 +220,7 @@ def list_scenarios(
 
     from distcheck.discovery import resolve_targets
     from distcheck.report import scenario_list
-    from distcheck.runner import missing_requirements
+    from distcheck.session import missing_requirements
 
     specs = resolve_targets(list(targets or []))
     missing = {spec.name: missing_requirements(spec) for spec in specs}
@@ -243,7 +243,7 @@ def report_cmd(
 ) -> None:
     """Re-render a saved run (terminal view and any format) from its report.json and traces, without re-running."""
     from distcheck.report import json_report, terminal
-    from distcheck.runs import load_run, write_outputs
+    from distcheck.files.saved_runs import load_run, write_outputs
 
     saved = load_run(run_dir)
     console = _console(json_path)
@@ -269,9 +269,9 @@ def analyze_cmd(
 ) -> None:
     """Post-mortem: read PyTorch Flight Recorder dumps (NCCL or gloo) or distcheck traces and report hangs,
     missing ranks and mismatches with the same analysis as a live run. Pickles are loaded without running code."""
-    from distcheck.postmortem import analyze_paths
+    from distcheck.diagnose.postmortem import analyze_paths
     from distcheck.report import json_report, terminal
-    from distcheck.runs import write_outputs
+    from distcheck.files.saved_runs import write_outputs
 
     result = analyze_paths(list(paths), world_size, command=shlex.join(["distcheck", *sys.argv[1:]]))
     console = _console(json_path)
@@ -299,7 +299,7 @@ def runs_cmd(
     import json
 
     from distcheck.report import runs_table
-    from distcheck.runs import list_runs
+    from distcheck.files.saved_runs import list_runs
 
     if limit < 1:
         raise UsageError(f"--limit must be at least 1 (got {limit})")
@@ -329,7 +329,7 @@ def env_cmd(
 
 def main() -> None:
     """Entry point: one error boundary mapping known failures to a line and an exit code."""
-    from distcheck.launcher import quiet_native_warnings
+    from distcheck.launch.launcher import quiet_native_warnings
 
     quiet_native_warnings()
     try:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distcheck.analysis import (
+from distcheck.diagnose.rules import (
     RunFacts, analyze, behaved_as_expected, collectives_compared, find_duplicates,
     find_stragglers, group_table, majority, observed_kinds,
 )

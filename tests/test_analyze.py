@@ -25,8 +25,8 @@ import pytest
 
 from conftest import REPO, finish_process
 from distcheck.errors import CorruptInputError, ExitCode, UsageError
-from distcheck.flight_recorder import _load_pickle, load_dump
-from distcheck.postmortem import analyze_paths
+from distcheck.files.flight_recorder import _load_pickle, load_dump
+from distcheck.diagnose.postmortem import analyze_paths
 from distcheck.report.json_schema import REPORT
 
 JOB = REPO / "tests" / "fr_job.py"

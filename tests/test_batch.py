@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from distcheck.batch import plan
+from distcheck.launch.batch import plan
 from distcheck.scenario import ScenarioSpec
-from distcheck.tracefile import split_segments
+from distcheck.files.trace import split_segments
 
 
 def spec(name: str, *expect: str) -> ScenarioSpec:

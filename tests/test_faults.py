@@ -223,7 +223,7 @@ def ranks_of(s: dict) -> dict[int, dict]:
 
 
 def events(launch_dir: Path, rank: int):
-    from distcheck.tracefile import read_trace_dir
+    from distcheck.files.trace import read_trace_dir
 
     return read_trace_dir(launch_dir / "traces")[rank].events
 
@@ -302,7 +302,7 @@ def rank1_eats_memory(ctx):
 @contextlib.contextmanager
 def memory_cgroup(limit_bytes: int):
     """A child memory cgroup of ours, limited to ``limit_bytes``; skips where cgroups are not writable."""
-    from distcheck.memory import CGROUP_ROOT
+    from distcheck.launch.memory import CGROUP_ROOT
 
     name = f"distcheck-oom-test-{os.getpid()}"
     made = None
@@ -525,7 +525,7 @@ def test_script_raising_after_then_before_init_in_a_reused_run_dir(distcheck, jo
 
 def test_launch_dir_in_use_by_a_live_run_is_refused(tmp_path):
     from distcheck.errors import LaunchError
-    from distcheck.rundir import prepare_launch_dir
+    from distcheck.files.run_dir import prepare_launch_dir
 
     launch = tmp_path / "run" / "scenario"
     (launch / "traces").mkdir(parents=True)
@@ -592,7 +592,7 @@ def test_rendezvous_port_already_in_use_is_a_clear_error_before_launch(distcheck
 
 
 def test_stores_bind_to_the_address_they_are_given():
-    from distcheck.rendezvous import bound_tcp_store
+    from distcheck.launch.rendezvous import bound_tcp_store
 
     store = bound_tcp_store("127.0.0.1", 0, timeout_s=10)
     listening = listening_sockets([psutil.Process()])

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import (free_port, kill_tree, listening_sockets, process_groups_initialized, process_tree, survivors,
                       wait_for)
-from distcheck.cluster import check_endpoint_address, node_address, node_config
+from distcheck.launch.cluster import check_endpoint_address, node_address, node_config
 from distcheck.errors import LaunchError, UsageError
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ import sys
 
 import psutil
 
-from distcheck.procs import terminate, terminate_tree
+from distcheck.launch.procs import terminate, terminate_tree
 
 SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, {handler}); print('ready', flush=True); time.sleep(120)"
 

@@ -3,7 +3,7 @@
 import faulthandler
 import threading
 
-from distcheck.stacks import main_stack, parse_dumps
+from distcheck.files.stacks import main_stack, parse_dumps
 
 
 def test_parses_two_real_dumps_and_finds_main_thread(tmp_path):

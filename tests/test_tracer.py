@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distcheck.rankfiles import LaunchFiles
-from distcheck.tracefile import parse_trace
-from distcheck.tracer import Tracer
-from distcheck.watchdog import RankMonitor
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.trace import parse_trace
+from distcheck.rank.tracer import Tracer
+from distcheck.launch.watchdog import RankMonitor
 
 THIS = os.path.abspath(__file__)
 
@@ -292,7 +292,7 @@ def test_time_resolution_is_microseconds(tmp_path):
 
 
 def test_segments_parse_on_their_own(tmp_path):
-    from distcheck.tracefile import split_segments
+    from distcheck.files.trace import split_segments
 
     path = tmp_path / "rank0.trace"
     tracer = _fake_tracer(path)

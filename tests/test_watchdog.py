@@ -1,6 +1,6 @@
 """StallDetector rules on synthetic observations (pure, injected clock)."""
 
-from distcheck.watchdog import Decision, Limits, RankProgress, StallDetector
+from distcheck.launch.watchdog import Decision, Limits, RankProgress, StallDetector
 
 
 def ranks(**by_rank: RankProgress) -> dict[int, RankProgress]:

@@ -5,7 +5,7 @@ collective a complete slice (``ph: X``) named ``op #seq label``, with the
 fingerprint and call site as args. Slices the findings name carry the category
 ``distcheck.<mark>`` and a warning colour; ranks that never came, crashes and the
 stall detection are instant events. Layout only: which slice is stuck or odd
-comes from the findings, joined in ``distcheck.timeline``.
+comes from the findings, joined in ``distcheck.report.timeline``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from distcheck.models import Event, Report
-from distcheck.timeline import ScenarioTimeline, build_all
+from distcheck.report.timeline import ScenarioTimeline, build_all
 
 # chrome://tracing's reserved colour names (Perfetto picks its own colours by name)
 COLOURS = {"stuck": "terrible", "odd": "terrible", "majority": "bad", "crashed": "terrible",

@@ -7,7 +7,7 @@ one file that a browser (or a bug tracker attachment) shows as is. Hover a box
 for its fingerprint (SVG ``<title>``).
 
 Layout only: what is marked, and why, comes from the findings via
-``distcheck.timeline``.
+``distcheck.report.timeline``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 from distcheck.models import Event, Report, ScenarioResult
 from distcheck.text import short_path
-from distcheck.timeline import ScenarioTimeline, Slice, build_all
+from distcheck.report.timeline import ScenarioTimeline, Slice, build_all
 
 WIDTH = 1180
 GUTTER = 190          # lane labels

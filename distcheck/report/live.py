@@ -22,7 +22,7 @@ from rich.text import Text
 
 from distcheck.report import terminal
 from distcheck.text import rank_list
-from distcheck.watchdog import RankProgress
+from distcheck.launch.watchdog import RankProgress
 
 MAX_ROWS = 12
 

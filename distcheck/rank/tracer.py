@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from time import time_ns
 from typing import Any, Callable
 
-from distcheck.callsite import CallsiteResolver
-from distcheck.tracefile import SEGMENT_TAG, NONE, TraceWriter, clean, encode_shapes
+from distcheck.rank.callsite import CallsiteResolver
+from distcheck.files.trace import SEGMENT_TAG, NONE, TraceWriter, clean, encode_shapes
 
 
 @dataclass(frozen=True)

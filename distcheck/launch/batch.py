@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distcheck.launcher import LaunchOutcome
-from distcheck.rankfiles import LaunchFiles, read_json, write_json_atomic
+from distcheck.launch.launcher import LaunchOutcome
+from distcheck.files.launch_dir import LaunchFiles, read_json, write_json_atomic
 from distcheck.scenario import ScenarioSpec
-from distcheck.tracefile import split_segments
-from distcheck.watchdog import WatchdogResult
+from distcheck.files.trace import split_segments
+from distcheck.launch.watchdog import WatchdogResult
 
 # Expectations whose scenarios end with a healthy process group.
 BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "health"})

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from distcheck import memory, procs, rendezvous
-from distcheck.cluster import gloo_interface
+from distcheck.launch import memory
+from distcheck.launch import procs
+from distcheck.launch import rendezvous
+from distcheck.launch.cluster import gloo_interface
 from distcheck.errors import LaunchError
-from distcheck.rankfiles import LaunchFiles
-from distcheck.watchdog import Decision, Limits, RankProgress, Watchdog, WatchdogResult
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.launch.watchdog import Decision, Limits, RankProgress, Watchdog, WatchdogResult
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class LaunchSpec:
     launch_dir: Path
     nproc_per_node: int
     backend: str
-    worker_args: tuple[str, ...]          # what follows ``python -m distcheck.worker``
+    worker_args: tuple[str, ...]          # what follows ``python -m distcheck.rank.worker``
     limits: Limits
     run_id: str
     device: str = "auto"
@@ -203,7 +205,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     with _worker_environment(worker_env), _quiet_elastic(), _restore_signal_handlers():
         watchdog.start()
         try:
-            elastic_launch(config, sys.executable)("-m", "distcheck.worker", *spec.worker_args)
+            elastic_launch(config, sys.executable)("-m", "distcheck.rank.worker", *spec.worker_args)
         except SignalException:
             end_reason = "interrupted"
         except KeyboardInterrupt:

@@ -4,7 +4,7 @@
 one set of Flight Recorder dumps (one file per rank, pickle or JSON), and any
 number of distcheck launch directories (``traces/rank*.trace`` plus status and
 stack files) — each becomes one ``ScenarioResult`` analysed by the very same
-``distcheck.analysis.analyze`` as a live run. File order never matters: every
+``distcheck.diagnose.rules.analyze`` as a live run. File order never matters: every
 rank is keyed by its number and the expected call is decided by majority.
 """
 
@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from distcheck import __version__
-from distcheck.analysis import RunFacts, analyze, collectives_compared, observed_kinds, behaved_as_expected
+from distcheck.diagnose.rules import RunFacts, analyze, collectives_compared, observed_kinds, behaved_as_expected
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.flight_recorder import CANNOT_TELL, Dump, load_dump, membership, rank_from_name, sniff, to_events
+from distcheck.files.flight_recorder import CANNOT_TELL, Dump, load_dump, membership, rank_from_name, sniff, to_events
 from distcheck.models import Event, Finding, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult
-from distcheck.rankfiles import LaunchFiles, read_json
-from distcheck.stacks import main_stack, parse_dumps, user_top
+from distcheck.files.launch_dir import LaunchFiles, read_json
+from distcheck.files.stacks import main_stack, parse_dumps, user_top
 from distcheck.text import rank_list
-from distcheck.tracefile import read_trace_dir
+from distcheck.files.trace import read_trace_dir
 
 FR_SCENARIO = "flight-recorder"
 

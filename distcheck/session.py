@@ -20,19 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck import __version__, batch, rundir
-from distcheck.analysis import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
+from distcheck import __version__
+from distcheck.launch import batch
+from distcheck.files import run_dir as rundir
+from distcheck.diagnose.rules import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.errors import LaunchError, UsageError
-from distcheck.health import first_tables, health_findings
-from distcheck.cluster import ClusterStore, NodeConfig, check_endpoint_address, node_address
-from distcheck.launcher import LaunchOutcome, LaunchSpec, RankFailure, launch
+from distcheck.diagnose.health import first_tables, health_findings
+from distcheck.launch.cluster import ClusterStore, NodeConfig, check_endpoint_address, node_address
+from distcheck.launch.launcher import LaunchOutcome, LaunchSpec, RankFailure, launch
 from distcheck.models import Report, RunInfo, ScenarioResult
 from distcheck.discovery import ScriptSpec, Target
-from distcheck.outcomes import CollectedRun, collect
-from distcheck.rankfiles import LaunchFiles, write_json_atomic
+from distcheck.diagnose.collect import CollectedRun, collect
+from distcheck.files.launch_dir import LaunchFiles, write_json_atomic
 from distcheck.scenario import ScenarioSpec
 from distcheck.text import plural
-from distcheck.watchdog import Limits
+from distcheck.launch.watchdog import Limits
 
 OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")
 LOG_TAIL_LINES = 40
@@ -119,7 +121,7 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def worker_args(spec: Target | list[ScenarioSpec], options: RunOptions, launch_dir: Path) -> tuple[str, ...]:
-    """``python -m distcheck.worker`` arguments for a script, a scenario, or a batch of scenarios."""
+    """``python -m distcheck.rank.worker`` arguments for a script, a scenario, or a batch of scenarios."""
     common = ("--launch-dir", str(launch_dir), "--backend", options.backend, "--device", options.device,
               "--seed", str(options.seed), "--pg-timeout", str(pg_timeout(options)))
     if isinstance(spec, ScriptSpec):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from distcheck.callsite import USER, classify_file
+from distcheck.rank.callsite import USER, classify_file
 from distcheck.models import StackFrame
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")

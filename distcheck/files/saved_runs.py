@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from distcheck.errors import CorruptInputError, UsageError
 from distcheck.models import Event, Report
-from distcheck.tracefile import read_trace_dir
+from distcheck.files.trace import read_trace_dir
 
 RUNS_ROOT = Path(".distcheck") / "runs"
 REPORT_FILE = "report.json"

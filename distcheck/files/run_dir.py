@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-from distcheck import procs
+from distcheck.launch import procs
 from distcheck.errors import LaunchError
 
 PRIVATE = 0o700

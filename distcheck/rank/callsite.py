@@ -22,7 +22,7 @@ import sys
 import sysconfig
 from types import CodeType, FrameType
 
-from distcheck import integrations
+from distcheck.rank import integrations
 
 USER, LIBRARY, TORCH, SKIP = 0, 1, 2, 3
 

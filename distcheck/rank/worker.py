@@ -1,4 +1,4 @@
-"""The rank process: ``python -m distcheck.worker ...``.
+"""The rank process: ``python -m distcheck.rank.worker ...``.
 
 Launched by distcheck's launcher, by ``torchrun`` or by ``srun`` alike (it only
 reads torchrun's environment). It installs the tracer and the stack dumpers,
@@ -25,11 +25,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from distcheck import integrations
-from distcheck.callsite import USER, classify_file
-from distcheck.rankfiles import LaunchFiles, write_json_atomic
-from distcheck.samples import SampleRecorder
-from distcheck.tracer import install
+from distcheck.rank import integrations
+from distcheck.rank.callsite import USER, classify_file
+from distcheck.files.launch_dir import LaunchFiles, write_json_atomic
+from distcheck.rank.samples import SampleRecorder
+from distcheck.rank.tracer import install
 
 PR_SET_PDEATHSIG = 1
 
@@ -97,7 +97,7 @@ class Status:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m distcheck.worker")
+    p = argparse.ArgumentParser(prog="python -m distcheck.rank.worker")
     p.add_argument("--launch-dir", required=True)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

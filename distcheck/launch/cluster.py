@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import psutil
 
 from distcheck.errors import LaunchError, UsageError
-from distcheck.rendezvous import bound_listener
-from distcheck.rankfiles import LaunchFiles
-from distcheck.watchdog import RankProgress
+from distcheck.launch.rendezvous import bound_listener
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.launch.watchdog import RankProgress
 
 DEFAULT_RDZV_PORT = 29500
 

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from distcheck import memory, procs
-from distcheck.rankfiles import LaunchFiles
+from distcheck.launch import memory
+from distcheck.launch import procs
+from distcheck.files.launch_dir import LaunchFiles
 
 STARTED_PHASES = ("running", "finished", "error")
 

@@ -17,12 +17,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from distcheck.launcher import LaunchOutcome
+from distcheck.launch.launcher import LaunchOutcome
 from distcheck.models import Event, RankOutcome
-from distcheck.rankfiles import LaunchFiles
-from distcheck.samples import read_samples
-from distcheck.stacks import StackDump, main_stack, parse_dumps, user_top
-from distcheck.tracefile import RankTrace, read_trace_dir
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.rank.samples import read_samples
+from distcheck.files.stacks import StackDump, main_stack, parse_dumps, user_top
+from distcheck.files.trace import RankTrace, read_trace_dir
 
 MAX_STACK_CHARS = 6000
 
