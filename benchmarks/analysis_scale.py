@@ -1,14 +1,13 @@
 """Analysis and trace parsing at 1,000+ ranks, on synthetic traces.
 
-1. ``analysis.analyze`` over 1,024 ranks × 1,000 collectives (about 1M
+1. ``diagnose.analyze.analyze`` over 1,024 ranks × 1,000 collectives (about 1M
    events) with one planted hang (rank 0 alone enters the last collective)
    and one planted mismatch (one rank uses MAX where the others use SUM):
    wall time, peak memory of the call (tracemalloc, in a second run, since
    tracing slows allocation) and the process's peak RSS; both findings must
    be found.
-2. ``tracefile.parse_trace`` speed in events/s: a rank file written by the
-   real tracer (format 2), against the same calls in the first format
-   (fingerprint inline on every line), interleaved; and ``read_trace_dir``
+2. ``distcheck.files.trace.parse_trace`` speed in events/s on a rank file
+   written by the real tracer; and ``read_trace_dir``
    over 1,024 files of 1,000 calls each. The cost of building the ``Event`` objects alone
    is shown as the floor.
 
@@ -65,7 +64,7 @@ def synthetic(ranks: int, collectives: int) -> tuple[dict, dict]:
 
 
 def run_analysis(traces, outcomes, ranks):
-    from distcheck.diagnose.rules import RunFacts, analyze
+    from distcheck.diagnose.analyze import RunFacts, analyze
 
     facts = RunFacts(world_size=ranks, end_reason="stall", stall_onset=1.0, detected_at=6.0)
     return analyze(traces, outcomes, facts, {})
@@ -111,26 +110,6 @@ def real_trace_file(path: Path, calls: int) -> None:
     tracer.close()
 
 
-def first_format(data: bytes) -> bytes:
-    """The same records in the first trace format (fingerprint inline, float seconds)."""
-    from distcheck.files.trace import NONE, encode_shapes, parse_trace
-
-    trace = parse_trace(0, data)
-    sites: dict[tuple, int] = {}
-    out = []
-    out.append(f"G\t0\t{','.join(map(str, trace.events[0].group_ranks))}\n")
-    for e in trace.events:
-        key = (e.callsite, e.library_callsite, e.label)
-        if key not in sites:
-            sites[key] = len(sites)
-            out.append(f"S\t{sites[key]}\t{e.callsite or NONE}\t{e.library_callsite or NONE}\t{e.label or NONE}\n")
-        out.append(f"E\t{e.group}\t{e.seq}\t{e.op}\t{e.reduce_op or NONE}\t{encode_shapes(e.shapes)}\t"
-                   f"{';'.join(e.dtypes) or NONE}\t{e.device or NONE}\t{NONE if e.root is None else e.root}\t"
-                   f"{int(e.async_op)}\t{e.t_enter:.6f}\t{sites[key]}\n")
-        out.append(f"X\t{e.group}\t{e.seq}\t{e.t_exit:.6f}\t-\n")
-    return "".join(out).encode()
-
-
 def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list]:
     from distcheck.models import Event
     from distcheck.files.trace import parse_trace, read_trace_dir
@@ -138,12 +117,11 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
     tmp = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
     real_trace_file(tmp / "one.trace", calls)
     v2 = (tmp / "one.trace").read_bytes()
-    v1 = first_format(v2)
     n = len(parse_trace(0, v2).events)
-    assert n == len(parse_trace(0, v1).events) == calls
+    assert n == calls
     proto = parse_trace(0, v2).events[0]
     args = tuple(getattr(proto, f) for f in Event.__slots__)
-    res: dict[str, list[float]] = {"format 2 (now)": [], "format 1 (before)": [], "Event objects only": []}
+    res: dict[str, list[float]] = {"trace file": [], "Event objects only": []}
     for r in range(rounds + 1):
         for name in (list(res) if r % 2 else list(res)[::-1]):
             gc.collect()
@@ -151,10 +129,10 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
             if name == "Event objects only":
                 [Event(*args) for _ in range(n)]
             else:
-                parse_trace(0, v2 if name.startswith("format 2") else v1)
+                parse_trace(0, v2)
             if r:
                 res[name].append(n / (time.perf_counter() - t0))
-    rows = [[name, f"{n:,}", f"{median(v) / 1e6:.2f} M/s", f"{len(v2 if '2' in name else v1) / n:.0f}" if "format" in name else ""]
+    rows = [[name, f"{n:,}", f"{median(v) / 1e6:.2f} M/s", f"{len(v2) / n:.0f}" if name == "trace file" else ""]
             for name, v in res.items()]
     # a run dir of `files` ranks, each with `per_file` events (the first calls of the same file)
     cut = 0

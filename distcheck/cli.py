@@ -6,13 +6,19 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
 
 from distcheck import __version__
 from distcheck.errors import DistcheckError, ExitCode, UsageError
+from distcheck.models import EndReason, Report
+
+if TYPE_CHECKING:
+    from distcheck.discovery import Target
+    from distcheck.models import Event
+    from distcheck.options import RunOptions
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 every scenario behaved as expected (or the script ran clean); "
@@ -38,11 +44,6 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
 ) -> None:
     """distcheck: run multi-rank jobs under a collective tracer and a hang watchdog."""
-
-
-def _positive(name: str, value: float | None) -> None:
-    if value is not None and value <= 0:
-        raise UsageError(f"{name} must be greater than 0 (got {value:g})")
 
 
 def _console(json_path: str | None) -> Console:
@@ -91,88 +92,84 @@ def run(
     TARGETS: built-in scenario names, scenario files or folders (none: all built-ins), or ONE
     ordinary script that calls init_process_group itself: distcheck run train.py -- --lr 0.1
     """
-    from distcheck.launch.cluster import node_config
     from distcheck.discovery import resolve_run_targets
-    from distcheck.report import json_report, terminal
-    from distcheck.report.live import LiveView
-    from distcheck.files.run_dir import make_run_dir
-    from distcheck.session import RunHooks, RunOptions, resolve_backend, run_targets
+    from distcheck.options import RunFlags, check_flags, run_options
 
-    if backend not in ("auto", "gloo", "nccl"):
-        raise UsageError(f"unknown backend {backend!r}", "use auto, gloo or nccl")
-    if device not in ("auto", "cpu", "cuda"):
-        raise UsageError(f"unknown device {device!r}", "use auto, cpu or cuda")
-    _positive("--stall-timeout", stall_timeout)
-    _positive("--timeout", timeout)
-    if nproc_per_node is not None and nproc_per_node < 1:
-        raise UsageError(f"--nproc-per-node must be at least 1 (got {nproc_per_node})")
-    _positive("--max-duration", max_duration)
-    _positive("--rdzv-timeout", rdzv_timeout)
-    nodes = node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_timeout,
-                        master_addr, master_port, store_port, local_addr)
-    if run_dir is not None:
-        make_run_dir(run_dir)   # a bad --run-dir is refused now, before torch is imported
-    targets, script_args = _split_script_args(list(targets or []))
-    specs = resolve_run_targets(targets, module=module, script_args=script_args)
-    nproc = nproc_per_node or _default_nproc(backend)
-    resolved = resolve_backend(backend, nproc)
-    if device == "cuda":
-        _check_cuda(nproc)
+    flags = RunFlags.of({**locals(), "command": shlex.join(["distcheck", *sys.argv[1:]])})
+    nodes = check_flags(flags)
+    names, script_args = _split_script_args(list(targets or []))
+    specs = resolve_run_targets(names, module=module, script_args=script_args)
+    options = run_options(flags, nodes)
     console = _console(json_path)
-    ranks = f"{nodes.nnodes} nodes x {nproc}" if nodes.multi else f"{nproc}"
-    console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {resolved} ranks"
-                  + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
-    view = LiveView(console, stall_timeout=stall_timeout, verbose=verbose)
-    hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
-                     on_poll=view.on_poll, note=view.note)
-    options = RunOptions(
-        nproc_per_node=nproc, backend=resolved, device=device, stall_timeout=stall_timeout, timeout=timeout,
-        max_duration=max_duration, seed=seed, nodes=nodes, scenario_options=_scenario_options(option, min_busbw),
-        flight_recorder=flight_recorder, batching=not isolate, run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]),
-    )
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        with view:
-            report = run_targets(specs, options, hooks)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    console.print(terminal.summary_line(report))
-    if nodes.multi and nodes.node_rank != 0 and report.scenarios and report.scenarios[-1].launch_dir:
-        console.print(f"      node 0 wrote the full report: {Path(report.scenarios[-1].launch_dir).parent}/report.json",
-                      markup=False)
-    if json_path == "-":
-        sys.stdout.write(json_report.render(report))
-    elif json_path:
-        Path(json_path).write_text(json_report.render(report), encoding="utf-8")
+    report = _run_live(specs, options, console, verbose)
+    _print_run_end(report, options, console)
+    _write_json(report, json_path)
     _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True)
     raise typer.Exit(int(_exit_code(report)))
 
 
-def _write_formats(report, console: Console, *, junit_xml: Path | None, chrome_trace: Path | None,
-                   timeline: bool, html: Path | None = None) -> None:
+def _run_live(specs: list[Target], options: RunOptions, console: Console, verbose: bool) -> Report:
+    """``session.run_targets`` under the live view; SIGTERM ends it like Ctrl-C (a report is still written)."""
+    from distcheck.report.live import LiveView
+    from distcheck.session import RunHooks, run_targets
+
+    nodes = options.nodes
+    ranks = f"{nodes.nnodes} nodes x {options.nproc_per_node}" if nodes.multi else f"{options.nproc_per_node}"
+    console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {options.backend} ranks"
+                  + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
+    view = LiveView(console, stall_timeout=options.stall_timeout, verbose=verbose)
+    hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
+                     on_poll=view.on_poll, note=view.note)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with view:
+            return run_targets(specs, options, hooks)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _print_run_end(report: Report, options: RunOptions, console: Console) -> None:
+    from distcheck.files.saved_runs import REPORT_FILE
+    from distcheck.report import terminal
+
+    console.print(terminal.summary_line(report))
+    nodes = options.nodes
+    if nodes.multi and nodes.node_rank != 0 and report.scenarios and report.scenarios[-1].launch_dir:
+        console.print(f"      node 0 wrote the full report: {Path(report.scenarios[-1].launch_dir).parent / REPORT_FILE}",
+                      markup=False)
+
+
+def _announce(console: Console, written: list[Path]) -> None:
+    for path in written:
+        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False, soft_wrap=True)
+
+
+def _write_json(report: Report, json_path: str | None) -> list[Path]:
+    """``--json``: '-' is stdout, anything else a file; returns the file written."""
+    from distcheck.report import json_report
+    from distcheck.report.outputs import write_outputs
+
+    if json_path == "-":
+        sys.stdout.write(json_report.render(report))
+        return []
+    return write_outputs(report, {}, json_path=Path(json_path)) if json_path else []
+
+
+def _write_formats(report: Report, console: Console, *, junit_xml: Path | None, chrome_trace: Path | None,
+                   timeline: bool, html: Path | None = None,
+                   events: dict[str, dict[int, list[Event]]] | None = None) -> None:
     """JUnit, Chrome trace and the HTML timeline (always into the run dir after a run)."""
-    from distcheck.files.saved_runs import TIMELINE_FILE, load_events, write_outputs
+    from distcheck.files.saved_runs import TIMELINE_FILE, load_events
+    from distcheck.report.outputs import write_outputs
 
     run_dir = Path(report.run.run_dir)
     html_path = html or (run_dir / TIMELINE_FILE if timeline else None)
     if not (junit_xml or chrome_trace or html_path):
         return
-    events = load_events(report, run_dir)
-    for path in write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace, html_path=html_path):
-        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False, soft_wrap=True)
-
-
-def _scenario_options(pairs: list[str], min_busbw: float | None) -> tuple[tuple[str, str], ...]:
-    options = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--option needs KEY=VALUE (got {pair!r})")
-        options.append((key, value))
-    if min_busbw is not None:
-        _positive("--min-busbw", min_busbw)
-        options.append(("min_busbw", str(min_busbw)))
-    return tuple(options)
+    if events is None:
+        events = load_events(report, run_dir)
+    _announce(console, write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace,
+                                     html_path=html_path))
 
 
 def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -186,26 +183,10 @@ def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
     return targets, tuple(after)
 
 
-def _default_nproc(backend: str) -> int:
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend in ("auto", "nccl") and gpus >= 2:
-        return gpus
-    return 4
-
-
-def _check_cuda(nproc: int) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("--device cuda needs a CUDA GPU, and this machine has none", "use --device cpu")
-
-
-def _exit_code(report) -> ExitCode:
+def _exit_code(report: Report) -> ExitCode:
     if report.interrupted:
         return ExitCode.INTERRUPTED
-    if any(s.end_reason == "timeout" for s in report.scenarios):
+    if any(s.end_reason == EndReason.TIMEOUT for s in report.scenarios):
         return ExitCode.TIMEOUT
     return ExitCode.OK if report.verdict == "pass" else ExitCode.FINDINGS
 
@@ -220,7 +201,7 @@ def list_scenarios(
 
     from distcheck.discovery import resolve_targets
     from distcheck.report import scenario_list
-    from distcheck.session import missing_requirements
+    from distcheck.scenario import missing_requirements
 
     specs = resolve_targets(list(targets or []))
     missing = {spec.name: missing_requirements(spec) for spec in specs}
@@ -242,18 +223,15 @@ def report_cmd(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
 ) -> None:
     """Re-render a saved run (terminal view and any format) from its report.json and traces, without re-running."""
-    from distcheck.report import json_report, terminal
-    from distcheck.files.saved_runs import load_run, write_outputs
+    from distcheck.files.saved_runs import load_run
+    from distcheck.report import terminal
 
     saved = load_run(run_dir)
     console = _console(json_path)
     terminal.render(saved.report, console, verbose)
-    if json_path == "-":
-        sys.stdout.write(json_report.render(saved.report))
-    written = write_outputs(saved.report, saved.events, json_path=Path(json_path) if json_path not in (None, "-") else None,
-                            junit_path=junit_xml, chrome_path=chrome_trace, html_path=html)
-    for path in written:
-        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False, soft_wrap=True)
+    _announce(console, _write_json(saved.report, json_path))
+    _write_formats(saved.report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=False,
+                   html=html, events=saved.events)
     raise typer.Exit(int(_exit_code(saved.report)))
 
 
@@ -270,8 +248,7 @@ def analyze_cmd(
     """Post-mortem: read PyTorch Flight Recorder dumps (NCCL or gloo) or distcheck traces and report hangs,
     missing ranks and mismatches with the same analysis as a live run. Pickles are loaded without running code."""
     from distcheck.diagnose.postmortem import analyze_paths
-    from distcheck.report import json_report, terminal
-    from distcheck.files.saved_runs import write_outputs
+    from distcheck.report import terminal
 
     result = analyze_paths(list(paths), world_size, command=shlex.join(["distcheck", *sys.argv[1:]]))
     console = _console(json_path)
@@ -280,12 +257,9 @@ def analyze_cmd(
         for line in (scenario.description or "").splitlines():
             console.print(f"    note: {line}", style="dim", markup=False, highlight=False)
     console.print(terminal.summary_line(result.report))
-    if json_path == "-":
-        sys.stdout.write(json_report.render(result.report))
-    written = write_outputs(result.report, result.events, json_path=Path(json_path) if json_path not in (None, "-") else None,
-                            junit_path=junit_xml, chrome_path=chrome_trace)
-    for path in written:
-        console.print(f"      wrote {path}", style="dim", markup=False, highlight=False, soft_wrap=True)
+    _announce(console, _write_json(result.report, json_path))
+    _write_formats(result.report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=False,
+                   events=result.events)
     raise typer.Exit(int(_exit_code(result.report)))
 
 
@@ -329,9 +303,9 @@ def env_cmd(
 
 def main() -> None:
     """Entry point: one error boundary mapping known failures to a line and an exit code."""
-    from distcheck.launch.launcher import quiet_native_warnings
+    from distcheck.session import prepare_process
 
-    quiet_native_warnings()
+    prepare_process()
     try:
         code = app(standalone_mode=False)   # returns the typer.Exit code instead of exiting
         sys.exit(code if isinstance(code, int) else 0)

@@ -5,17 +5,66 @@ saved run can be re-rendered without re-running it."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 REPORT_SCHEMA = "distcheck.report/1"
+
+
+
+class _Named(str, enum.Enum):
+    """A closed set of names that is also its plain string in JSON, comparisons and f-strings."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class RankState(_Named):
+    """How a rank ended (``RankOutcome.state``)."""
+
+    FINISHED = "finished"
+    STUCK = "stuck"          # inside a collective at the end
+    CRASHED = "crashed"      # the root-cause failure
+    KILLED = "killed"        # ended from outside (a reaction, or distcheck's teardown)
+    RUNNING = "running"      # outside any collective, busy, when the run was cut
+
+
+class EndReason(_Named):
+    """Why a launch ended (``ScenarioResult.end_reason``); ``priority`` ranks them across nodes."""
+
+    INTERRUPTED = "interrupted"
+    STALL = "stall"
+    TIMEOUT = "timeout"
+    MAX_DURATION = "max_duration"
+    CRASH = "crash"
+    COMPLETED = "completed"
+
+    @property
+    def abnormal(self) -> bool:
+        return self is not EndReason.COMPLETED
+
+    @property
+    def priority(self) -> int:
+        return list(EndReason).index(self)
+
+
+class Phase(_Named):
+    """Where a rank's worker is (its status file's ``phase``)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+
 
 # Finding kinds, in the order a reader should see them.
 FINDING_KINDS = (
     "crash", "hang", "mismatch", "order", "count",
     "numeric", "duplicates", "straggler", "health",
 )
-RANK_STATES = ("finished", "stuck", "crashed", "killed", "running")
+RANK_STATES = tuple(s.value for s in RankState)
 SEVERITIES = ("error", "warning", "info")
 
 
@@ -205,7 +254,7 @@ class ScenarioResult:
     findings: tuple[Finding, ...] = ()
     ranks: tuple[RankOutcome, ...] = ()
     skipped: str | None = None      # reason, when the scenario could not run here
-    end_reason: str = "completed"   # completed, stall, crash, timeout, max_duration, interrupted
+    end_reason: str = EndReason.COMPLETED   # an EndReason value (a plain str once read back from JSON)
     launch_dir: str | None = None
     description: str | None = None
     collectives_compared: int = 0
@@ -316,3 +365,26 @@ class Report:
             scenarios=tuple(ScenarioResult.from_dict(s) for s in d["scenarios"]),
             interrupted=d.get("interrupted", False),
         )
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One saved run as ``distcheck runs`` lists it (built by ``files.saved_runs.summarize``)."""
+
+    id: str
+    path: str
+    started_at: str | None
+    verdict: str               # pass, fail, incomplete, corrupt
+    scenarios: int = 0
+    ok: int = 0
+    skipped: int = 0
+    names: tuple[str, ...] = ()
+    backend: str | None = None
+    world_size: int | None = None
+    duration_s: float | None = None
+    problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["names"] = list(self.names)
+        return d

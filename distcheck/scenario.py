@@ -14,6 +14,7 @@ scenario's optional dependencies.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -22,6 +23,7 @@ from distcheck.models import FINDING_KINDS
 
 EXPECTATIONS = ("pass",) + FINDING_KINDS
 BACKENDS = ("gloo", "nccl")
+OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")   # the 'distcheck[metrics]' extra
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,24 @@ class ScenarioSpec:
             "min_world_size": self.min_world_size, "description": self.description,
             "builtin": self.builtin,
         }
+
+
+def missing_requirements(spec: ScenarioSpec) -> list[str]:
+    """The libraries ``spec`` requires that are not installed (found without importing them)."""
+    return [name for name in spec.requires if importlib.util.find_spec(name) is None]
+
+
+def skip_reason(spec: ScenarioSpec, backend: str, nproc_per_node: int) -> str | None:
+    """Why ``spec`` cannot run on this backend and rank count (None: it can)."""
+    missing = missing_requirements(spec)
+    if missing:
+        extra = "'distcheck[metrics]'" if set(missing) <= set(OPTIONAL_LIBRARIES) else " ".join(missing)
+        return f"needs {', '.join(missing)}, which is not installed (pip install {extra})"
+    if backend not in spec.backends:
+        return f"only meaningful on {'/'.join(spec.backends)}; this run uses {backend}"
+    if nproc_per_node < spec.min_world_size:
+        return f"needs at least {spec.min_world_size} ranks; this run has {nproc_per_node}"
+    return None
 
 
 def scenario(

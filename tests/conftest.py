@@ -75,9 +75,11 @@ def is_loopback_ip(ip: str) -> bool:
 
 def process_groups_initialized(status_files: list[Path]) -> bool:
     """Every rank behind these status files has initialized its process group."""
+    from distcheck.files.launch_dir import RankStatus
+
     try:
-        return all(json.loads(p.read_text()).get("pg_initialized") for p in status_files)
-    except (OSError, ValueError):
+        return all(RankStatus.from_dict(json.loads(p.read_text())).pg_initialized for p in status_files)
+    except (OSError, ValueError, TypeError):   # not written yet, torn, or not a status object
         return False
 
 

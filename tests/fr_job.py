@@ -1,6 +1,6 @@
 """A tiny torchrun-style gloo job that leaves real Flight Recorder dumps behind.
 
-Launched by tests/test_analyze.py as
+Launched by tests/test_postmortem.py as
 ``python -m torch.distributed.run --standalone --nproc-per-node 4 tests/fr_job.py --out DIR``
 with ``TORCH_FR_BUFFER_SIZE`` set. Every rank runs the same collectives on three
 groups — the world, ``metrics`` (all ranks) and ``tail`` (ranks 1..N-1) — and

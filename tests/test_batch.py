@@ -79,3 +79,38 @@ def test_a_batch_that_hangs_midway_reports_it_and_reruns_the_rest(distcheck, tmp
     assert third["ok"] and third["collectives_compared"] == 1     # ran again, in a launch of its own
     for s in report["scenarios"]:   # each has an ordinary launch dir with its own part of the traces
         assert sorted(p.name for p in (r.run_dir / s["name"] / "traces").iterdir()) == ["rank0.trace", "rank1.trace"]
+
+
+def test_rank_status_writes_the_json_the_worker_always_wrote(tmp_path):
+    """Key order and null error fields as the worker's dict updates produced them."""
+    import dataclasses
+    import json
+
+    from distcheck.files.launch_dir import LaunchFiles, RankStatus
+    from distcheck.models import Phase
+
+    old = {"rank": 1, "pid": 7, "host": "h", "node": 0, "main_thread": 9, "t_start": 1.0}
+    status = RankStatus(**old)
+    for fields in ({"phase": "starting"}, {"phase": "running", "pg_initialized": True},
+                   {"phase": "error", "collectives": 3, "exit_code": 1, "exception": "ValueError: x",
+                    "traceback": "tb", "where": None}):
+        old.update(fields, t_update=2.0)
+        status = dataclasses.replace(status, **{**fields, "phase": Phase(fields["phase"])}, t_update=2.0)
+    files = LaunchFiles(tmp_path)
+    files.make()
+    files.write_status(1, status)
+    assert files.status(1).read_text() == json.dumps(old)
+    assert files.read_status(1) == status and files.read_status(1).phase is Phase.ERROR
+    assert files.read_status(0) is None
+
+
+def test_a_scenario_of_a_batch_gets_its_own_finished_status():
+    from distcheck.files.launch_dir import RankStatus
+    from distcheck.launch.batch import _status_for
+    from distcheck.models import Phase
+
+    batch = RankStatus(rank=0, pid=3, phase=Phase.RUNNING, current="b", collectives=9,
+                       scenarios={"a": {"results": {"x": 1}, "collectives": 4, "t_start": 1, "t_end": 2}})
+    a, b = _status_for(batch, "a"), _status_for(batch, "b")
+    assert (a.phase, a.results, a.collectives, a.scenarios, a.current) == (Phase.FINISHED, {"x": 1}, 4, None, None)
+    assert (b.phase, b.results, b.collectives, b.pid) == (Phase.RUNNING, None, None, 3)

@@ -6,7 +6,7 @@ faults are scenarios of ONE file run by ONE ``distcheck run`` (each scenario is 
 shared by the tests of this module; script-mode and CLI cases run distcheck once each.
 Cases already in test_run_e2e.py (exception on a rank, SIGKILL between collectives, Ctrl-C and
 SIGKILL of distcheck, unknown scenario, --nproc-per-node 0, nccl without GPUs, syntax error),
-test_analyze.py (truncated and malicious Flight Recorder dumps) and test_cli_reports.py (torn
+test_postmortem.py (truncated and malicious Flight Recorder dumps) and test_cli_reports.py (torn
 report.json, `distcheck env` redaction) are not repeated here.
 """
 

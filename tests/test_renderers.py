@@ -25,7 +25,8 @@ from distcheck.models import Event, Finding, RankDetail, RankOutcome, Report, Ru
 from distcheck.report import (chrome_trace, env_view, html_timeline, json_report, json_schema, junit, runs_table,
                               scenario_list, terminal)
 from distcheck.report.live import LiveState, LiveView, rank_rows, renderable
-from distcheck.files.saved_runs import list_runs, load_report, load_run, resolve_run_dir, write_outputs
+from distcheck.files.saved_runs import list_runs, load_report, load_run, resolve_run_dir
+from distcheck.report.outputs import write_outputs
 from distcheck.scenario import ScenarioSpec
 from distcheck.report.timeline import build
 from distcheck.launch.watchdog import RankProgress

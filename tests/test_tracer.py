@@ -255,15 +255,14 @@ def test_parser_counts_corrupt_lines_and_keeps_the_rest(tmp_path):
     assert trace.corrupt_lines == 5
 
 
-def test_parser_reads_the_first_format(tmp_path):
+def test_parser_counts_the_first_format_as_corrupt(tmp_path):
+    """The first format (fingerprint inline, float seconds) is no longer read: its E and X lines are corrupt."""
     old = ("G\t0\t0,1\n"
            "S\t0\t/u.py:3:main\t-\tBinaryAUROC.compute\n"
            "E\t0\t1\tall_reduce\tSUM\t2x3\tfloat32\tcpu\t-\t0\t1700000000.250000\t0\n"
            "X\t0\t1\t1700000000.500000\t-\n")
-    (e,) = parse_trace(1, old).events
-    assert (e.rank, e.op, e.reduce_op, e.shapes, e.group_ranks, e.label) == (
-        1, "all_reduce", "SUM", ((2, 3),), (0, 1), "BinaryAUROC.compute")
-    assert e.t_enter == pytest.approx(1700000000.25) and e.t_exit == pytest.approx(1700000000.5)
+    trace = parse_trace(1, old)
+    assert trace.events == [] and trace.corrupt_lines == 2
 
 
 def test_watchdog_reads_open_collectives_incrementally(tmp_path):
@@ -274,15 +273,16 @@ def test_watchdog_reads_open_collectives_incrementally(tmp_path):
     state = {}
 
     def barrier(group=None, async_op=False, device_ids=None, timeout=None):
-        state["inside"] = monitor._read_trace(0)
-        state["open"] = dict(state["inside"].open)
+        state["progress"] = monitor.poll()[0]
+        state["open"] = dict(monitor.tails[0].open)
 
     tracer.wrap("barrier", barrier)()
     assert len(state["open"]) == 1
-    (text, since, label), = state["open"].values()
-    assert text == "barrier #1 [group w]" and since > 0
-    cur = monitor._read_trace(0)
-    assert cur.records == 2 and not cur.open
+    (call,) = state["open"].values()
+    assert (call.op, call.seq, call.group) == ("barrier", "1", "w") and call.t_enter > 0
+    assert state["progress"].current == "barrier #1 [group w]" and state["progress"].open_collectives == 1
+    tail = monitor.tails[0].read()
+    assert tail.records == 2 and not tail.open
 
 
 def test_time_resolution_is_microseconds(tmp_path):

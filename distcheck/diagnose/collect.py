@@ -1,7 +1,7 @@
 """Collecting what each rank left behind into ``RankOutcome`` values.
 
 This is the I/O half of the post-run step (status files, traces, stack dumps,
-the agent's per-rank failures); ``analysis`` is the pure half.
+the agent's per-rank failures); ``analyze`` is the pure half, ``verdict`` joins them.
 
 When one rank dies, its peers usually fail too ("Connection closed by peer",
 SIGTERM from the agent). Those are consequences, not causes: only the first
@@ -12,19 +12,23 @@ were in (``stuck`` in the collective they were waiting in, or ``killed``).
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distcheck.launch.launcher import LaunchOutcome
-from distcheck.models import Event, RankOutcome
-from distcheck.files.launch_dir import LaunchFiles
+from distcheck.diagnose.rank_state import classify_rank
+from distcheck.models import EndReason, Phase, RankOutcome
+from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.rank.samples import read_samples
-from distcheck.files.stacks import StackDump, main_stack, parse_dumps, user_top
+from distcheck.files.stacks import StackDump, main_stack, parse_dumps, torch_dir, user_top
 from distcheck.files.trace import RankTrace, read_trace_dir
 
+if TYPE_CHECKING:   # the launcher is only a type here: ``analyze`` need not import it
+    from distcheck.launch.launcher import LaunchOutcome
+
 MAX_STACK_CHARS = 6000
+
+# Ends that cut ranks off mid-work: a rank the agent does not list as failed left by itself.
+_CUT_SHORT = (EndReason.CRASH, EndReason.STALL, EndReason.TIMEOUT, EndReason.MAX_DURATION)
 
 # What a healthy rank says when a *peer* died or never came.
 PEER_FAILURE_MARKERS = (
@@ -47,7 +51,7 @@ class CollectedRun:
 @dataclass
 class _RankFacts:
     rank: int
-    status: dict[str, Any]
+    status: RankStatus
     trace: RankTrace
     exit_code: int | None
     signal: str | None
@@ -58,16 +62,12 @@ class _RankFacts:
 
     @property
     def failed(self) -> bool:
-        return (self.status.get("phase") == "error" or self.signal is not None or self.exit_code not in (None, 0)
+        return (self.status.phase == Phase.ERROR or self.signal is not None or self.exit_code not in (None, 0)
                 or self.left_early)
 
 
-def _torch_dir() -> str:
-    torch = sys.modules.get("torch")
-    return os.path.dirname(torch.__file__) + os.sep if torch is not None else "/torch/"
-
-
-def _read_dump(files: LaunchFiles, rank: int) -> StackDump | None:
+def read_stack_dump(files: LaunchFiles, rank: int) -> StackDump | None:
+    """The first stack dump the rank left (taken before teardown), if any."""
     path = files.stacks(rank)
     if not path.exists():
         return None
@@ -96,8 +96,8 @@ def is_peer_failure(exception: str | None) -> bool:
 def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
     """The root-cause candidates: failures that are not reactions to another failure."""
     failed = [f for f in facts if f.failed and f.rank not in killed_by_us
-              and f.status.get("phase") not in ("interrupted", "finished")]
-    reactions = [f for f in failed if f.status.get("phase") == "error" and is_peer_failure(f.status.get("exception"))]
+              and f.status.phase not in (Phase.INTERRUPTED, Phase.FINISHED)]
+    reactions = [f for f in failed if f.status.phase == Phase.ERROR and is_peer_failure(f.status.exception)]
     primary = [f for f in failed if f not in reactions and f.signal != "SIGTERM"]
     if not primary and not reactions:
         primary = failed   # e.g. every rank was SIGTERMed from outside: report them as they are
@@ -112,64 +112,45 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
     killed = set(launch.watchdog.killed_ranks)
     facts = []
     for rank in range(world_size):
-        status = files.read_status(rank) or {}
+        status = files.read_status(rank) or RankStatus(rank=rank)
         failure = launch.failures.get(rank)
-        exit_code = failure.exit_code if failure else (0 if launch.end_reason == "completed" else None)
+        exit_code = failure.exit_code if failure else (0 if launch.end_reason == EndReason.COMPLETED else None)
         # The agent lists only failures: a rank it does not list, that distcheck did not kill and that
         # never reached the end of its work, left by itself with code 0 (os._exit(0)) while others ran.
-        left_early = (failure is None and rank not in killed and status.get("phase") in ("starting", "running")
-                      and launch.end_reason in ("crash", "stall", "timeout", "max_duration"))
+        left_early = (failure is None and rank not in killed and status.phase in (Phase.STARTING, Phase.RUNNING)
+                      and launch.end_reason in _CUT_SHORT)
         if left_early:
             exit_code = 0
         f = _RankFacts(rank, status, traces.get(rank) or RankTrace(rank=rank), exit_code,
-                       failure.signal if failure else None, _read_dump(files, rank),
+                       failure.signal if failure else None, read_stack_dump(files, rank),
                        read_flight_recorder_status(files.flight_recorder(rank)), left_early=left_early)
         facts.append(f)
-    if launch.end_reason != "interrupted":
+    if launch.end_reason != EndReason.INTERRUPTED:
         _mark_primary(facts, killed)
     outcomes = {f.rank: _outcome(f, launch, f.rank in killed) for f in facts}
     results = {f.rank: _results(f.status, files.samples(f.rank)) for f in facts}
     results = {r: res for r, res in results.items() if res}
-    initialized = any(f.status.get("pg_initialized") for f in facts)
+    initialized = any(f.status.pg_initialized for f in facts)
     return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results,
                         initialized_process_group=initialized)
 
 
-def _results(status: dict[str, Any], samples_file) -> dict[str, Any]:
+def _results(status: RankStatus, samples_file) -> dict[str, Any]:
     """The scenario's declared results plus the DataLoader passes the rank recorded."""
-    results = dict(status.get("results") or {})
+    results = dict(status.results or {})
     drawn = read_samples(samples_file)
     if drawn:
         results["samples"] = list(results.get("samples", [])) + drawn
     return results
 
 
-def _stack_top(f: _RankFacts) -> str | None:
-    if f.dump is None:
+def stack_top(dump: StackDump | None, main_thread: Any, torch_prefix: str = "/torch/") -> str | None:
+    """``file:line:function`` of the user's innermost frame on the main thread."""
+    if dump is None:
         return None
-    thread = main_stack(f.dump, f.status.get("main_thread"))
-    frame = user_top(thread.frames, _torch_dir()) if thread else None
+    thread = main_stack(dump, main_thread)
+    frame = user_top(thread.frames, torch_prefix) if thread else None
     return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
-
-
-def _state(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool, waiting_in: Event | None) -> tuple[str, str | None]:
-    phase = f.status.get("phase")
-    top = _stack_top(f)
-    if f.primary:
-        if phase == "error":
-            return "crashed", f.status.get("where") or top
-        return "crashed", waiting_in.callsite if waiting_in else top
-    if phase == "finished":
-        return "finished", None
-    if launch.end_reason == "max_duration":   # cut at the end of the window, mid-work is normal
-        return "running", waiting_in.callsite if waiting_in else top
-    if waiting_in is not None:
-        return "stuck", waiting_in.callsite
-    if launch.end_reason == "completed":
-        return "finished", None
-    if launch.end_reason == "max_duration" or (killed_by_us and launch.end_reason in ("stall", "timeout")):
-        return "running", top
-    return "killed", top
 
 
 def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOutcome:
@@ -178,13 +159,16 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
     waiting_in = next((e for e in reversed(events) if not e.async_op and (e.t_exit is None or e.error)), None)
     if waiting_in is not None and waiting_in.t_exit is not None and waiting_in is not events[-1]:
         waiting_in = None   # an older call that failed and was survived: not where the rank is now
-    state, where = _state(f, launch, killed_by_us, waiting_in)
+    state, where = classify_rank(f.status.phase, waiting_in,
+                                 stack_top(f.dump, f.status.main_thread, torch_dir()),
+                                 f.status.where, primary=f.primary, end_reason=launch.end_reason,
+                                 killed_by_us=killed_by_us)
     seen = launch.watchdog.last_progress.get(f.rank)
     return RankOutcome(
-        rank=f.rank, state=state, host=f.status.get("host", ""), node=f.status.get("node", 0), pid=f.status.get("pid"),
+        rank=f.rank, state=state, host=f.status.host, node=f.status.node, pid=f.status.pid,
         exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
         where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
-        exception=f.status.get("exception"), traceback=f.status.get("traceback"), phase=f.status.get("phase"),
+        exception=f.status.exception, traceback=f.status.traceback, phase=f.status.phase,
         flight_recorder=f.flight_recorder,
         rss_bytes=seen.rss_bytes if seen else None, peak_rss_bytes=seen.peak_rss_bytes if seen else None,
     )

@@ -322,7 +322,7 @@ def _shapes(sizes: Any) -> tuple[tuple[int, ...], ...]:
 
 _SITE_PKG = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
 _STDLIB = re.compile(r"[/\\]lib[/\\]python\d+\.\d+[/\\]")
-_DISTCHECK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DISTCHECK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # distcheck/, not files/
 
 
 def _frame_kind(filename: str) -> str:

@@ -3,22 +3,102 @@
 The worker never coordinates through the job's process group: a distcheck
 barrier would pair with the user's collectives and hide the very hang we look
 for. Status and results go through these files instead (written atomically);
-traces are append-only (see ``tracefile``).
+traces are append-only (see ``distcheck.files.trace``).
+
+This module owns the layout: ``LaunchFiles`` is the one place that names a
+launch dir's entries, and ``RankStatus`` is the one shape of a status file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from distcheck.models import Phase
+
+# Status fields that describe a rank's failure: written together, even when None.
+_ERROR_FIELDS = ("exit_code", "exception", "traceback", "where")
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """A rank's status file (``status/rank<N>.json``), rewritten by its worker on every change.
+
+    Fields are in the order the worker first sets them, which is their order on disk.
+    """
+
+    rank: int
+    pid: int | None = None
+    host: str = ""
+    node: int = 0
+    main_thread: int | None = None           # ident of the thread that runs the job
+    t_start: float | None = None
+    phase: Phase | None = None
+    t_update: float | None = None
+    flight_recorder: bool | None = None      # serves Flight Recorder dumps on request
+    pg_initialized: bool | None = None       # the job's process group exists
+    current: str | None = None               # batched launch: the scenario running now
+    scenarios: dict[str, Any] | None = None  # batched launch: name -> {results, collectives, t_start, t_end}
+    collectives: int | None = None
+    results: dict[str, Any] | None = None
+    exit_code: int | None = None
+    exception: str | None = None             # "Type: first line of the message"
+    traceback: str | None = None
+    where: str | None = None                 # file:line:function of the innermost user frame
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankStatus:
+        """Tolerant: unknown keys are ignored, an unknown phase reads as None."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["phase"] = _phase(values.get("phase"))
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object on disk: unset (None) fields are left out, except a failure's fields."""
+        failed = self.exception is not None
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None or (failed and f.name in _ERROR_FIELDS)}
+
+
+def _phase(value: Any) -> Phase | None:
+    try:
+        return Phase(value)
+    except (ValueError, TypeError):
+        return None
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Phase) else value
 
 
 class LaunchFiles:
     """Paths of one launch (one scenario or script run)."""
 
+    # Per-rank folders, each holding rank<N>.<ext>.
+    RANK_FOLDERS = ("traces", "status", "stacks", "logs", "samples", "flight_recorder")
+    # Everything a launch dir can hold: its signature (the agent's logs and two flag files besides).
+    ENTRIES = RANK_FOLDERS + ("agent", "release", "flight_recorder_request")
+    # What ``make`` creates before the ranks start.
+    MADE = ("traces", "status", "stacks", "logs")
+    # What another node sends node 0 for its report.
+    SHIPPED = ("traces", "status", "stacks", "samples", "logs")
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+
+    @staticmethod
+    def is_launch_dir(path: Path) -> bool:
+        """Whether ``path`` holds anything a launch writes."""
+        return any((path / name).exists() for name in LaunchFiles.ENTRIES)
+
+    def has_rank_records(self) -> bool:
+        """Whether ranks of this launch got as far as writing a trace or a status."""
+        return self.traces.exists() or (self.root / "status").exists()
 
     @property
     def traces(self) -> Path:
@@ -47,15 +127,46 @@ class LaunchFiles:
         return self.root / "logs" / f"rank{rank}.log"
 
     @property
+    def agent_logs(self) -> Path:
+        """Where torch's elastic agent writes its own logs."""
+        return self.root / "agent"
+
+    @property
     def release(self) -> Path:
         return self.root / "release"
 
     def make(self) -> None:
-        for sub in ("traces", "status", "stacks", "logs"):
+        for sub in self.MADE:
             (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
 
-    def read_status(self, rank: int) -> dict[str, Any] | None:
-        return read_json(self.status(rank))
+    def shipped_files(self) -> Iterator[tuple[str, Path]]:
+        """(path relative to the launch dir, path) of every file another node sends node 0."""
+        for sub in self.SHIPPED:
+            folder = self.root / sub
+            if folder.is_dir():
+                for path in folder.iterdir():
+                    if path.is_file():
+                        yield f"{sub}/{path.name}", path
+
+    def ranks_on_disk(self) -> set[int]:
+        """Ranks that left a status, stack dump or log here."""
+        ranks = set()
+        for sub in ("status", "stacks", "logs"):
+            for p in (self.root / sub).glob("rank*.*"):
+                r = p.stem.removeprefix("rank")
+                if r.isdigit():
+                    ranks.add(int(r))
+        return ranks
+
+    def read_status(self, rank: int) -> RankStatus | None:
+        """The rank's last status, or None before its first (or on an unreadable file)."""
+        data = read_json(self.status(rank))
+        if not isinstance(data, dict):
+            return None
+        return RankStatus.from_dict({"rank": rank, **data})
+
+    def write_status(self, rank: int, status: RankStatus) -> None:
+        write_json_atomic(self.status(rank), status.to_dict())
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

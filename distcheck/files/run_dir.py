@@ -21,12 +21,10 @@ from pathlib import Path
 
 from distcheck.launch import procs
 from distcheck.errors import LaunchError
+from distcheck.files.launch_dir import LaunchFiles
 
 PRIVATE = 0o700
 PROBE_BYTES = 64 * 1024
-# What a launch dir holds (rankfiles.LaunchFiles, the agent's logs): its signature.
-LAUNCH_ENTRIES = ("traces", "status", "stacks", "logs", "samples", "agent", "release", "flight_recorder",
-                  "flight_recorder_request")
 
 
 def _probe(path: Path) -> None:
@@ -61,14 +59,10 @@ def make_run_dir(path: Path) -> Path:
     return path.resolve()
 
 
-def _looks_like_launch_dir(path: Path) -> bool:
-    return any((path / name).exists() for name in LAUNCH_ENTRIES)
-
-
 def prepare_launch_dir(path: Path) -> None:
     """A fresh, private launch dir at ``path``, whatever an earlier run left there."""
     if path.is_dir() and any(path.iterdir()):
-        if not _looks_like_launch_dir(path):
+        if not LaunchFiles.is_launch_dir(path):
             raise LaunchError(
                 f"{path} already exists and is not a distcheck launch directory: refusing to write into it",
                 "pick an empty or new --run-dir",

@@ -1,5 +1,5 @@
-"""Saved runs: load a run dir back into a Report plus its traces, list recent runs,
-and write every output format of a report.
+"""Saved runs: load a run dir back into a Report plus its traces, and list recent runs
+(``report.outputs`` writes a report's formats).
 
 A run dir holds ``report.json`` and, per scenario, ``traces/rank*.trace``,
 ``status/``, ``stacks/`` and ``logs/``: everything ``distcheck report`` needs to
@@ -9,12 +9,12 @@ re-render without re-running (pyinstrument's ``Session.load``).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.models import Event, Report
+from distcheck.models import Event, Report, RunSummary
+from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace import read_trace_dir
 
 RUNS_ROOT = Path(".distcheck") / "runs"
@@ -47,7 +47,11 @@ def resolve_run_dir(target: str | Path, root: Path = RUNS_ROOT) -> Path:
 
 
 def _looks_like_run(path: Path) -> bool:
-    return any(path.glob("*/traces")) or any(path.glob("*/status"))
+    """A run dir that never got its report: some launch in it has rank records."""
+    try:
+        return any(LaunchFiles(p).has_rank_records() for p in path.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return False
 
 
 def load_report(run_dir: Path) -> Report:
@@ -105,27 +109,6 @@ def load_run(target: str | Path, root: Path = RUNS_ROOT) -> SavedRun:
 # -- listing -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunSummary:
-    id: str
-    path: str
-    started_at: str | None
-    verdict: str               # pass, fail, incomplete, corrupt
-    scenarios: int = 0
-    ok: int = 0
-    skipped: int = 0
-    names: tuple[str, ...] = ()
-    backend: str | None = None
-    world_size: int | None = None
-    duration_s: float | None = None
-    problem: str | None = None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["names"] = list(self.names)
-        return d
-
-
 def summarize(run_dir: Path) -> RunSummary:
     try:
         report = load_report(run_dir)
@@ -151,33 +134,3 @@ def list_runs(root: Path = RUNS_ROOT, limit: int | None = 20) -> list[RunSummary
     if limit is not None:
         dirs = dirs[:limit]
     return [summarize(p) for p in dirs]
-
-
-# -- writing -----------------------------------------------------------------
-
-
-def _write(path: Path, text: str) -> Path:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}", "pick a writable path") from None
-    return path
-
-
-def write_outputs(report: Report, events: Mapping[str, Mapping[int, Sequence[Event]]], *,
-                  json_path: Path | None = None, junit_path: Path | None = None,
-                  chrome_path: Path | None = None, html_path: Path | None = None) -> list[Path]:
-    """Render and write each requested format; returns the files written."""
-    from distcheck.report import chrome_trace, html_timeline, json_report, junit
-
-    written = []
-    if json_path is not None:
-        written.append(_write(json_path, json_report.render(report)))
-    if junit_path is not None:
-        written.append(_write(junit_path, junit.render(report)))
-    if chrome_path is not None:
-        written.append(_write(chrome_path, chrome_trace.render(report, events)))
-    if html_path is not None:
-        written.append(_write(html_path, html_timeline.render(report, events)))
-    return written

@@ -1,12 +1,62 @@
-"""Reading the stack dumps that faulthandler writes in each rank."""
+"""Stack frames: whose code a frame is in, and the dumps faulthandler writes in each rank.
+
+``classify_file`` is shared by the tracer (the call site of each collective),
+the worker (where an exception was raised) and the diagnosis (where a rank
+stood in its stack dump), so all three agree on what is the user's code.
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 
-from distcheck.rank.callsite import USER, classify_file
 from distcheck.models import StackFrame
+
+USER, LIBRARY, TORCH, SKIP = 0, 1, 2, 3
+
+# The distcheck package (this file is distcheck/files/stacks.py): its frames are never the user's,
+# except the scenarios shipped with it.
+_DISTCHECK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_BUILTIN_SCENARIOS_DIR = os.path.join(_DISTCHECK_DIR, "builtin_scenarios") + os.sep
+
+
+def _dirs(*names: str) -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    found = {os.path.abspath(paths[n]) + os.sep for n in names if n in paths}
+    return tuple(sorted(found))
+
+
+_STDLIB_DIRS = _dirs("stdlib", "platstdlib")
+_SITE_DIRS = _dirs("purelib", "platlib")
+
+
+def torch_dir() -> str:
+    """torch's package directory (with a trailing separator), or ``/torch/`` while torch is not imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    return os.sep + "torch" + os.sep
+
+
+def classify_file(filename: str, torch_dir: str) -> int:
+    """USER, LIBRARY, TORCH or SKIP (standard library, distcheck, ``<string>``) for a frame's file."""
+    if filename.startswith("<"):
+        return SKIP
+    path = os.path.abspath(filename)
+    if path.startswith(_BUILTIN_SCENARIOS_DIR):
+        return USER
+    if path.startswith(_DISTCHECK_DIR):
+        return SKIP
+    if path.startswith(torch_dir):
+        return TORCH
+    if any(path.startswith(d) for d in _SITE_DIRS) or "site-packages" in path or "dist-packages" in path:
+        return LIBRARY
+    if any(path.startswith(d) for d in _STDLIB_DIRS):
+        return SKIP
+    return USER
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')

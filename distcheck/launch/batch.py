@@ -15,13 +15,15 @@ analysis, ``distcheck report``, timelines — sees no difference.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from distcheck.launch.launcher import LaunchOutcome
-from distcheck.files.launch_dir import LaunchFiles, read_json, write_json_atomic
+from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.models import EndReason, Phase
 from distcheck.scenario import ScenarioSpec
 from distcheck.files.trace import split_segments
 from distcheck.launch.watchdog import WatchdogResult
@@ -33,7 +35,7 @@ BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "h
 # since a poisoned launch only ends the batch there and the rest runs again.
 RISKY = frozenset({"mismatch", "count"})
 # Per-batch fields of a rank's status that do not belong to one scenario.
-_BATCH_FIELDS = ("scenarios", "current", "results", "collectives")
+_BATCH_FIELDS = dict.fromkeys(("scenarios", "current", "results", "collectives"))
 
 
 def can_share_launch(spec: Any) -> bool:
@@ -64,12 +66,12 @@ class SplitLaunch:
 
 def split(batch: LaunchFiles, specs: list[ScenarioSpec], world_size: int, outcome: LaunchOutcome,
           run_dir: Path) -> SplitLaunch:
-    statuses = {r: read_json(batch.status(r)) or {} for r in range(world_size)}
+    statuses = {r: batch.read_status(r) or RankStatus(rank=r) for r in range(world_size)}
     segments = {r: _segments(batch.trace(r)) for r in range(world_size)}
     out = SplitLaunch()
     for spec in specs:
-        done = [statuses[r].get("scenarios", {}).get(spec.name) for r in range(world_size)]
-        started = any(spec.name in segments[r] or statuses[r].get("current") == spec.name
+        done = [(statuses[r].scenarios or {}).get(spec.name) for r in range(world_size)]
+        started = any(spec.name in segments[r] or statuses[r].current == spec.name
                       for r in range(world_size))
         if all(done):
             launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=False)
@@ -92,10 +94,10 @@ def _segments(path: Path) -> dict[str, bytes]:
 def _completed_outcome(done: list[dict]) -> LaunchOutcome:
     start = min(d["t_start"] for d in done)
     end = max(d["t_end"] for d in done)
-    return LaunchOutcome(end_reason="completed", started_at=start, ended_at=end, watchdog=WatchdogResult())
+    return LaunchOutcome(end_reason=EndReason.COMPLETED, started_at=start, ended_at=end, watchdog=WatchdogResult())
 
 
-def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses: dict[int, dict],
+def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses: dict[int, RankStatus],
                  segments: dict[int, dict[str, bytes]], world_size: int, failed: bool) -> Path:
     """An ordinary launch directory holding only this scenario's part of the batch."""
     files = LaunchFiles(run_dir / spec.name)
@@ -104,7 +106,7 @@ def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses
     files.make()
     for rank in range(world_size):
         files.trace(rank).write_bytes(segments[rank].get(spec.name, b""))
-        write_json_atomic(files.status(rank), _status_for(statuses[rank], spec.name))
+        files.write_status(rank, _status_for(statuses[rank], spec.name))
         _copy(batch.log(rank), files.log(rank))
         if failed:   # stacks and Flight Recorder dumps were taken while this scenario ran
             _copy(batch.stacks(rank), files.stacks(rank))
@@ -112,11 +114,11 @@ def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses
     return files.root
 
 
-def _status_for(status: dict[str, Any], name: str) -> dict[str, Any]:
-    own = {k: v for k, v in status.items() if k not in _BATCH_FIELDS}
-    done = status.get("scenarios", {}).get(name)
+def _status_for(status: RankStatus, name: str) -> RankStatus:
+    own = dataclasses.replace(status, **_BATCH_FIELDS)
+    done = (status.scenarios or {}).get(name)
     if done is not None:
-        own.update(phase="finished", results=done["results"], collectives=done["collectives"])
+        own = dataclasses.replace(own, phase=Phase.FINISHED, results=done["results"], collectives=done["collectives"])
     return own
 
 

@@ -346,13 +346,8 @@ class LaunchChannel:
 
     def upload(self, files: LaunchFiles, summary: dict[str, Any]) -> None:
         """This node's ranks' files and its launch summary, for node 0's report."""
-        bundle = {"summary": summary, "files": {}}
-        for sub in ("traces", "status", "stacks", "samples", "logs"):
-            folder = files.root / sub
-            if folder.is_dir():
-                for path in folder.iterdir():
-                    if path.is_file():
-                        bundle["files"][f"{sub}/{path.name}"] = path.read_text(encoding="utf-8", errors="replace")
+        bundle = {"summary": summary, "files": {
+            rel: path.read_text(encoding="utf-8", errors="replace") for rel, path in files.shipped_files()}}
         self.store.set(f"bundle/{self.config.node_rank}", json.dumps(bundle))
 
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ the per-rank failures it reports, never from its exit code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -25,7 +26,8 @@ from distcheck.launch import rendezvous
 from distcheck.launch.cluster import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.launch.watchdog import Decision, Limits, RankProgress, Watchdog, WatchdogResult
+from distcheck.launch.watchdog import Decision, Limits, NodeChannel, RankProgress, Watchdog, WatchdogResult
+from distcheck.models import EndReason
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class LaunchSpec:
     node_rank: int = 0                    # 0 hosts the rendezvous store
     local_addr: str = "127.0.0.1"          # where this node's workers' store listens
     rdzv_timeout: float = 300.0
-    channel: Any = None                   # multi-node: cluster.LaunchChannel
+    channel: NodeChannel | None = None    # multi-node: cluster.LaunchChannel
     flight_recorder: bool = False         # PyTorch's Flight Recorder on, dumped on a stall
 
     @property
@@ -59,7 +61,7 @@ class RankFailure:
 
 @dataclass
 class LaunchOutcome:
-    end_reason: str                       # completed, stall, crash, timeout, max_duration, interrupted
+    end_reason: EndReason
     started_at: float
     ended_at: float
     watchdog: WatchdogResult
@@ -170,22 +172,21 @@ def _launch_error(exc: BaseException, spec: LaunchSpec, endpoint: str) -> str:
     return f"{name}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None) -> LaunchOutcome:
-    """Run one job to its end under the watchdog. Never leaves a process behind."""
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _launch_config(spec: LaunchSpec, files: LaunchFiles, endpoint: str) -> Any:
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
 
-    files = LaunchFiles(spec.launch_dir)
-    files.make()
-    endpoint = spec.rdzv_endpoint or _default_endpoint()
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
         run_id=spec.run_id, rdzv_backend=rendezvous.register(),   # torch's c10d, stores bound (not *:PORT)
         rdzv_endpoint=endpoint, rdzv_configs=_rdzv_configs(spec),
         max_restarts=0, monitor_interval=0.05, local_addr=spec.local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=str(files.root / "agent")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(files.agent_logs)),
     )
-    worker_env = {
+
+
+def _worker_env(spec: LaunchSpec) -> dict[str, str]:
+    env = {
         "DISTCHECK_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -194,22 +195,54 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         **({"TORCH_CPP_LOG_LEVEL": _workers_cpp_log_level} if _workers_cpp_log_level else {}),
     }
     if spec.flight_recorder:
-        worker_env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")
-        worker_env["DISTCHECK_FLIGHT_RECORDER"] = "1"
+        env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")
+        env["DISTCHECK_FLIGHT_RECORDER"] = "1"
+    return env
+
+
+def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, RankFailure],
+                error: str | None, files: LaunchFiles) -> EndReason:
+    """The watchdog's decision first (it ended the job), then the ranks' failures; raises when
+    the job could not run, or the watchdog itself failed."""
+    if interrupted:
+        return EndReason.INTERRUPTED
+    if result.decision.end_reason is not None:
+        return result.decision.end_reason
+    if result.decision is Decision.FAILED and result.lost_node_0:
+        raise LaunchError(f"lost node 0's distcheck mid-run (killed, or its machine lost): "
+                          f"{result.error}; this node's ranks were stopped",
+                          f"this node's traces are in {files.root} ('distcheck analyze' reads them)")
+    if result.decision is Decision.FAILED:
+        raise LaunchError(f"the watchdog failed and ended the job: {result.error}",
+                          f"the traces so far are in {files.root}; please report this as a distcheck bug")
+    if failures:
+        return EndReason.CRASH
+    if error:
+        raise LaunchError(f"could not run the job: {error}", "run 'distcheck env' to check the setup")
+    return EndReason.COMPLETED
+
+
+def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None) -> LaunchOutcome:
+    """Run one job to its end under the watchdog. Never leaves a process behind."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import elastic_launch
+
+    files = LaunchFiles(spec.launch_dir)
+    files.make()
+    endpoint = spec.rdzv_endpoint or _default_endpoint()
+    config = _launch_config(spec, files, endpoint)
     watchdog = Watchdog(files, spec.world_size, spec.limits, on_poll=on_poll, channel=spec.channel)
     started = time.time()
     oom_before = memory.oom_kills()
-    end_reason = "completed"
+    interrupted = False
     failures: dict[int, RankFailure] = {}
     error = None
-    with _worker_environment(worker_env), _quiet_elastic(), _restore_signal_handlers():
+    with _worker_environment(_worker_env(spec)), _quiet_elastic(), _restore_signal_handlers():
         watchdog.start()
         try:
             elastic_launch(config, sys.executable)("-m", "distcheck.rank.worker", *spec.worker_args)
-        except SignalException:
-            end_reason = "interrupted"
-        except KeyboardInterrupt:
-            end_reason = "interrupted"
+        except (SignalException, KeyboardInterrupt):
+            interrupted = True
         except LaunchError:       # e.g. the rendezvous port is taken: already a clear message
             raise
         except Exception as exc:  # ChildFailedError, rendezvous errors
@@ -220,24 +253,34 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             watchdog.stop()
             watchdog.join(timeout=15)
             procs.kill_descendants()
-    decision = watchdog.result.decision
-    if end_reason != "interrupted":
-        if decision is Decision.STALL:
-            end_reason = "stall"
-        elif decision is Decision.TIMEOUT:
-            end_reason = "timeout"
-        elif decision is Decision.MAX_DURATION:
-            end_reason = "max_duration"
-        elif decision is Decision.FAILED and watchdog.result.lost_node_0:
-            raise LaunchError(f"lost node 0's distcheck mid-run (killed, or its machine lost): "
-                              f"{watchdog.result.error}; this node's ranks were stopped",
-                              f"this node's traces are in {files.root} ('distcheck analyze' reads them)")
-        elif decision is Decision.FAILED:
-            raise LaunchError(f"the watchdog failed and ended the job: {watchdog.result.error}",
-                              f"the traces so far are in {files.root}; please report this as a distcheck bug")
-        elif failures:
-            end_reason = "crash"
-        elif error:
-            raise LaunchError(f"could not run the job: {error}", "run 'distcheck env' to check the setup")
+    end_reason = _end_reason(watchdog.result, interrupted, failures, error, files)
     return LaunchOutcome(end_reason, started, time.time(), watchdog.result, failures, error,
                          oom_kills=memory.oom_kills_since(oom_before))
+
+
+# -- multi-node: each node launches its own ranks; node 0 merges what the others report --
+
+
+def node_summary(outcome: LaunchOutcome) -> dict[str, Any]:
+    """What node 0 needs from another node's launch (JSON-ready)."""
+    w = outcome.watchdog
+    return {
+        "end_reason": outcome.end_reason,
+        "failures": {str(r): [f.exit_code, f.signal, f.pid] for r, f in outcome.failures.items()},
+        "killed_ranks": list(w.killed_ranks),
+        "oom_kills": outcome.oom_kills,
+    }
+
+
+def merge_node_summaries(outcome: LaunchOutcome, summaries: list[dict[str, Any]]) -> LaunchOutcome:
+    """Node 0's view of the whole job: every node's failures and the ranks it killed; the job
+    ended for the most telling of the nodes' reasons (``EndReason.priority``)."""
+    w = outcome.watchdog
+    reasons = [outcome.end_reason] + [EndReason(s["end_reason"]) for s in summaries]
+    failures = dict(outcome.failures)
+    for s in summaries:
+        failures.update({int(r): RankFailure(*f) for r, f in s["failures"].items()})
+        w.killed_ranks = tuple(sorted(set(w.killed_ranks) | set(s["killed_ranks"])))
+    counts = [c for c in [outcome.oom_kills] + [s.get("oom_kills") for s in summaries] if c is not None]
+    return dataclasses.replace(outcome, failures=failures, end_reason=min(reasons, key=lambda r: r.priority),
+                               oom_kills=sum(counts) if counts else None)

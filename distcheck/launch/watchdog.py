@@ -11,13 +11,15 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 from distcheck.launch import memory
 from distcheck.launch import procs
-from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.files.trace import TraceTail
+from distcheck.models import EndReason, Phase
 
-STARTED_PHASES = ("running", "finished", "error")
+STARTED_PHASES = (Phase.RUNNING, Phase.FINISHED, Phase.ERROR)
 
 
 class Decision(enum.Enum):
@@ -28,12 +30,21 @@ class Decision(enum.Enum):
     MAX_DURATION = "max_duration"  # the pre-flight window ended
     FAILED = "failed"            # the watchdog itself failed: end the job rather than hang
 
+    @property
+    def end_reason(self) -> EndReason | None:
+        """How a launch this decision ended is reported (None: it did not end the launch by itself)."""
+        return _END_REASONS.get(self)
+
+
+_END_REASONS = {Decision.STALL: EndReason.STALL, Decision.TIMEOUT: EndReason.TIMEOUT,
+                Decision.MAX_DURATION: EndReason.MAX_DURATION}
+
 
 @dataclass(frozen=True)
 class RankProgress:
     records: int = 0             # trace records written so far
     open_collectives: int = 0
-    phase: str | None = None     # None until the rank wrote its status
+    phase: Phase | None = None   # None until the rank wrote its status (a str from another node)
     alive: bool = True
     current: str | None = None   # "all_reduce #12 [group 0]" while inside a collective
     since: float | None = None   # wall time the current collective started
@@ -43,7 +54,7 @@ class RankProgress:
 
     @property
     def dead(self) -> bool:
-        return not self.alive or self.phase == "error"
+        return not self.alive or self.phase == Phase.ERROR
 
 
 @dataclass(frozen=True)
@@ -72,7 +83,7 @@ class StallDetector:
         if state != self._last_state:
             self._last_state = state
             self.last_progress = now
-        if len(ranks) == self.world_size and all(p.phase == "finished" and p.alive for p in ranks.values()):
+        if len(ranks) == self.world_size and all(p.phase == Phase.FINISHED and p.alive for p in ranks.values()):
             return Decision.RELEASE
         if self.limits.timeout is not None and now - self.start >= self.limits.timeout:
             return Decision.TIMEOUT
@@ -94,24 +105,14 @@ class StallDetector:
         return Decision.CONTINUE
 
 
-@dataclass
-class _TraceCursor:
-    offset: int = 0
-    partial: bytes = b""
-    records: int = 0
-    open: dict[tuple[str, str], tuple[str, float, str | None]] = field(default_factory=dict)
-    labels: dict[str, str | None] = field(default_factory=dict)   # site id -> label
-    fingerprints: dict[str, tuple[str, str, str]] = field(default_factory=dict)   # fp id -> (op, async, site id)
-
-
 class RankMonitor:
     """Reads each rank's status and the new part of its trace on every poll."""
 
     def __init__(self, files: LaunchFiles, world_size: int) -> None:
         self.files = files
         self.world_size = world_size
-        self._cursors = {r: _TraceCursor() for r in range(world_size)}
-        self.status: dict[int, dict] = {}
+        self.tails = {r: TraceTail(files.trace(r)) for r in range(world_size)}
+        self.status: dict[int, RankStatus] = {}
         self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
 
     def _sample_memory(self, rank: int, pid: int | None) -> tuple[int | None, int | None]:
@@ -123,54 +124,7 @@ class RankMonitor:
         return self._rss.get(rank, (None, None))
 
     def pids(self) -> dict[int, int]:
-        return {r: s["pid"] for r, s in self.status.items() if s.get("pid")}
-
-    def _read_trace(self, rank: int) -> _TraceCursor:
-        cur = self._cursors[rank]
-        path = self.files.trace(rank)
-        try:
-            with open(path, "rb") as f:
-                f.seek(cur.offset)
-                chunk = f.read()
-        except OSError:
-            return cur
-        if not chunk:
-            return cur
-        cur.offset += len(chunk)
-        data = cur.partial + chunk
-        lines = data.split(b"\n")
-        cur.partial = lines.pop()
-        fps = cur.fingerprints
-        for line in lines:
-            parts = line.decode("utf-8", "replace").split("\t")
-            tag = parts[0]
-            if tag == "E" and len(parts) == 5:      # E group seq fp-id t_enter_us (see tracefile)
-                cur.records += 1
-                op, is_async, site = fps.get(parts[3], ("?", "0", None))
-                if is_async != "1":   # async calls return at once; their wait is elsewhere
-                    try:
-                        t = int(parts[4]) / 1e6
-                    except ValueError:
-                        t = time.time()
-                    cur.open[(parts[1], parts[2])] = (f"{op} #{parts[2]} [group {parts[1]}]", t,
-                                                      cur.labels.get(site))
-            elif tag == "F" and len(parts) == 10:   # F fp-id op reduce_op shapes dtypes device root async site
-                fps[parts[1]] = (parts[2], parts[8], parts[9])
-            elif tag == "E" and len(parts) >= 11:   # the first trace format: the fingerprint inline
-                cur.records += 1
-                if parts[9] != "1":
-                    try:
-                        t = float(parts[10])
-                    except ValueError:
-                        t = time.time()
-                    cur.open[(parts[1], parts[2])] = (f"{parts[3]} #{parts[2]} [group {parts[1]}]", t,
-                                                      cur.labels.get(parts[11]) if len(parts) > 11 else None)
-            elif tag == "S" and len(parts) >= 5:
-                cur.labels[parts[1]] = None if parts[4] == "-" else parts[4]
-            elif tag == "X" and len(parts) >= 3:
-                cur.records += 1
-                cur.open.pop((parts[1], parts[2]), None)
-        return cur
+        return {r: s.pid for r, s in self.status.items() if s.pid}
 
     def poll(self) -> dict[int, RankProgress]:
         out: dict[int, RankProgress] = {}
@@ -179,20 +133,32 @@ class RankMonitor:
             if status is not None:
                 self.status[rank] = status
             status = self.status.get(rank)
-            cur = self._read_trace(rank)
-            if status is None and cur.records == 0:
+            tail = self.tails[rank].read()
+            if status is None and tail.records == 0:
                 continue
-            current = since = label = None
-            if cur.open:
-                current, since, label = next(reversed(cur.open.values()))
-            alive = procs.is_alive(status.get("pid")) if status else True
-            rss, peak = self._sample_memory(rank, status.get("pid") if status and alive else None)
+            call = tail.newest_open
+            alive = procs.is_alive(status.pid) if status else True
+            rss, peak = self._sample_memory(rank, status.pid if status and alive else None)
             out[rank] = RankProgress(
-                records=cur.records, open_collectives=len(cur.open),
-                phase=status.get("phase") if status else None, alive=alive,
-                current=current, since=since, label=label, rss_bytes=rss, peak_rss_bytes=peak,
+                records=tail.records, open_collectives=len(tail.open),
+                phase=status.phase if status else None, alive=alive,
+                current=f"{call.op} #{call.seq} [group {call.group}]" if call else None,
+                since=call.t_enter if call else None, label=call.label if call else None,
+                rss_bytes=rss, peak_rss_bytes=peak,
             )
         return out
+
+
+class NodeChannel(Protocol):
+    """Multi-node: how one node's watchdog shares progress and node 0's decision
+    (``cluster.LaunchChannel`` implements it; None on a single node)."""
+
+    @property
+    def is_leader(self) -> bool: ...
+    def publish(self, progress: Mapping[int, RankProgress]) -> None: ...
+    def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]: ...
+    def post_decision(self, decision: str, stall_onset: float | None, detected_at: float | None) -> None: ...
+    def decision(self) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -214,7 +180,7 @@ class Watchdog(threading.Thread):
         self, files: LaunchFiles, world_size: int, limits: Limits, poll_s: float = 0.1,
         on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        channel: Any = None,
+        channel: NodeChannel | None = None,
     ) -> None:
         super().__init__(name="distcheck-watchdog", daemon=True)
         self.files = files
@@ -284,7 +250,8 @@ class Watchdog(threading.Thread):
         self.files.flight_recorder_request.touch()   # served by ranks that run the Flight Recorder sidecar
         procs.request_stacks(pids, self.files.stacks)
         procs.wait_for_files([self.files.flight_recorder(r) for r in alive
-                              if self.monitor.status.get(r, {}).get("flight_recorder")], timeout_s=2.0)
+                              if r in self.monitor.status and self.monitor.status[r].flight_recorder],
+                             timeout_s=2.0)
         procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)])
         procs.kill_descendants()
         self.result.torn_down_at = time.time()

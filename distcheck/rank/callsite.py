@@ -17,55 +17,15 @@ on frames of module methods, where the identity of ``self`` matters.
 
 from __future__ import annotations
 
-import os
-import sys
-import sysconfig
 from types import CodeType, FrameType
 
+from distcheck.files.stacks import LIBRARY, SKIP, USER, classify_file, torch_dir
 from distcheck.rank import integrations
 
-USER, LIBRARY, TORCH, SKIP = 0, 1, 2, 3
-
-_DISTCHECK_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_BUILTIN_SCENARIOS_DIR = os.path.join(_DISTCHECK_DIR, "builtin_scenarios") + os.sep
 MAX_DEPTH = 96
 
 # What a code object's ``self`` is: none, not yet seen, an nn.Module.
 _NO_SELF, _SELF_UNKNOWN, _SELF_MODULE = 0, 1, 2
-
-
-def _dirs(*names: str) -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    found = {os.path.abspath(paths[n]) + os.sep for n in names if n in paths}
-    return tuple(sorted(found))
-
-
-_STDLIB_DIRS = _dirs("stdlib", "platstdlib")
-_SITE_DIRS = _dirs("purelib", "platlib")
-
-
-def _torch_dir() -> str:
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-    return os.sep + "torch" + os.sep
-
-
-def classify_file(filename: str, torch_dir: str) -> int:
-    if filename.startswith("<"):
-        return SKIP
-    path = os.path.abspath(filename)
-    if path.startswith(_BUILTIN_SCENARIOS_DIR):
-        return USER
-    if path.startswith(_DISTCHECK_DIR):
-        return SKIP
-    if path.startswith(torch_dir):
-        return TORCH
-    if any(path.startswith(d) for d in _SITE_DIRS) or "site-packages" in path or "dist-packages" in path:
-        return LIBRARY
-    if any(path.startswith(d) for d in _STDLIB_DIRS):
-        return SKIP
-    return USER
 
 
 # Module methods that stand for "the module was called".
@@ -87,7 +47,7 @@ class CallsiteResolver:
         # id(code) -> [code, file kind, self mode]; the code object is kept so its id stays valid.
         self._codes: dict[int, list] = {}
         self._labels: dict[tuple[type, int], str] = {}
-        self._torch_dir = _torch_dir()
+        self._torch_dir = torch_dir()
         self._module_type: type | None = None
 
     def _code_info(self, code: CodeType) -> list:

@@ -14,9 +14,11 @@ What a call costs on top of the collective (see benchmarks/tracer_overhead.py):
 * the call's whole fingerprint — op, reduce op, shapes, dtypes, device, root,
   async flag, call site — is a tuple of cheap objects looked up in a dict; only
   a fingerprint never seen before is formatted (an ``F`` record, see
-  ``tracefile``), so a repeated call writes a five-field line;
+  ``distcheck.files.trace``), so a repeated call writes a five-field line;
 * the call site is found by ``CallsiteResolver.key``, which caches everything
-  per code object.
+  per code object;
+* the two records of a call are filled into the trace module's bytes
+  templates (``ENTER``, ``EXIT_OK``) with ``%``, as cheap as an f-string.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from time import time_ns
 from typing import Any, Callable
 
 from distcheck.rank.callsite import CallsiteResolver
-from distcheck.files.trace import SEGMENT_TAG, NONE, TraceWriter, clean, encode_shapes
+from distcheck.files.trace import (CALL_KEY, ENTER, EXIT_OK, NONE, TraceWriter, clean, encode_shapes,
+                                   exit_record, fingerprint_record, group_record, segment_record, site_record)
 
 
 @dataclass(frozen=True)
@@ -147,9 +150,10 @@ class Tracer:
         self._resolve_group = group_resolver or _c10d_group
         self._default_group = default_group or _c10d_default_group()
         self._seq: dict[str, int] = {}
-        self._groups: dict[int, tuple[str, Any]] = {}   # id(pg) -> (key, pg) ; pg kept alive
+        # id(pg) -> (key, pg, key as bytes); pg kept alive so its id stays valid
+        self._groups: dict[int, tuple[str, Any, bytes]] = {}
         self._sites: dict[tuple, str] = {}
-        self._fps: dict[tuple, str] = {}
+        self._fps: dict[tuple, bytes] = {}   # fingerprint -> its F record's id
         self._op_names: dict[Any, str] = {}
         self._local = _Local()
         self._originals: dict[str, Callable] = {}
@@ -159,13 +163,13 @@ class Tracer:
         """Start a self-contained part of the trace (the next scenario of a batched launch).
 
         Sequence numbers restart and every definition is written again after the
-        ``B`` record, so each part parses on its own (``tracefile.split_segments``).
+        ``B`` record, so each part parses on its own (``distcheck.files.trace.split_segments``).
         """
         self._seq.clear()
         self._groups.clear()
         self._sites.clear()
         self._fps.clear()
-        self.writer.write(f"{SEGMENT_TAG}\t{clean(name)}\n")
+        self.writer.write(segment_record(name))
 
     # -- installation -------------------------------------------------------
 
@@ -235,7 +239,7 @@ class Tracer:
                         self._exit(key, exc)
                     raise
                 if key is not None:
-                    write(fd, f"X\t{key}\t{time_ns() // 1000}\t-\n".encode())
+                    write(fd, EXIT_OK % (key, time_ns() // 1000))
                 return result
             finally:
                 local.active = False
@@ -276,7 +280,7 @@ class Tracer:
 
     # -- records ------------------------------------------------------------
 
-    def _make_enter(self, name: str, spec: OpSpec) -> Callable[[tuple, Any], str]:
+    def _make_enter(self, name: str, spec: OpSpec) -> Callable[[tuple, Any], bytes]:
         """The enter step for one op: a fast path for a call like one seen before
         (known group and fingerprint: one dict lookup, one short line), and
         ``_enter`` for everything else (first calls, p2p, tensor lists, group ranks)."""
@@ -293,7 +297,7 @@ class Tracer:
         has_unless = spec.shape_unless is not None
         tracer = self
 
-        def enter(values: tuple, frame: Any) -> str:
+        def enter(values: tuple, frame: Any) -> bytes:
             pg, tensors, _, op, root, group_root, async_op, shape_unless = values
             if group_root is not None:
                 return slow(values, frame)
@@ -316,13 +320,13 @@ class Tracer:
             seq = seqs[group] + 1
             seqs[group] = seq
             tracer.count += 1
-            key = f"{group}\t{seq}"
-            write(fd, f"E\t{key}\t{fp}\t{time_ns() // 1000}\n".encode())
+            key = CALL_KEY % (entry[2], seq)
+            write(fd, ENTER % (key, fp, time_ns() // 1000))
             return key
 
         return enter
 
-    def _group(self, pg: Any, out: list[str]) -> str:
+    def _group(self, pg: Any, out: list[bytes]) -> str:
         if pg is None:
             pg = self._default_group()
             if pg is None:
@@ -332,15 +336,15 @@ class Tracer:
             return entry[0]
         key, ranks = self._resolve_group(pg)
         key = clean(key or str(len(self._groups)))
-        self._groups[id(pg)] = (key, pg)
+        self._groups[id(pg)] = (key, pg, key.encode())
         self._seq.setdefault(key, 0)
-        out.append(f"G\t{key}\t{','.join(map(str, ranks)) or NONE}\n")
+        out.append(group_record(key, ranks))
         return key
 
-    def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> str:
-        """Write the enter record; return the exit record's key ("group<TAB>seq")."""
+    def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> bytes:
+        """Write the enter record; return the call key its exit record repeats."""
         pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless = values
-        defs: list[str] = []
+        defs: list[bytes] = []
         if tensor_lists:
             tensors = [t for t in tensors if t is not None]
             for lst in tensor_lists:
@@ -354,8 +358,7 @@ class Tracer:
             src, dst = (self.rank, root) if spec.p2p == "send" else (root, self.rank)
             group = f"p2p:{'any' if src is None else src}>{dst}"
             if group not in self._seq:
-                members = ",".join(str(r) for r in (src, dst) if r is not None)
-                defs.append(f"G\t{group}\t{members}\n")
+                defs.append(group_record(group, (src, dst)))
         else:
             group = self._group(pg, defs)
         if op is not None:
@@ -375,11 +378,11 @@ class Tracer:
         seq = self._seq.get(group, 0) + 1
         self._seq[group] = seq
         self.count += 1
-        key = f"{group}\t{seq}"
-        record = f"E\t{key}\t{fp}\t{time_ns() // 1000}\n"
-        if defs:
-            record = "".join(defs) + record
-        os.write(self.writer.fd, record.encode())
+        key = CALL_KEY % (group.encode(), seq)
+        record = ENTER % (key, fp, time_ns() // 1000)
+        if defs:   # definitions go in the same write as, and before, their first use
+            record = b"".join(defs) + record
+        os.write(self.writer.fd, record)
         return key
 
     def _op_name(self, op: Any) -> str:
@@ -390,31 +393,29 @@ class Tracer:
             pass
         return text
 
-    def _define(self, fp_key: tuple, defs: list[str]) -> str:
+    def _define(self, fp_key: tuple, defs: list[bytes]) -> bytes:
         name, op, root, is_async, skip_shapes, described, site_key = fp_key
         site = self._sites.get(site_key)
         if site is None:
             site = self._sites[site_key] = str(len(self._sites))
-            callsite, library, label = self.resolver.describe(site_key)
-            defs.append(f"S\t{site}\t{clean(callsite)}\t{clean(library)}\t{clean(label)}\n")
+            defs.append(site_record(site, *self.resolver.describe(site_key)))
         shapes = NONE if skip_shapes else encode_shapes(tuple(tuple(s) for s, _, _ in described))
         dtypes = ";".join(str(d).removeprefix("torch.") for _, d, _ in described) or NONE
         device = described[0][2].type if described else NONE
-        fp = self._fps[fp_key] = str(len(self._fps))
-        defs.append(f"F\t{fp}\t{name}\t{op or NONE}\t{shapes}\t{dtypes}\t{device}\t"
-                    f"{NONE if root is None else root}\t{int(is_async)}\t{site}\n")
-        return fp
+        fp = str(len(self._fps))
+        defs.append(fingerprint_record(fp, name, op, shapes, dtypes, device, root, is_async, site))
+        self._fps[fp_key] = fp.encode()
+        return self._fps[fp_key]
 
-    def _enter_p2p_op(self, p2p: Any, frame: Any) -> str:
+    def _enter_p2p_op(self, p2p: Any, frame: Any) -> bytes:
         op_name = getattr(p2p.op, "__name__", str(p2p.op))
         spec = OPS.get(op_name, OPS["isend"])
         # (group, tensors, tensor_lists, reduce_op, root, group_root, async_op, shape_unless)
         values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None)
         return self._enter(op_name, spec, values, frame)
 
-    def _exit(self, key: str, exc: BaseException | None) -> None:
-        error = NONE if exc is None else clean(f"{type(exc).__name__}: {exc}"[:300])
-        os.write(self.writer.fd, f"X\t{key}\t{time_ns() // 1000}\t{error}\n".encode())
+    def _exit(self, key: bytes, exc: BaseException | None) -> None:
+        os.write(self.writer.fd, exit_record(key, time_ns() // 1000, exc))
 
 
 def _c10d_default_group() -> Callable[[], Any]:

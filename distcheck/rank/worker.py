@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -27,7 +28,9 @@ from typing import Any
 
 from distcheck.rank import integrations
 from distcheck.rank.callsite import USER, classify_file
-from distcheck.files.launch_dir import LaunchFiles, write_json_atomic
+from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.files.stacks import torch_dir
+from distcheck.models import Phase
 from distcheck.rank.samples import SampleRecorder
 from distcheck.rank.tracer import install
 
@@ -71,10 +74,10 @@ def install_stack_dumps(path: Path) -> Any:
 
 def user_frame_of(tb: Any) -> str | None:
     """file:line:function of the innermost user frame of a traceback."""
-    torch_dir = os.path.dirname(sys.modules["torch"].__file__) + os.sep if "torch" in sys.modules else "/torch/"
+    torch = torch_dir()
     where = None
     for frame in traceback.extract_tb(tb):
-        if classify_file(frame.filename, torch_dir) == USER:
+        if classify_file(frame.filename, torch) == USER:
             where = f"{frame.filename}:{frame.lineno}:{frame.name}"
     return where
 
@@ -83,17 +86,16 @@ class Status:
     """This rank's status file, rewritten atomically on every phase change."""
 
     def __init__(self, files: LaunchFiles, rank: int) -> None:
-        self.path = files.status(rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.data: dict[str, Any] = {
-            "rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "node": int(os.environ.get("GROUP_RANK", "0")),
-            "main_thread": threading.main_thread().ident, "t_start": time.time(),
-        }
+        self.files, self.rank = files, rank
+        files.status(rank).parent.mkdir(parents=True, exist_ok=True)
+        self.data = RankStatus(
+            rank=rank, pid=os.getpid(), host=socket.gethostname(), node=int(os.environ.get("GROUP_RANK", "0")),
+            main_thread=threading.main_thread().ident, t_start=time.time(),
+        )
 
     def update(self, **fields: Any) -> None:
-        self.data.update(fields, t_update=time.time())
-        write_json_atomic(self.path, self.data)
+        self.data = dataclasses.replace(self.data, **fields, t_update=time.time())
+        self.files.write_status(self.rank, self.data)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -160,7 +162,7 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
 
     device = pick_device(args.backend, args.device, local_rank)
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
-    STATUS.update(phase="running")
+    STATUS.update(phase=Phase.RUNNING)
     batch = len(args.scenario_name) > 1
     done: dict[str, Any] = {}
     results: dict[str, Any] = {}
@@ -200,7 +202,7 @@ def note_process_group_init() -> None:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        STATUS.update(phase="running", pg_initialized=True)
+        STATUS.update(phase=Phase.RUNNING, pg_initialized=True)
         return result
 
     c10d.init_process_group = init_process_group
@@ -208,7 +210,7 @@ def note_process_group_init() -> None:
 
 
 def run_script(args: argparse.Namespace) -> dict[str, Any]:
-    STATUS.update(phase="running")
+    STATUS.update(phase=Phase.RUNNING)
     script_args = [a for a in args.script_args if a != "--"] if args.script_args[:1] == ["--"] else args.script_args
     if args.module:
         sys.argv = [args.module, *script_args]
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     redirect_output(files.log(rank))
     STATUS = Status(files, rank)
-    STATUS.update(phase="starting")
+    STATUS.update(phase=Phase.STARTING)
     install_stack_dumps(files.stacks(rank))
     if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
         start_flight_recorder_sidecar(files, rank)
@@ -283,11 +285,11 @@ def main(argv: list[str] | None = None) -> None:
             _fail(exc, tracer, exit_code=exc.code if isinstance(exc.code, int) else 1)
         results = {}
     except KeyboardInterrupt:     # the launcher forwards Ctrl-C: not this rank's failure
-        STATUS.update(phase="interrupted", collectives=tracer.count)
+        STATUS.update(phase=Phase.INTERRUPTED, collectives=tracer.count)
         os._exit(130)
     except BaseException as exc:  # the rank's own failure: report it, then die like the job would
         _fail(exc, tracer, exit_code=1)
-    STATUS.update(phase="finished", collectives=tracer.count, results=results)
+    STATUS.update(phase=Phase.FINISHED, collectives=tracer.count, results=results)
     wait_for_release(files)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -300,7 +302,7 @@ def _fail(exc: BaseException, tracer: Any, exit_code: int) -> None:
     sys.stderr.write(text)
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     STATUS.update(
-        phase="error", collectives=tracer.count, exit_code=exit_code,
+        phase=Phase.ERROR, collectives=tracer.count, exit_code=exit_code,
         exception=f"{type(exc).__name__}: {message}"[:500], traceback=text[-8000:], where=user_frame_of(tb),
     )
     sys.stdout.flush()

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from html import escape
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from distcheck.models import Event, Report, ScenarioResult
 from distcheck.text import short_path
-from distcheck.report.timeline import ScenarioTimeline, Slice, build_all
+from distcheck.report.timeline import Marker, ScenarioTimeline, Slice, build_all
 
 WIDTH = 1180
 GUTTER = 190          # lane labels
@@ -157,36 +158,46 @@ def _callout(tl: ScenarioTimeline, s: Slice) -> str:
     return s.name + (" · " + ", ".join(values) if values else "")
 
 
-def _svg(tl: ScenarioTimeline) -> str:
-    lanes = {lane.rank: i for i, lane in enumerate(tl.lanes)}
-    height = AXIS_H + len(tl.lanes) * (LANE_H + NOTE_H + LANE_GAP) + 14
-    scale = PLOT_W / tl.end if tl.end > 0 else 1.0
+@dataclass(frozen=True)
+class _Frame:
+    """Where one timeline's seconds and ranks land in its SVG."""
 
-    def x(t: float) -> float:
-        return GUTTER + max(0.0, min(t, tl.end)) * scale
+    tl: ScenarioTimeline
+    lanes: dict[int, int]           # rank -> row
+    height: int
+    scale: float
 
-    def y(rank: int) -> float:
-        return AXIS_H + lanes[rank] * (LANE_H + NOTE_H + LANE_GAP)
+    @classmethod
+    def of(cls, tl: ScenarioTimeline) -> _Frame:
+        return cls(tl=tl, lanes={lane.rank: i for i, lane in enumerate(tl.lanes)},
+                   height=AXIS_H + len(tl.lanes) * (LANE_H + NOTE_H + LANE_GAP) + 14,
+                   scale=PLOT_W / tl.end if tl.end > 0 else 1.0)
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-           f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="timeline of {escape(tl.result.name)}">',
-           '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
-           'patternTransform="rotate(45)"><rect width="6" height="6" fill="#cf222e" fill-opacity=".55"/>'
-           '<line x1="0" y1="0" x2="0" y2="6" stroke="#82071e" stroke-width="2.5"/></pattern></defs>']
-    # axis
-    step = _nice_step(tl.end)
-    out.append(f'<line class="axis" x1="{GUTTER}" y1="{AXIS_H - 6}" x2="{GUTTER + PLOT_W}" y2="{AXIS_H - 6}"/>')
-    n = int(tl.end / step) + 1
-    for i in range(n + 1):
+    def x(self, t: float) -> float:
+        return GUTTER + max(0.0, min(t, self.tl.end)) * self.scale
+
+    def y(self, rank: int) -> float:
+        return AXIS_H + self.lanes[rank] * (LANE_H + NOTE_H + LANE_GAP)
+
+
+def _axis(f: _Frame) -> list[str]:
+    end, x = f.tl.end, f.x
+    step = _nice_step(end)
+    out = [f'<line class="axis" x1="{GUTTER}" y1="{AXIS_H - 6}" x2="{GUTTER + PLOT_W}" y2="{AXIS_H - 6}"/>']
+    for i in range(int(end / step) + 2):
         t = i * step
-        if t > tl.end:
+        if t > end:
             break
-        out.append(f'<line class="axis" x1="{x(t):.1f}" y1="{AXIS_H - 10}" x2="{x(t):.1f}" y2="{height - 4}" '
+        out.append(f'<line class="axis" x1="{x(t):.1f}" y1="{AXIS_H - 10}" x2="{x(t):.1f}" y2="{f.height - 4}" '
                    f'stroke-opacity=".45"/>')
         out.append(f'<text class="tick" x="{x(t) + 3:.1f}" y="{AXIS_H - 12}">{_fmt_t(t, step)}</text>')
-    # lanes
-    for lane in tl.lanes:
-        ly = y(lane.rank)
+    return out
+
+
+def _lane_rows(f: _Frame) -> list[str]:
+    out = []
+    for lane in f.tl.lanes:
+        ly = f.y(lane.rank)
         out.append(f'<rect class="lane-bg" x="{GUTTER}" y="{ly:.1f}" width="{PLOT_W}" height="{LANE_H}" rx="3"/>')
         out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">rank {lane.rank}</text>')
         note = f"{lane.state}" + (f" · {short_path(lane.note)}" if lane.note and lane.state == "crashed" else "")
@@ -194,71 +205,94 @@ def _svg(tl: ScenarioTimeline) -> str:
             note = note[:29] + "…"
         out.append(f'<text class="lane-state" x="8" y="{ly + 26:.1f}">{escape(note)}'
                    f'<title>{escape(lane.state + (": " + lane.note if lane.note else ""))}</title></text>')
-    # the stall window, under the slices
-    if tl.stall is not None:
-        x0, x1 = x(tl.stall[0]), x(tl.stall[1])
-        out.append(f'<rect class="stall" x="{x0:.1f}" y="{AXIS_H - 4}" width="{max(x1 - x0, 1):.1f}" '
-                   f'height="{height - AXIS_H}"><title>no rank made progress from here until the watchdog '
-                   f'declared the stall</title></rect>')
-    # slices
+    return out
+
+
+def _stall_window(f: _Frame) -> list[str]:
+    if f.tl.stall is None:
+        return []
+    x0, x1 = f.x(f.tl.stall[0]), f.x(f.tl.stall[1])
+    return [f'<rect class="stall" x="{x0:.1f}" y="{AXIS_H - 4}" width="{max(x1 - x0, 1):.1f}" '
+            f'height="{f.height - AXIS_H}"><title>no rank made progress from here until the watchdog '
+            f'declared the stall</title></rect>']
+
+
+def _slice(f: _Frame, s: Slice) -> tuple[list[str], str | None]:
+    """The slice's group, and its call-out when it is marked but too narrow to hold its name."""
+    x0, x1 = f.x(s.start), f.x(s.end)
+    w = max(x1 - x0, 2.0)
+    ly = f.y(s.rank) + 3
+    h = LANE_H - 6
+    mark = f" m-{s.mark}" if s.mark else (" err" if s.event.error else "")
+    out = [f'<g><title>{_tooltip(f.tl, s)}</title>']
+    if not s.returned and w > 14:
+        head = min(12.0, w / 3)
+        out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{head:.1f}" '
+                   f'height="{h}" rx="2"/>')
+        out.append(f'<rect class="open-tail{mark}" x="{x0 + head:.1f}" y="{ly:.1f}" width="{w - head:.1f}" '
+                   f'height="{h}" rx="2"/>')
+    else:
+        out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{w:.1f}" '
+                   f'height="{h}" rx="2"/>')
+    text = _callout(f.tl, s) if s.mark else s.name
+    if not s.returned:
+        text += " — never returned"
+    callout = None
+    if w > 7 * len(text) + 16:
+        out.append(f'<text class="slice-text" x="{x0 + 16:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
+    elif s.mark:
+        # marked but narrow: name it under the box, above everything else (drawn last)
+        anchor = "end" if x0 + 7 * len(text) > GUTTER + PLOT_W else "start"
+        cx = x1 if anchor == "end" else x0
+        callout = (f'<line class="tick-line" x1="{(x0 + x1) / 2:.1f}" y1="{ly + h:.1f}" '
+                   f'x2="{(x0 + x1) / 2:.1f}" y2="{ly + h + 5:.1f}"/>'
+                   f'<text class="callout" x="{cx:.1f}" y="{ly + h + 15:.1f}" text-anchor="{anchor}">'
+                   f'{escape(text)}</text>')
+    out.append("</g>")
+    return out, callout
+
+
+def _marker(f: _Frame, m: Marker) -> str | None:
+    if m.kind == "stall":
+        tx = f.x(m.t)
+        anchor = "end" if tx > GUTTER + PLOT_W / 2 else "start"
+        dx = -4 if anchor == "end" else 4
+        return (f'<text class="stall-text" x="{tx + dx:.1f}" y="{f.height - 6}" text-anchor="{anchor}">'
+                f'{escape(m.text)}</text>')
+    if m.rank is None or m.rank not in f.lanes:
+        return None
+    mx, my = f.x(m.t), f.y(m.rank) + LANE_H / 2
+    anchor = "end" if mx > GUTTER + PLOT_W * 0.6 else "start"
+    dx = -12 if anchor == "end" else 12
+    if m.kind == "absent":
+        return (f'<g><title>{escape(m.text)}</title><circle class="absent" cx="{mx:.1f}" cy="{my:.1f}" r="7"/>'
+                f'<text class="absent-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
+                f'{escape(m.text)}</text></g>')
+    if m.kind == "crash":
+        return (f'<g><title>{escape(m.text)}</title>'
+                f'<line class="crash" x1="{mx - 7:.1f}" y1="{my - 7:.1f}" x2="{mx + 7:.1f}" y2="{my + 7:.1f}"/>'
+                f'<line class="crash" x1="{mx - 7:.1f}" y1="{my + 7:.1f}" x2="{mx + 7:.1f}" y2="{my - 7:.1f}"/>'
+                f'<text class="crash-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
+                f'{escape(m.text)}</text></g>')
+    return None
+
+
+def _svg(tl: ScenarioTimeline) -> str:
+    f = _Frame.of(tl)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{f.height}" '
+           f'viewBox="0 0 {WIDTH} {f.height}" role="img" aria-label="timeline of {escape(tl.result.name)}">',
+           '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+           'patternTransform="rotate(45)"><rect width="6" height="6" fill="#cf222e" fill-opacity=".55"/>'
+           '<line x1="0" y1="0" x2="0" y2="6" stroke="#82071e" stroke-width="2.5"/></pattern></defs>']
+    out += _axis(f) + _lane_rows(f) + _stall_window(f)   # the stall window lies under the slices
     callouts: list[str] = []
     for s in tl.slices:
-        if s.rank not in lanes:
-            continue
-        x0, x1 = x(s.start), x(s.end)
-        w = max(x1 - x0, 2.0)
-        ly = y(s.rank) + 3
-        h = LANE_H - 6
-        mark = f" m-{s.mark}" if s.mark else (" err" if s.event.error else "")
-        out.append(f'<g><title>{_tooltip(tl, s)}</title>')
-        if not s.returned and w > 14:
-            head = min(12.0, w / 3)
-            out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{head:.1f}" '
-                       f'height="{h}" rx="2"/>')
-            out.append(f'<rect class="open-tail{mark}" x="{x0 + head:.1f}" y="{ly:.1f}" width="{w - head:.1f}" '
-                       f'height="{h}" rx="2"/>')
-        else:
-            out.append(f'<rect class="op {_op_class(s.event)}{mark}" x="{x0:.1f}" y="{ly:.1f}" width="{w:.1f}" '
-                       f'height="{h}" rx="2"/>')
-        text = _callout(tl, s) if s.mark else s.name
-        if not s.returned:
-            text += " — never returned"
-        if w > 7 * len(text) + 16:
-            out.append(f'<text class="slice-text" x="{x0 + 16:.1f}" y="{ly + h / 2 + 4:.1f}">{escape(text)}</text>')
-        elif s.mark:
-            # marked but narrow: name it under the box, above everything else (drawn last)
-            anchor = "end" if x0 + 7 * len(text) > GUTTER + PLOT_W else "start"
-            cx = x1 if anchor == "end" else x0
-            callouts.append(f'<line class="tick-line" x1="{(x0 + x1) / 2:.1f}" y1="{ly + h:.1f}" '
-                            f'x2="{(x0 + x1) / 2:.1f}" y2="{ly + h + 5:.1f}"/>'
-                            f'<text class="callout" x="{cx:.1f}" y="{ly + h + 15:.1f}" text-anchor="{anchor}">'
-                            f'{escape(text)}</text>')
-        out.append("</g>")
-    out.extend(callouts)
-    # markers
-    for m in tl.markers:
-        if m.kind == "stall":
-            tx = x(m.t)
-            anchor = "end" if tx > GUTTER + PLOT_W / 2 else "start"
-            dx = -4 if anchor == "end" else 4
-            out.append(f'<text class="stall-text" x="{tx + dx:.1f}" y="{height - 6}" text-anchor="{anchor}">'
-                       f'{escape(m.text)}</text>')
-            continue
-        if m.rank is None or m.rank not in lanes:
-            continue
-        mx, my = x(m.t), y(m.rank) + LANE_H / 2
-        anchor = "end" if mx > GUTTER + PLOT_W * 0.6 else "start"
-        dx = -12 if anchor == "end" else 12
-        if m.kind == "absent":
-            out.append(f'<g><title>{escape(m.text)}</title><circle class="absent" cx="{mx:.1f}" cy="{my:.1f}" r="7"/>'
-                       f'<text class="absent-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
-                       f'{escape(m.text)}</text></g>')
-        elif m.kind == "crash":
-            out.append(f'<g><title>{escape(m.text)}</title>'
-                       f'<line class="crash" x1="{mx - 7:.1f}" y1="{my - 7:.1f}" x2="{mx + 7:.1f}" y2="{my + 7:.1f}"/>'
-                       f'<line class="crash" x1="{mx - 7:.1f}" y1="{my + 7:.1f}" x2="{mx + 7:.1f}" y2="{my - 7:.1f}"/>'
-                       f'<text class="crash-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
-                       f'{escape(m.text)}</text></g>')
+        if s.rank in f.lanes:
+            parts, callout = _slice(f, s)
+            out += parts
+            callouts += [callout] if callout else []
+    out += callouts
+    out += [svg for m in tl.markers if (svg := _marker(f, m)) is not None]
     out.append("</svg>")
     return "\n".join(out)
 

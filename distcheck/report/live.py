@@ -4,7 +4,8 @@ during a stall, what every rank is doing (grouped, so 1000 ranks stay readable).
 On a terminal it is a rich ``Live`` display; elsewhere (CI logs, pipes) it is
 plain lines: one when a scenario starts, one when a stall is suspected, and the
 scenario's result block. It renders what the watchdog observed
-(``RankProgress``); it decides nothing.
+(``launch.watchdog.RankProgress``, read through the ``RankProgress`` protocol below,
+so the report package does not depend on the launcher); it decides nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -22,9 +23,25 @@ from rich.text import Text
 
 from distcheck.report import terminal
 from distcheck.text import rank_list
-from distcheck.launch.watchdog import RankProgress
 
 MAX_ROWS = 12
+
+
+class RankProgress(Protocol):
+    """What the view reads of one rank's progress (the watchdog's ``RankProgress`` satisfies it)."""
+
+    @property
+    def open_collectives(self) -> int: ...
+    @property
+    def phase(self) -> str | None: ...
+    @property
+    def current(self) -> str | None: ...
+    @property
+    def since(self) -> float | None: ...
+    @property
+    def label(self) -> str | None: ...
+    @property
+    def dead(self) -> bool: ...
 
 
 @dataclass(frozen=True)

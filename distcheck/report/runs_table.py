@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from distcheck.files.saved_runs import RunSummary
+from distcheck.models import RunSummary
 
 VERDICT_STYLE = {"pass": "bold green", "fail": "bold red", "incomplete": "yellow", "corrupt": "bold yellow"}
 

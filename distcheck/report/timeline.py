@@ -96,8 +96,8 @@ def _marks(findings: Sequence[Finding]) -> dict[tuple[str, int, int], tuple[str,
     return marks
 
 
-def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> ScenarioTimeline:
-    """Lay one scenario's events on a common clock and attach its findings to them."""
+def _clock(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> tuple[float, float, float]:
+    """(origin, end, pad): wall time of t = 0, the timeline's end from it, and the air on each side."""
     all_events = [e for evs in events.values() for e in evs]
     times = [e.t_enter for e in all_events] + [e.t_exit for e in all_events if e.t_exit is not None]
     first = min(times) if times else (result.started_at or 0.0)
@@ -111,17 +111,23 @@ def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> Scen
     # a little air on both sides, so the first and last slices are not glued to the frame
     pad = (last - first) * 0.03 or 0.005
     origin = first - pad
-    end = last - origin + pad
+    return origin, last - origin + pad, pad
 
-    marks = _marks(result.findings)
-    crashed = {}
-    for i, f in enumerate(result.findings):
+
+def _crashed(findings: Sequence[Finding]) -> dict[int, int]:
+    """rank -> index of the crash finding that names it as the crashed rank."""
+    crashed: dict[int, int] = {}
+    for i, f in enumerate(findings):
         if f.kind == "crash":
             for d in f.ranks:
                 if d.role == "crashed" or d.state == "crashed":
                     crashed.setdefault(d.rank, i)
-    outcomes = {o.rank: o for o in result.ranks}
+    return crashed
 
+
+def _slices(result: ScenarioResult, events: Mapping[int, Sequence[Event]], crashed: dict[int, int],
+            origin: float, last_t: float) -> list[Slice]:
+    marks = _marks(result.findings)
     slices: list[Slice] = []
     for rank in sorted(events):
         evs = list(events[rank])
@@ -130,40 +136,65 @@ def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> Scen
             if mark is None and rank in crashed and j == len(evs) - 1 and e.t_exit is None:
                 mark = ("crashed", crashed[rank])
             start = e.t_enter - origin
-            stop = (e.t_exit - origin) if e.t_exit is not None else end - pad
+            stop = (e.t_exit - origin) if e.t_exit is not None else last_t
             slices.append(Slice(rank=rank, event=e, start=start, end=max(stop, start), returned=e.t_exit is not None,
                                 mark=mark[0] if mark else None, finding=mark[1] if mark else None))
+    return slices
 
+
+def _absent_markers(findings: Sequence[Finding], slices: Sequence[Slice], last_t: float) -> list[Marker]:
     markers: list[Marker] = []
-    for i, f in enumerate(result.findings):
+    for i, f in enumerate(findings):
         if f.kind == "hang" and f.absent_ranks:
             # where the waiting ranks entered the collective the absent ones never reached
             entered = [s.start for s in slices if s.finding == i and s.mark == "stuck"]
-            t = min(entered) if entered else end - pad
+            t = min(entered) if entered else last_t
             notes = {d.rank: d for d in f.ranks}
             for r in f.absent_ranks:
                 d = notes.get(r)
                 why = (d.note or d.state or d.where) if d else None
                 text = f"never entered {f.op or 'the collective'} #{f.seq}" + (f" ({why})" if why else "")
                 markers.append(Marker(kind="absent", t=t, text=text, rank=r, finding=i))
+    return markers
+
+
+def _crash_markers(result: ScenarioResult, crashed: dict[int, int], slices: Sequence[Slice],
+                   last_t: float) -> list[Marker]:
+    outcomes = {o.rank: o for o in result.ranks}
+    markers: list[Marker] = []
     for rank, i in crashed.items():
-        f = result.findings[i]
         o = outcomes.get(rank)
         own = [s for s in slices if s.rank == rank]
-        t = max((s.end if s.returned else s.start) for s in own) if own else end - pad
+        t = max((s.end if s.returned else s.start) for s in own) if own else last_t
         cause = _where(o) if o else ""
         markers.append(Marker(kind="crash", t=t, text=f"rank {rank} crashed" + (f": {cause}" if cause else ""),
                               rank=rank, finding=i))
-    stall = None
+    return markers
+
+
+def _end_marker(result: ScenarioResult, origin: float) -> tuple[list[Marker], tuple[float, float] | None]:
+    """How the launch ended, and the stall window (seconds from the origin) when there was one."""
     if result.stall_onset is not None and result.detected_at is not None:
         stall = (result.stall_onset - origin, result.detected_at - origin)
         what = {"stall": "stall detected", "timeout": "--timeout reached",
                 "max_duration": "--max-duration reached"}.get(result.end_reason, result.end_reason)
-        markers.append(Marker(kind="stall", t=stall[1],
-                              text=f"{what} after {result.detected_at - result.stall_onset:.1f} s without progress"))
-    elif result.ended_at is not None:
-        markers.append(Marker(kind="end", t=result.ended_at - origin, text=f"launch ended ({result.end_reason})"))
+        return [Marker(kind="stall", t=stall[1],
+                       text=f"{what} after {result.detected_at - result.stall_onset:.1f} s without progress")], stall
+    if result.ended_at is not None:
+        return [Marker(kind="end", t=result.ended_at - origin, text=f"launch ended ({result.end_reason})")], None
+    return [], None
 
+
+def build(result: ScenarioResult, events: Mapping[int, Sequence[Event]]) -> ScenarioTimeline:
+    """Lay one scenario's events on a common clock and attach its findings to them."""
+    origin, end, pad = _clock(result, events)
+    last_t = end - pad                 # where a call that never returned stops
+    crashed = _crashed(result.findings)
+    slices = _slices(result, events, crashed, origin, last_t)
+    ending, stall = _end_marker(result, origin)
+    markers = (_absent_markers(result.findings, slices, last_t) + _crash_markers(result, crashed, slices, last_t)
+               + ending)
+    outcomes = {o.rank: o for o in result.ranks}
     lanes = tuple(Lane(rank=r, state=outcomes[r].state if r in outcomes else "unknown",
                        note=_where(outcomes[r]) if r in outcomes else "")
                   for r in sorted(set(outcomes) | set(events)))

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from distcheck.diagnose.rules import (
-    RunFacts, analyze, behaved_as_expected, collectives_compared, find_duplicates,
-    find_stragglers, group_table, majority, observed_kinds,
+from distcheck.diagnose.analyze import (
+    RunFacts, analyze, behaved_as_expected, collectives_compared, group_table, majority, observed_kinds,
 )
+from distcheck.diagnose.duplicates import find_duplicates
+from distcheck.diagnose.straggler import find_stragglers
 from distcheck.models import Event, Finding, RankOutcome
 from distcheck.scenario import ScenarioContext
 

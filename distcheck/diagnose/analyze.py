@@ -1,0 +1,72 @@
+"""Pure analysis: per-rank events + rank outcomes + scenario results → findings.
+
+No I/O, no printing, no process groups. Each finding kind has its own module
+(mismatch, order, hang, crash, count, numeric, duplicates, straggler); this
+one runs them in order and says what was observed and whether that was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, group_table, majority
+from distcheck.diagnose.count import find_count_differences
+from distcheck.diagnose.crash import find_crashes
+from distcheck.diagnose.duplicates import find_duplicates
+from distcheck.diagnose.hang import find_hangs, find_startup_hang, find_timeout
+from distcheck.diagnose.mismatch import find_mismatches
+from distcheck.diagnose.numeric import explain_numbers, find_numeric
+from distcheck.diagnose.straggler import find_stragglers
+from distcheck.models import Event, Finding, RankOutcome
+
+__all__ = ["RunFacts", "analyze", "behaved_as_expected", "collectives_compared", "group_table", "majority",
+           "observed_kinds"]
+
+
+def analyze(
+    traces: Mapping[int, Sequence[Event]],
+    outcomes: Mapping[int, RankOutcome],
+    facts: RunFacts,
+    results: Mapping[int, Mapping[str, Any]] | None = None,
+) -> list[Finding]:
+    """Every finding for one run, most important first.
+
+    A crash or hang that a mismatch explains comes after that mismatch: the
+    mismatch is the root cause, the dead or stuck rank its consequence.
+    """
+    table = group_table(traces)
+    mismatches = find_mismatches(table)
+    crashes = find_crashes(outcomes, facts, mismatches)
+    hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
+    hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
+    counts = find_count_differences(table, facts, explained=bool(crashes or hangs or facts.end_reason in ABNORMAL_ENDS))
+    timeout = find_timeout(outcomes, facts, crashes + hangs)
+    results = results or {}
+    duplicates = find_duplicates(results, facts.world_size)
+    numeric = explain_numbers(find_numeric(results), duplicates, [m for m in mismatches if m.kind == "order"])
+    stopped = crashes + hangs + timeout
+    caused = [f for f in stopped if "caused_by" in f.data]
+    first = [f for f in stopped if f not in caused]
+    return first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts)
+
+
+def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:
+    """How many (group, seq) calls were seen on at least two ranks and compared."""
+    table = group_table(traces)
+    return sum(1 for seqs in table.values() for events in seqs.values() if len(events) >= 2)
+
+
+def observed_kinds(findings: Iterable[Finding]) -> tuple[str, ...]:
+    kinds = sorted({f.kind for f in findings if f.severity in ("error", "warning")})
+    return tuple(kinds) or ("pass",)
+
+
+def behaved_as_expected(expected: Sequence[str], observed: Sequence[str]) -> bool:
+    """'pass' must see no finding at all; otherwise every expected kind must be observed.
+
+    Extra kinds are allowed: a mismatch that makes gloo abort a rank also shows
+    as a crash, a hang can leave ranks with different counts.
+    """
+    if tuple(expected) == ("pass",):
+        return tuple(observed) == ("pass",)
+    return set(expected) <= set(observed)

@@ -1,0 +1,135 @@
+"""What every rule shares: the run's facts, the (group, seq) matching table,
+majority, and how to name a call or a rank's whereabouts in a sentence. Pure.
+
+Calls are matched by (group, sequence number); what was *expected* at a
+sequence number is decided by majority, and a tie is stated as a tie — never
+"whichever rank file was read first".
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from distcheck.models import EndReason, Event, Phase, RankDetail, RankOutcome, RankState
+from distcheck.text import site
+
+
+# Ends that stop a run before every rank is done: what was left open is a hang, not a count difference.
+ABNORMAL_ENDS = (EndReason.STALL, EndReason.TIMEOUT, EndReason.CRASH, EndReason.INTERRUPTED)
+
+GroupKey = tuple[str, tuple[int, ...]]   # (group name, member ranks)
+Table = Mapping[GroupKey, Mapping[int, Mapping[int, Event]]]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the launcher knows about how the run ended."""
+
+    world_size: int
+    end_reason: str = EndReason.COMPLETED   # an EndReason, or its string
+    stall_onset: float | None = None     # wall time of the last progress
+    detected_at: float | None = None     # wall time the stall was declared
+    timeout_s: float | None = None
+    straggler_min_lag_s: float = 0.1
+    oom_kills: int | None = None         # OOM kills counted in distcheck's memory cgroup (None: no counter)
+
+
+
+# -- matching ---------------------------------------------------------------
+
+
+def _components(member_sets: Iterable[tuple[int, ...]]) -> list[set[int]]:
+    """Merge overlapping member sets: ranks that share a group name and a rank meant the same group."""
+    merged: list[set[int]] = []
+    for members in member_sets:
+        current = set(members)
+        for other in [m for m in merged if m & current]:
+            merged.remove(other)
+            current |= other
+        merged.append(current)
+    return merged
+
+
+def _member_sets(traces: Mapping[int, Sequence[Event]]) -> dict[str, set[tuple[int, ...]]]:
+    sets: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for rank, events in traces.items():
+        seen: dict[str, tuple[int, ...]] = {}
+        for e in events:
+            # Identity check first: hashing a 1000-rank tuple per event would dominate the run time.
+            if seen.get(e.group) is not e.group_ranks:
+                seen[e.group] = e.group_ranks
+                sets[e.group].add(e.group_ranks or (rank,))
+    return sets
+
+
+def group_table(traces: Mapping[int, Sequence[Event]]) -> dict[GroupKey, dict[int, dict[int, Event]]]:
+    """{(group, members): {seq: {rank: event}}} over every rank's events.
+
+    Disjoint subgroups that happen to share a name stay apart; overlapping member
+    lists under one name are merged, so ranks that disagree about a group's
+    members meet at the same (group, seq) and show up as a ``group`` mismatch.
+    """
+    keys: dict[tuple[str, tuple[int, ...]], GroupKey] = {}
+    for name, member_sets in _member_sets(traces).items():
+        for component in _components(sorted(member_sets)):
+            key = (name, tuple(sorted(component)))
+            for members in member_sets:
+                if set(members) <= component:
+                    keys[(name, members)] = key
+    table: dict[GroupKey, dict[int, dict[int, Event]]] = defaultdict(lambda: defaultdict(dict))
+    for rank, events in traces.items():
+        # Keep the group's own dict, not its key: hashing a 1000-rank member tuple per event is slow.
+        cache: dict[str, tuple[tuple[int, ...], dict[int, dict[int, Event]]]] = {}
+        for e in events:
+            hit = cache.get(e.group)
+            if hit is None or hit[0] is not e.group_ranks:
+                hit = cache[e.group] = (e.group_ranks, table[keys[(e.group, e.group_ranks or (rank,))]])
+            hit[1][e.seq][rank] = e
+    return table
+
+
+
+def majority(values: Mapping[int, Any]) -> tuple[Any, list[int], bool]:
+    """(majority value, odd ranks, tie) over rank → value. On a tie there is no odd side."""
+    ranked = Counter(values.values()).most_common()
+    top_value, top_count = ranked[0]
+    if len(ranked) > 1 and ranked[1][1] == top_count:
+        return None, [], True
+    return top_value, sorted(r for r, v in values.items() if v != top_value), False
+
+
+def detail(rank: int, role: str, e: Event | None, **extra: Any) -> RankDetail:
+    if e is None:
+        return RankDetail(rank=rank, role=role, **extra)
+    return RankDetail(rank=rank, role=role, op=e.op, seq=e.seq, label=e.label, callsite=e.callsite,
+                      fingerprint=e.fingerprint(), **extra)
+
+
+def who(e: Event) -> str:
+    label = f"{e.label} " if e.label else ""
+    return f"{label}at {site(e.callsite)}"
+
+
+def call(e: Event) -> str:
+    return f"{e.op} #{e.seq} (group {e.group})"
+
+
+
+def whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = None) -> str:
+    if outcome is None:
+        return f"no status; its trace ends after {call(last)}" if last else "never started"
+    if outcome.state == RankState.FINISHED:
+        return "finished, now idle"
+    if outcome.state == RankState.CRASHED:
+        cause = outcome.exception or (f"killed by {outcome.signal}" if outcome.signal else f"exit code {outcome.exit_code}")
+        return f"crashed ({cause})"
+    if outcome.state == RankState.STUCK and outcome.last_event is not None:
+        e = outcome.last_event
+        return f"waiting in {call(e)} {who(e)}"
+    if outcome.phase == Phase.STARTING:
+        return "still starting up (init_process_group)"
+    if outcome.where:
+        return f"running outside any collective at {site(outcome.where)}"
+    return outcome.state

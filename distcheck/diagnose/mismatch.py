@@ -1,0 +1,222 @@
+"""Structural mismatches: ranks that meet at one (group, seq) with a different
+op, reduce op, shape, dtype, device, root or group, and send/recv pairs whose
+buffers differ. Same signature but a different metric/module is a crossing
+(``order``), judged in the same pass. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from distcheck.diagnose.common import Table, detail, majority, who
+from distcheck.diagnose.order import crossing_finding
+from distcheck.models import Event, Finding
+from distcheck.text import field_value, plural, rank_list
+
+
+# Fingerprint fields compared across ranks: (name in findings, Event attribute).
+COMPARED = (
+    ("op", "op"), ("reduce_op", "reduce_op"), ("shape", "shapes"), ("dtype", "dtypes"),
+    ("device", "device"), ("root", "root"), ("group", "group_ranks"),
+)
+COMPARED_FIELDS = tuple(name for name, _ in COMPARED)
+P2P_COMPARED = ("shape", "dtype", "device")
+MAX_REPORTED_PER_GROUP = 5
+SEND_OPS = ("send", "isend", "send_object_list")
+
+# What a difference in each field does, in words a user can act on.
+CONSEQUENCE = {
+    "op": "different collectives were paired with each other",
+    "reduce_op": "the call completes without any error on every backend, but its result is wrong",
+    "shape": "the buffers differ in size: gloo aborts a rank, NCCL hangs or corrupts memory",
+    "dtype": "the buffers differ in byte size or meaning: gloo aborts a rank, NCCL hangs or returns garbage",
+    "device": "ranks passed tensors on different devices",
+    "root": "ranks disagree about which rank sends or receives",
+    "group": "ranks disagree about who is in the process group",
+}
+
+
+class _GroupIds:
+    """Small stand-ins for member tuples, so signatures hash fast on 1000+ ranks."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._by_value: dict[tuple[int, ...], int] = {}
+
+    def __call__(self, members: tuple[int, ...]) -> int:
+        hit = self._by_id.get(id(members))
+        if hit is None or hit[0] is not members:
+            hit = self._by_id[id(members)] = (members, self._by_value.setdefault(members, len(self._by_value)))
+        return hit[1]
+
+
+_ATTRS = dict(COMPARED)
+
+
+def _value(e: Event, name: str, members: tuple[int, ...]) -> Any:
+    if name == "group":
+        return e.group_ranks or members   # unknown membership (torn trace): assume it agrees
+    return getattr(e, _ATTRS[name])
+
+
+def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None) -> tuple:
+    group = e.group_ranks or members
+    return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group)
+
+
+def _p2p_signature(e: Event) -> tuple:
+    return (e.shapes, e.dtypes, e.device)
+
+
+
+def find_mismatches(table: Table) -> list[Finding]:
+    """The first divergence of every group, and each later one that differs in another way."""
+    findings: list[Finding] = []
+    gid = _GroupIds()
+    for (group, members), seqs in sorted(table.items()):
+        p2p = group.startswith("p2p:")
+        first: dict[tuple, Finding] = {}
+        repeats: dict[tuple, list[int]] = defaultdict(list)
+        for seq in sorted(seqs):
+            events = seqs[seq]
+            if len(events) < 2:
+                continue
+            # Judge cheaply first; build the full finding (details for every rank) only for a new kind of difference.
+            if p2p:   # two ranks: cheap to build right away
+                finding = _p2p_mismatch_at(group, seq, events)
+                key = finding and (finding.kind, finding.fields, finding.odd_ranks, finding.tie)
+            else:
+                verdict = _judge(members, events, gid)
+                key = verdict and verdict.key
+            if not key:
+                continue
+            if key in first:
+                repeats[key].append(seq)
+            elif len(first) < MAX_REPORTED_PER_GROUP:
+                first[key] = finding if p2p else _build(verdict, group, members, seq, events, gid)
+        findings.extend(_with_repeats(f, repeats[key]) for key, f in first.items())
+    return findings
+
+
+def _with_repeats(f: Finding, seqs: list[int]) -> Finding:
+    if not seqs:
+        return f
+    shown = ", ".join(f"#{s}" for s in seqs[:8]) + (", ..." if len(seqs) > 8 else "")
+    summary = f"{f.summary} The same difference repeats at {plural(len(seqs), 'later call')} ({shown})."
+    return dataclasses.replace(f, summary=summary, data={**f.data, "repeated_at": seqs})
+
+
+def _differing(sigs: Mapping[int, tuple], fields: Sequence[str], expected: tuple | None, odd: list[int]) -> tuple[str, ...]:
+    if expected is None:   # a tie: every field that takes more than one value
+        return tuple(f for i, f in enumerate(fields) if len({s[i] for s in sigs.values()}) > 1)
+    return tuple(f for i, f in enumerate(fields) if any(sigs[r][i] != expected[i] for r in odd))
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """How the ranks at one (group, seq) differ, before any text is written."""
+
+    kind: str                      # mismatch or order
+    fields: tuple[str, ...]
+    odd: tuple[int, ...]
+    tie: bool
+    expected: Any                  # the majority signature or label; None on a tie
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, self.fields, self.odd, self.tie)
+
+
+def _judge(members: tuple[int, ...], events: Mapping[int, Event], gid: _GroupIds) -> _Verdict | None:
+    sigs = {r: _signature(e, members, gid) for r, e in events.items()}
+    if len(set(sigs.values())) > 1:
+        expected, odd, tie = majority(sigs)
+        return _Verdict("mismatch", _differing(sigs, COMPARED_FIELDS, expected, odd), tuple(odd), tie, expected)
+    # Same signature, different metric/module: the backend pairs them silently. Only the label counts:
+    # the same label reached from different lines (if rank == 0: broadcast(a) else: broadcast(b)) is ordinary code.
+    labels = {r: e.label for r, e in events.items()}
+    if len(set(labels.values())) > 1:
+        expected, odd, tie = majority(labels)
+        return _Verdict("order", ("label",), tuple(odd), tie, expected)
+    return None
+
+
+def _build(v: _Verdict, group: str, members: tuple[int, ...], seq: int, events: Mapping[int, Event],
+           gid: _GroupIds) -> Finding:
+    role = lambda r: "tie" if v.tie else ("odd" if r in v.odd else "majority")  # noqa: E731
+    details = tuple(detail(r, role(r), e) for r, e in sorted(events.items()))
+    if v.kind == "order":
+        return crossing_finding(group, seq, events, details, v.odd, v.tie, v.expected)
+    ref = None if v.tie else next(e for _, e in sorted(events.items()) if _signature(e, members, gid) == v.expected)
+    op, label, callsite = (ref.op, ref.label, ref.callsite) if ref else _common(events.values())
+    return Finding(
+        kind="mismatch", severity="error", group=group, seq=seq, op=op,
+        label=label, callsite=callsite, odd_ranks=v.odd, fields=v.fields,
+        majority=ref.fingerprint() if ref else None, tie=v.tie, ranks=details,
+        summary=_mismatch_summary(seq, group, members, v.fields, events, ref, list(v.odd)),
+        data={"values": _values_by_field(v.fields, events, members)},
+    )
+
+
+def _common(events: Iterable[Event]) -> tuple[str | None, str | None, str | None]:
+    """(op, label, callsite) where every rank agrees, None where they do not: a tie names no side."""
+    events = list(events)
+    return tuple(getattr(events[0], a) if len({getattr(e, a) for e in events}) == 1 else None  # type: ignore[return-value]
+                 for a in ("op", "label", "callsite"))
+
+
+def _values_by_field(fields: Sequence[str], events: Mapping[int, Event], members: tuple[int, ...]) -> dict[str, dict[str, list[int]]]:
+    """{field: {value as text: ranks}} — both sides of every difference, for people and tools."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for f in fields:
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for r, e in sorted(events.items()):
+            by_value[field_value(f, _value(e, f, members))].append(r)
+        out[f] = dict(by_value)
+    return out
+
+
+def _mismatch_summary(seq: int, group: str, members: tuple[int, ...], fields: tuple[str, ...],
+                      events: Mapping[int, Event], ref: Event | None, odd: list[int]) -> str:
+    values = _values_by_field(fields, events, members)
+    diffs = "; ".join(f"{f} " + " vs ".join(f"{v} on {rank_list(rs)}" for v, rs in by.items())
+                      for f, by in values.items())
+    ops = "/".join(dict.fromkeys(e.op for _, e in sorted(events.items())))
+    consequence = "; ".join(CONSEQUENCE[f] for f in fields)
+    if ref is None:
+        calls = "; ".join(f"{rank_list([r])} {who(e)}" for r, e in sorted(events.items()))
+        return (f"{ops} #{seq} (group {group}): the ranks disagree on {' and '.join(fields)} and no side has a "
+                f"majority (a tie) — {diffs}. Calls: {calls}. Consequence: {consequence}.")
+    odd_e = events[odd[0]]
+    return (f"{ops} #{seq} (group {group}): {rank_list(odd)} called it with a different {' and '.join(fields)} "
+            f"than the majority — {diffs}. Majority: {who(ref)}; {rank_list(odd)}: {who(odd_e)}. "
+            f"Consequence: {consequence}.")
+
+
+def _p2p_mismatch_at(group: str, seq: int, events: Mapping[int, Event]) -> Finding | None:
+    """A send and its matching receive must agree on the buffer: shape, dtype, device."""
+    sends = {r: e for r, e in events.items() if e.op in SEND_OPS}
+    recvs = {r: e for r, e in events.items() if e.op not in SEND_OPS}
+    if len(sends) != 1 or len(recvs) != 1:
+        return None
+    (src, send), (dst, recv) = next(iter(sends.items())), next(iter(recvs.items()))
+    if not send.shapes or not recv.shapes:   # object lists: nothing to compare
+        return None
+    sigs = {src: _p2p_signature(send), dst: _p2p_signature(recv)}
+    fields = _differing(sigs, P2P_COMPARED, None, [])
+    if not fields:
+        return None
+    diffs = "; ".join(f"{f} {field_value(f, _value(send, f, ()))} sent by rank {src} vs "
+                      f"{field_value(f, _value(recv, f, ()))} expected by rank {dst}" for f in fields)
+    return Finding(
+        kind="mismatch", severity="error", group=group, seq=seq, op=send.op, label=send.label,
+        callsite=send.callsite, fields=fields, tie=True,
+        ranks=(detail(src, "sender", send), detail(dst, "receiver", recv)),
+        data={"values": _values_by_field(fields, events, ())},
+        summary=(f"{send.op} #{seq} from rank {src} to rank {dst}: the buffers differ — {diffs}. "
+                 f"Sender {who(send)}; receiver {who(recv)}. Consequence: "
+                 + "; ".join(CONSEQUENCE[f] for f in fields) + "."),
+    )
