@@ -84,7 +84,7 @@ def run(
     store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
     min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor."),
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
-    flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="Record PyTorch's Flight Recorder and dump it on a stall (default: on with NCCL)."),
+    flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
     isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.

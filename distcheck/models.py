@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REPORT_SCHEMA = "distcheck.report/1"
+UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
 
 
 
@@ -90,6 +91,7 @@ class Event:
     callsite: str | None = None
     library_callsite: str | None = None
     label: str | None = None
+    native: bool = False            # issued from C++ (DDP, FSDP2, functional collectives), seen via the Flight Recorder
 
     @property
     def is_p2p(self) -> bool:

@@ -36,7 +36,7 @@ class RunOptions:
     nodes: NodeConfig = NodeConfig()
     batching: bool = True            # all but expected hangs/crashes share a launch (see batch.plan)
     scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
-    flight_recorder: bool | None = None   # None: on for NCCL (GPU-side state), off for gloo
+    flight_recorder: bool | None = None   # None: on (C++-issued collectives; GPU-side state on NCCL)
 
     @property
     def world_size(self) -> int:

@@ -135,8 +135,7 @@ def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], ru
                       worker_args=args, limits=limits, run_id=f"{run_id}-{launch_dir.name}", device=options.device,
                       rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes, node_rank=nodes.node_rank,
                       local_addr=node_address(nodes), rdzv_timeout=nodes.rdzv_timeout, channel=channel,
-                      flight_recorder=options.flight_recorder if options.flight_recorder is not None
-                      else options.backend == "nccl")
+                      flight_recorder=options.flight_recorder is not False)
 
 
 def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome) -> ScenarioResult:

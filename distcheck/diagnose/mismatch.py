@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.diagnose.common import Table, detail, majority, who
 from distcheck.diagnose.order import crossing_finding
-from distcheck.models import Event, Finding
+from distcheck.models import UNKNOWN_OP, Event, Finding
 from distcheck.text import field_value, plural, rank_list
 
 
@@ -62,9 +62,17 @@ def _value(e: Event, name: str, members: tuple[int, ...]) -> Any:
     return getattr(e, _ATTRS[name])
 
 
-def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None) -> tuple:
+def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None, blur: bool = False) -> tuple:
+    """The compared fields; ``blur`` drops what a C++-issued call's record cannot know (reduce op,
+    device, root), so a Python call and a C++ one are compared on op, shapes, dtypes and group only."""
     group = e.group_ranks or members
+    if blur:
+        return (e.op, None, e.shapes, e.dtypes, None, None, gid(group) if gid else group)
     return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group)
+
+
+def _has_native(events: Mapping[int, Event]) -> bool:
+    return any(e.native for e in events.values())
 
 
 def _p2p_signature(e: Event) -> tuple:
@@ -131,14 +139,18 @@ class _Verdict:
 
 
 def _judge(members: tuple[int, ...], events: Mapping[int, Event], gid: _GroupIds) -> _Verdict | None:
-    sigs = {r: _signature(e, members, gid) for r, e in events.items()}
+    native = _has_native(events)
+    if native and any(e.op == UNKNOWN_OP for e in events.values()):
+        return None   # a C++ call that left the Flight Recorder's ring before it was read: nothing to compare
+    sigs = {r: _signature(e, members, gid, native) for r, e in events.items()}
     if len(set(sigs.values())) > 1:
         expected, odd, tie = majority(sigs)
         return _Verdict("mismatch", _differing(sigs, COMPARED_FIELDS, expected, odd), tuple(odd), tie, expected)
     # Same signature, different metric/module: the backend pairs them silently. Only the label counts:
     # the same label reached from different lines (if rank == 0: broadcast(a) else: broadcast(b)) is ordinary code.
+    # A C++-issued call's label is read from a stack sampled a little later, so it is never compared.
     labels = {r: e.label for r, e in events.items()}
-    if len(set(labels.values())) > 1:
+    if not native and len(set(labels.values())) > 1:
         expected, odd, tie = majority(labels)
         return _Verdict("order", ("label",), tuple(odd), tie, expected)
     return None
@@ -150,7 +162,9 @@ def _build(v: _Verdict, group: str, members: tuple[int, ...], seq: int, events: 
     details = tuple(detail(r, role(r), e) for r, e in sorted(events.items()))
     if v.kind == "order":
         return crossing_finding(group, seq, events, details, v.odd, v.tie, v.expected)
-    ref = None if v.tie else next(e for _, e in sorted(events.items()) if _signature(e, members, gid) == v.expected)
+    blur = _has_native(events)
+    ref = None if v.tie else next(e for _, e in sorted(events.items())
+                                  if _signature(e, members, gid, blur) == v.expected)
     op, label, callsite = (ref.op, ref.label, ref.callsite) if ref else _common(events.values())
     return Finding(
         kind="mismatch", severity="error", group=group, seq=seq, op=op,

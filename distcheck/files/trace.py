@@ -10,11 +10,15 @@ Records (tab separated, ``-`` for "none"):
 
     G  group  ranks(comma separated)
     S  site-id  callsite  library-callsite  label
-    F  fp-id  op  reduce_op  shapes  dtypes  device  root  async  site-id
+    F  fp-id  op  reduce_op  shapes  dtypes  device  root  kind  site-id
     E  group  seq  fp-id  t_enter_us
     X  group  seq  t_exit_us  error
 
     B  scenario-name   (a batched launch: the next scenario's own trace starts here)
+
+kind: ``0`` a blocking call, ``1`` an async one (``async_op=True``, isend:
+its wait happens elsewhere), ``n`` a call issued from C++ (DDP's reducer,
+FSDP2, functional collectives: ``rank.native``), which blocks like ``0``.
 
 Definitions (G, S, F) are written in the same ``os.write`` as the first E
 record that uses them, and before it. Times are integer microseconds since the
@@ -50,6 +54,7 @@ ENTER = b"E\t%b\t%b\t%d\n"         # call key, fp-id, t_enter_us
 EXIT_OK = b"X\t%b\t%d\t-\n"        # call key, t_exit_us
 EXIT = b"X\t%b\t%d\t%b\n"          # call key, t_exit_us, error
 MAX_ERROR_CHARS = 300
+NATIVE = "n"                       # F's kind for a call issued from C++
 
 
 def group_record(group: str, ranks: Iterable[int | None]) -> bytes:
@@ -64,9 +69,20 @@ def site_record(site: str, callsite: str | None, library: str | None, label: str
 
 def fingerprint_record(fp: str, op: str, reduce_op: str | None, shapes: str, dtypes: str, device: str,
                        root: int | None, is_async: bool, site: str) -> bytes:
-    """F: everything a call's E records share; ``shapes`` and ``dtypes`` already encoded."""
+    """F: everything a traced call's E records share; ``shapes`` and ``dtypes`` already encoded."""
     return (f"F\t{fp}\t{op}\t{reduce_op or NONE}\t{shapes}\t{dtypes}\t{device}\t"
             f"{NONE if root is None else root}\t{int(is_async)}\t{site}\n").encode()
+
+
+def native_fingerprint_record(fp: str, op: str, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...],
+                              site: str) -> bytes:
+    """F for a C++-issued call: what the Flight Recorder knows (no reduce op, device or root)."""
+    return (f"F\t{fp}\t{clean(op)}\t{NONE}\t{encode_shapes(shapes)}\t{';'.join(dtypes) or NONE}\t{NONE}\t"
+            f"{NONE}\t{NATIVE}\t{site}\n").encode()
+
+
+def enter_record(key: bytes, fp: bytes, t_enter_us: int) -> bytes:
+    return ENTER % (key, fp, t_enter_us)
 
 
 def segment_record(name: str) -> bytes:
@@ -135,7 +151,7 @@ class RankTrace:
 
 # Event's fields in the order parse_trace passes them (positional: cheaper than keywords).
 _EVENT_ORDER = ("rank", "group", "seq", "op", "reduce_op", "shapes", "dtypes", "device", "root", "group_ranks",
-                "async_op", "t_enter", "t_exit", "error", "callsite", "library_callsite", "label")
+                "async_op", "t_enter", "t_exit", "error", "callsite", "library_callsite", "label", "native")
 if tuple(f.name for f in dataclasses.fields(Event)) == _EVENT_ORDER:
     _make_event = Event
 else:  # the model changed its field order: fall back to keywords
@@ -147,12 +163,12 @@ _NO_EXIT = (None, None)
 
 
 def _fingerprint(parts: list[str], sites: dict) -> tuple:
-    """(op, reduce_op, shapes, dtypes, device, root, async) + site strings, from F fields 2..9."""
+    """(op, reduce_op, shapes, dtypes, device, root, async) + site strings + native, from F fields 2..9."""
     return (
         parts[2], _opt(parts[3]), decode_shapes(parts[4]),
         () if parts[5] == NONE else tuple(parts[5].split(";")),
         _opt(parts[6]), None if parts[7] == NONE else int(parts[7]), parts[8] == "1",
-    ) + sites.get(parts[9], _NO_SITE)
+    ) + sites.get(parts[9], _NO_SITE) + (parts[8] == NATIVE,)
 
 
 # Whole-file patterns for the fast path (a clean format-2 file): the regex engine
@@ -221,7 +237,7 @@ def _parse_clean(rank: int, body: str) -> RankTrace | None:
             else:
                 t_exit, error = int(x[0]) / 1e6, (None if x[1] == NONE else x[1])
             append(_make_event(rank, g, int(s), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], groups.get(g, no_ranks),
-                               fp[6], int(t) / 1e6, t_exit, error, fp[7], fp[8], fp[9]))
+                               fp[6], int(t) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10]))
     except (ValueError, KeyError):
         return None            # a field that does not convert: the careful path counts it
     return trace
@@ -270,7 +286,7 @@ def _add_events(trace: RankTrace, enters: list[list[str]], exits: dict[tuple[str
             t_exit, error = exits.get((p[1], p[2]), _NO_EXIT)
             fp = fps[p[3]]
             append(_make_event(rank, p[1], int(p[2]), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
-                               groups.get(p[1], ()), fp[6], int(p[4]) / 1e6, t_exit, error, fp[7], fp[8], fp[9]))
+                               groups.get(p[1], ()), fp[6], int(p[4]) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10]))
         except (ValueError, KeyError):
             bad += 1
     return bad

@@ -46,6 +46,7 @@ class OpSpec:
     group_root: str | None = None        # group_src/group_dst parameter (group rank)
     p2p: str | None = None               # "send" or "recv": the root is the peer
     shape_unless: str | None = None      # skip shapes when this parameter is set (uneven splits)
+    object_list: str | None = None       # parameter holding a list of objects: its length is compared
 
 
 OPS: dict[str, OpSpec] = {
@@ -53,17 +54,17 @@ OPS: dict[str, OpSpec] = {
     "all_reduce_coalesced": OpSpec(tensor_lists=("tensors",), reduce_op="op"),
     "all_gather": OpSpec(tensors=("tensor",)),
     "all_gather_into_tensor": OpSpec(tensors=("input_tensor",)),
-    "all_gather_object": OpSpec(),
+    "all_gather_object": OpSpec(object_list="object_list"),
     "all_gather_coalesced": OpSpec(tensor_lists=("input_tensor_list",)),
     "reduce_scatter": OpSpec(tensor_lists=("input_list",), reduce_op="op"),
     "reduce_scatter_tensor": OpSpec(tensors=("input",), reduce_op="op"),
     "reduce": OpSpec(tensors=("tensor",), reduce_op="op", root="dst", group_root="group_dst"),
     "broadcast": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
-    "broadcast_object_list": OpSpec(root="src", group_root="group_src"),
+    "broadcast_object_list": OpSpec(root="src", group_root="group_src", object_list="object_list"),
     "gather": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst"),
     "gather_object": OpSpec(root="dst", group_root="group_dst"),
     "scatter": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
-    "scatter_object_list": OpSpec(root="src", group_root="group_src"),
+    "scatter_object_list": OpSpec(root="src", group_root="group_src", object_list="scatter_object_output_list"),
     "all_to_all": OpSpec(tensor_lists=("input_tensor_list",)),
     "all_to_all_single": OpSpec(tensors=("input",), shape_unless="input_split_sizes"),
     "barrier": OpSpec(),
@@ -77,6 +78,11 @@ OPS: dict[str, OpSpec] = {
     "recv_object_list": OpSpec(root="src", group_root="group_src", p2p="recv"),
 }
 ASYNC_BY_NATURE = {"isend", "irecv"}
+# Calls numbered by the group's own collective counter advance it by one, except these:
+MULTI_SEQ = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+             "monitored_barrier"}          # several collectives inside (sizes, then data)
+UNCOUNTED = {"new_group"}                  # no collective at all: numbered in a sequence of their own
+NEW_GROUP_KEY = "new_group"
 
 
 def _reduce_op_name(op: Any) -> str:
@@ -90,12 +96,13 @@ def _reduce_op_name(op: Any) -> str:
 # -- argument extraction ------------------------------------------------------
 
 # What an extractor returns, in this order.
-_SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless")
+_SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless",
+          "object_list")
 
 
 def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], tuple]:
     """A function ``(args, kwargs) -> (group, tensors, tensor_lists, reduce_op, root,
-    group_root, async_op, shape_unless)`` specialised to one op's signature.
+    group_root, async_op, shape_unless, object_list)`` specialised to one op's signature.
 
     Generated once per op (like ``collections.namedtuple``), so a call reads
     each argument by position or keyword without binding the whole signature.
@@ -120,7 +127,7 @@ def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> 
     tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
     lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
     values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
-              read("async_op"), read(spec.shape_unless))
+              read("async_op"), read(spec.shape_unless), read(spec.object_list))
     lines.append(f"    return ({', '.join(values)})")
     exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
     return namespace[f"extract_{name}"]
@@ -149,9 +156,19 @@ class Tracer:
         self.resolver = CallsiteResolver()
         self._resolve_group = group_resolver or _c10d_group
         self._default_group = default_group or _c10d_default_group()
+        # group -> the newest number this tracer wrote (the group's own counter where it has one)
         self._seq: dict[str, int] = {}
-        # id(pg) -> (key, pg, key as bytes); pg kept alive so its id stays valid
-        self._groups: dict[int, tuple[str, Any, bytes]] = {}
+        # id(pg) -> (key, pg, key as bytes, the group's collective counter or None, its value at the
+        # segment's start); pg kept alive so its id stays valid
+        self._groups: dict[int, tuple[str, Any, bytes, Callable[[], int] | None, int]] = {}
+        # Numbers count from each group's counter when tracing started (0 for groups made later).
+        self._bases: dict[str, int] = {key: counter() for key, counter in _c10d_counters()}
+        self._multi: tuple[str, Callable[[], int], int] | None = None
+        # Shared with the sidecar that finds C++-issued calls (rank.native): the group a Python call
+        # is in right now (its numbers are its own), and a lock held while a new segment starts.
+        self.busy_group: str | None = None
+        self.lock = threading.Lock()
+        self.segment_listeners: list[Callable[[], None]] = []
         self._sites: dict[tuple, str] = {}
         self._fps: dict[tuple, bytes] = {}   # fingerprint -> its F record's id
         self._op_names: dict[Any, str] = {}
@@ -162,14 +179,27 @@ class Tracer:
     def begin_segment(self, name: str) -> None:
         """Start a self-contained part of the trace (the next scenario of a batched launch).
 
-        Sequence numbers restart and every definition is written again after the
-        ``B`` record, so each part parses on its own (``distcheck.files.trace.split_segments``).
+        Sequence numbers restart (counted from each group's counter now) and every
+        definition is written again after the ``B`` record, so each part parses on
+        its own (``distcheck.files.trace.split_segments``).
         """
-        self._seq.clear()
-        self._groups.clear()
-        self._sites.clear()
-        self._fps.clear()
-        self.writer.write(segment_record(name))
+        with self.lock:
+            self._bases = {key: counter() for key, counter in _c10d_counters()}
+            self._seq.clear()
+            self._groups.clear()
+            self._sites.clear()
+            self._fps.clear()
+            self.writer.write(segment_record(name))
+            for listener in self.segment_listeners:
+                listener()
+
+    def python_seq(self, group: str) -> int:
+        """The newest number written for ``group`` in this segment."""
+        return self._seq.get(group, 0)
+
+    def seq_base(self, group: str) -> int:
+        """The group's counter when this segment started (numbers in the trace count from it)."""
+        return self._bases.get(group, 0)
 
     # -- installation -------------------------------------------------------
 
@@ -221,6 +251,8 @@ class Tracer:
         fd = self.writer.fd
         write = os.write
         getframe = sys._getframe
+        multi = name in MULTI_SEQ
+        tracer = self
 
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
@@ -242,10 +274,23 @@ class Tracer:
                     write(fd, EXIT_OK % (key, time_ns() // 1000))
                 return result
             finally:
+                if multi:
+                    tracer._resync()
+                tracer.busy_group = None   # after the numbers: the sidecar reads it first
                 local.active = False
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
+
+    def _resync(self) -> None:
+        """After a call that ran several collectives: its numbers up to the counter are its own."""
+        if self._multi is not None:
+            group, counter, base = self._multi
+            self._multi = None
+            try:
+                self._seq[group] = max(self._seq.get(group, 0), counter() - base)
+            except Exception:
+                pass
 
     def _wrap_batch(self, original: Callable) -> Callable:
         local = self._local
@@ -285,7 +330,7 @@ class Tracer:
         (known group and fingerprint: one dict lookup, one short line), and
         ``_enter`` for everything else (first calls, p2p, tensor lists, group ranks)."""
         slow = functools.partial(self._enter, name, spec)
-        if spec.p2p or spec.tensor_lists or len(spec.tensors) > 1:
+        if spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED:
             return slow
         groups, seqs, fps, op_names = self._groups, self._seq, self._fps, self._op_names
         site_key = self.resolver.key
@@ -298,7 +343,7 @@ class Tracer:
         tracer = self
 
         def enter(values: tuple, frame: Any) -> bytes:
-            pg, tensors, _, op, root, group_root, async_op, shape_unless = values
+            pg, tensors, _, op, root, group_root, async_op, shape_unless, _ = values
             if group_root is not None:
                 return slow(values, frame)
             entry = groups.get(id(default_group() if pg is None else pg))
@@ -316,9 +361,10 @@ class Tracer:
                           () if t is None else ((t.shape, t.dtype, t.device),), site_key(frame)))
             if fp is None:
                 return slow(values, frame)
-            group = entry[0]
-            seq = seqs[group] + 1
+            group, counter = entry[0], entry[3]
+            seq = (seqs[group] if counter is None else counter() - entry[4]) + 1
             seqs[group] = seq
+            tracer.busy_group = group
             tracer.count += 1
             key = CALL_KEY % (entry[2], seq)
             write(fd, ENTER % (key, fp, time_ns() // 1000))
@@ -326,24 +372,38 @@ class Tracer:
 
         return enter
 
-    def _group(self, pg: Any, out: list[bytes]) -> str:
+    def _group(self, pg: Any, out: list[bytes]) -> tuple:
+        """The group's entry (key, pg, key bytes, counter, base), defined on first use."""
         if pg is None:
             pg = self._default_group()
             if pg is None:
                 raise RuntimeError("no default process group")   # the call itself will say so
         entry = self._groups.get(id(pg))
         if entry is not None and entry[1] is pg:
-            return entry[0]
+            return entry
         key, ranks = self._resolve_group(pg)
         key = clean(key or str(len(self._groups)))
-        self._groups[id(pg)] = (key, pg, key.encode())
+        entry = self._groups[id(pg)] = (key, pg, key.encode(), _counter(pg), self._bases.get(key, 0))
         self._seq.setdefault(key, 0)
         out.append(group_record(key, ranks))
-        return key
+        return entry
+
+    def _number(self, name: str, entry: tuple, out: list[bytes]) -> tuple[str, int]:
+        """(group, seq) for a call on a group: the group's own counter + 1, where it has one."""
+        key, _, _, counter, base = entry
+        if name in UNCOUNTED:
+            if NEW_GROUP_KEY not in self._seq:
+                out.append(group_record(NEW_GROUP_KEY, _members(entry[1])))
+            key, counter = NEW_GROUP_KEY, None
+        seq = (self._seq.get(key, 0) if counter is None else counter() - base) + 1
+        if name in MULTI_SEQ and counter is not None:
+            self._multi = (key, counter, base)
+        self.busy_group = key
+        return key, seq
 
     def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> bytes:
         """Write the enter record; return the call key its exit record repeats."""
-        pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless = values
+        pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless, objects = values
         defs: list[bytes] = []
         if tensor_lists:
             tensors = [t for t in tensors if t is not None]
@@ -359,8 +419,9 @@ class Tracer:
             group = f"p2p:{'any' if src is None else src}>{dst}"
             if group not in self._seq:
                 defs.append(group_record(group, (src, dst)))
+            seq = self._seq.get(group, 0) + 1
         else:
-            group = self._group(pg, defs)
+            group, seq = self._number(name, self._group(pg, defs), defs)
         if op is not None:
             try:
                 op = self._op_names[op]
@@ -369,13 +430,14 @@ class Tracer:
         elif spec.reduce_op:
             op = "SUM"
         described = tuple([(t.shape, t.dtype, t.device) for t in tensors])
+        if objects is not None:   # the list's length must agree (a sender with 2 objects, receivers with 1)
+            described = (((len(objects),), "object", None),)
         is_async = name in ASYNC_BY_NATURE or bool(async_op)
         skip_shapes = spec.shape_unless is not None and shape_unless is not None
         fp_key = (name, op, root, is_async, skip_shapes, described, self.resolver.key(frame))
         fp = self._fps.get(fp_key)
         if fp is None:
             fp = self._define(fp_key, defs)
-        seq = self._seq.get(group, 0) + 1
         self._seq[group] = seq
         self.count += 1
         key = CALL_KEY % (group.encode(), seq)
@@ -401,7 +463,7 @@ class Tracer:
             defs.append(site_record(site, *self.resolver.describe(site_key)))
         shapes = NONE if skip_shapes else encode_shapes(tuple(tuple(s) for s, _, _ in described))
         dtypes = ";".join(str(d).removeprefix("torch.") for _, d, _ in described) or NONE
-        device = described[0][2].type if described else NONE
+        device = described[0][2].type if described and described[0][2] is not None else NONE
         fp = str(len(self._fps))
         defs.append(fingerprint_record(fp, name, op, shapes, dtypes, device, root, is_async, site))
         self._fps[fp_key] = fp.encode()
@@ -411,7 +473,7 @@ class Tracer:
         op_name = getattr(p2p.op, "__name__", str(p2p.op))
         spec = OPS.get(op_name, OPS["isend"])
         # (group, tensors, tensor_lists, reduce_op, root, group_root, async_op, shape_unless)
-        values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None)
+        values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None, None)
         return self._enter(op_name, spec, values, frame)
 
     def _exit(self, key: bytes, exc: BaseException | None) -> None:
@@ -424,6 +486,40 @@ def _c10d_default_group() -> Callable[[], Any]:
 
     world = c10d._world
     return lambda: world.default_pg
+
+
+def _counter(pg: Any) -> Callable[[], int] | None:
+    """The group's collective counter: it counts C++-issued calls too, so Python and C++ calls share
+    one numbering that matches the Flight Recorder's. None for a backend without one."""
+    counter = getattr(pg, "_get_sequence_number_for_group", None)
+    try:
+        counter()
+    except Exception:   # a stand-in group, or a backend that does not count
+        return None
+    return counter
+
+
+def _members(pg: Any) -> tuple[int, ...]:
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        return tuple(c10d.get_process_group_ranks(pg))
+    except Exception:
+        return ()
+
+
+def _c10d_counters() -> list[tuple[str, Callable[[], int]]]:
+    """(name, counter) of every process group of this rank that counts its collectives."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        groups = list(c10d._world.pg_names.items())
+    except Exception:
+        return []
+    out = []
+    for pg, name in groups:
+        counter = _counter(pg)
+        if counter is not None:
+            out.append((name, counter))
+    return out
 
 
 def _c10d_group(pg: Any) -> tuple[str | None, tuple[int, ...]]:

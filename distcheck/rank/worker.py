@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from distcheck.rank import integrations
+from distcheck.rank import integrations, native
 from distcheck.rank.callsite import USER, classify_file
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import torch_dir
@@ -246,6 +246,13 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
     threading.Thread(target=serve, name="distcheck-flight-recorder", daemon=True).start()
 
 
+def watch_native_collectives(tracer: Any) -> None:
+    """The sidecar that writes C++-issued collectives (DDP, FSDP2, functional) into the trace."""
+    watcher = native.NativeWatcher(tracer, main_thread=threading.main_thread().ident)
+    tracer.segment_listeners.append(watcher.reset)
+    native.start(watcher)
+
+
 def wait_for_release(files: LaunchFiles) -> None:
     """Idle like a healthy rank whose peers are stuck, until the launcher says stop."""
     while not files.release.exists():
@@ -271,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         start_flight_recorder_sidecar(files, rank)
         STATUS.update(flight_recorder=True)
     tracer = install(files.trace(rank), rank)
+    watch_native_collectives(tracer)
     note_process_group_init()
     if not args.scenario_file:
         SampleRecorder(files.samples(rank)).install()   # scripts: no code change needed

@@ -1,0 +1,290 @@
+"""Collectives issued from C++: DDP's reducer and init, FSDP2, functional
+collectives, DTensor, direct ``ProcessGroup`` calls.
+
+The Python tracer never sees these calls. A process group still counts every
+collective it runs, whoever issued it (``_get_sequence_number_for_group``,
+0.15 µs), and PyTorch's Flight Recorder keeps the last few hundred with op,
+sizes, dtypes, and whether each one finished. A sidecar thread polls both.
+When the group has a sequence number that the tracer did not write, the call
+came from C++. The sidecar writes it into the rank's trace as an ordinary
+enter record with the group's own number. Its exit record follows when the
+Flight Recorder retires it. The watchdog then sees that call wait or finish,
+and the analysis matches it across ranks like any other collective.
+
+The record names what issued the call ("DDP gradient all_reduce, bucket of 5
+elements"), and the main thread's innermost user frame at that moment gives
+the user's line (``loss.backward()``). Both come from the sampled stack, so
+the analysis never compares them across ranks.
+
+Cost: nothing on the hot path. Each poll reads one integer per group. A
+Flight Recorder dump (about 2 ms for 256 entries) is taken only while the
+groups run calls the tracer did not write, and at most every
+``detail_interval_s``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from distcheck.files import trace as records
+from distcheck.files.flight_recorder import DTYPES, op_name
+from distcheck.files.stacks import USER, classify_file, torch_dir
+from distcheck.models import UNKNOWN_OP
+
+# Ring size distcheck asks of the Flight Recorder when the user set none: a dump
+# costs ~2 ms at 256 entries and ~80 ms at 2000 (torch 2.13, measured).
+DEFAULT_BUFFER = 256
+
+# (path fragment, what issued the call), innermost torch frame first.
+_ISSUERS = (
+    ("/torch/distributed/fsdp/", "FSDP"),
+    ("/torch/distributed/_composable/", "FSDP"),
+    ("/torch/distributed/tensor/", "DTensor"),
+    ("/torch/distributed/_functional_collectives", "functional collective"),
+    ("/torch/nn/parallel/distributed.py", "DDP"),
+    ("/torch/autograd/", "autograd"),
+)
+
+
+@dataclass(frozen=True)
+class NativeCall:
+    """One C++-issued collective as the Flight Recorder describes it (None: no entry for it)."""
+
+    op: str
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    t_created: float | None = None
+    retired: bool = False
+
+
+def issuer_label(op: str, shapes: tuple[tuple[int, ...], ...], frames: list[tuple[str, int, str]]) -> str:
+    """A person's name for the call: "DDP gradient all_reduce, bucket of 5 elements".
+
+    ``frames`` is the main thread's stack, innermost first: (file, line, function).
+    """
+    issuer = next((name for file, _, _ in frames for frag, name in _ISSUERS if frag in file), None)
+    ddp = any("/torch/nn/parallel/distributed.py" in file for file, _, _ in frames)
+    if issuer == "autograd" or (issuer == "DDP" and not ddp):
+        issuer = "DDP gradient" if op == "all_reduce" else "autograd"
+    elif issuer == "DDP" and any(fn == "__init__" for file, _, fn in frames if "parallel/distributed.py" in file):
+        issuer = "DDP init"
+    if issuer is None:
+        issuer = "C++-issued"
+    text = f"{issuer} {op}"
+    if issuer == "DDP gradient" and shapes:
+        numel = sum(_numel(s) for s in shapes)
+        text += f", bucket of {numel} element{'s' if numel != 1 else ''}"
+    return text
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def user_line(frames: list[tuple[str, int, str]], torch: str) -> str | None:
+    """The innermost frame of the user's own code, as 'file:line:function'."""
+    for file, line, fn in frames:
+        if classify_file(file, torch) == USER:
+            return f"{file}:{line}:{fn}"
+    return None
+
+
+def stack_of(thread_id: int | None) -> list[tuple[str, int, str]]:
+    """A thread's stack, innermost first (cheap: no source lines read)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    out = []
+    while frame is not None and len(out) < 200:
+        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return out
+
+
+def flight_recorder_calls() -> dict[tuple[str, int], NativeCall] | None:
+    """{(group name, collective seq): call} from the Flight Recorder; None without one."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError:
+        return None
+    try:
+        dump = pickle.loads(_dump_fr_trace(True, False, False))
+    except Exception:    # no process group yet, or a torch whose recorder is off
+        return None
+    out = {}
+    for e in dump.get("entries", ()):
+        if e.get("is_p2p"):
+            continue
+        pg = e.get("process_group") or ("",)
+        op, _ = op_name(e.get("profiling_name", UNKNOWN_OP))
+        created = e.get("time_created_ns")
+        out[(str(pg[0]), int(e.get("collective_seq_id", -1)))] = NativeCall(
+            op=op, shapes=tuple(tuple(s) for s in e.get("input_sizes") or ()),
+            dtypes=tuple(DTYPES.get(str(d), str(d).lower()) for d in e.get("input_dtypes") or ()),
+            t_created=created / 1e9 if created else None,
+            retired=bool(e.get("retired")) or e.get("state") == "completed")
+    return out
+
+
+def process_groups() -> list[tuple[str, Any]]:
+    """(name, process group) of every group this rank belongs to."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    if world.default_pg is None:
+        return []
+    return [(name, pg) for pg, name in list(world.pg_names.items()) if pg is not None]
+
+
+@dataclass
+class _Open:
+    seq: int                  # the group's own sequence number (absolute)
+    shown: int                # the number in the trace (relative to the segment)
+
+
+@dataclass
+class NativeWatcher:
+    """Finds C++-issued collectives of one rank and writes them into its trace.
+
+    ``tracer`` gives the Python side: ``python_seq(key)`` (the newest number it
+    wrote for a group), ``busy_group`` (a Python call in flight: its numbers are
+    its own, e.g. an object collective runs two), ``seq_base(key)``, and
+    ``lock`` (held while a batched launch starts its next segment).
+    """
+
+    tracer: Any
+    main_thread: int | None
+    groups: Callable[[], Iterable[tuple[str, Any]]] = process_groups
+    calls: Callable[[], dict[tuple[str, int], NativeCall] | None] = flight_recorder_calls
+    detail_interval_s: float = 0.25
+    seen: dict[str, int] = field(default_factory=dict)        # group → newest absolute seq accounted for
+    open: dict[str, list[_Open]] = field(default_factory=dict)
+    defined: set[str] = field(default_factory=set)
+    fps: dict[tuple, bytes] = field(default_factory=dict)
+    sites: dict[tuple, str] = field(default_factory=dict)
+    recorder: bool = True      # False once the Flight Recorder proved absent: counted, not watched
+    _last_detail: float = 0.0
+    _pending_since: dict[tuple[str, int], float] = field(default_factory=dict)
+    _torch: str = field(default_factory=torch_dir)
+
+    def reset(self) -> None:
+        """A new trace segment: numbers restart, definitions are written again."""
+        self.open.clear()
+        self.defined.clear()
+        self.fps.clear()
+        self.sites.clear()
+
+    def poll(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self.tracer.lock:
+            new = self._new_numbers()
+            if not new and not any(self.open.values()):
+                return
+            if now - self._last_detail < self.detail_interval_s:
+                return    # rate limit; the numbers wait in the group's counter
+            self._last_detail = now
+            calls = self.calls() if self.recorder else None
+            if calls is None:
+                self.recorder = False
+            out: list[bytes] = []
+            for key, pg, first, last in new:
+                self._record_new(key, pg, first, last, calls or {}, now, out)
+            self._retire(calls, now, out)
+            if out:
+                self.tracer.writer.write(b"".join(out))
+
+    def _new_numbers(self) -> list[tuple[str, Any, int, int]]:
+        busy = self.tracer.busy_group          # read before the numbers (see the class docstring)
+        new = []
+        for key, pg in self.groups():
+            try:
+                seq = pg._get_sequence_number_for_group()
+            except Exception:    # a backend without sequence numbers: nothing to learn here
+                continue
+            base = self.tracer.seq_base(key)
+            known = max(self.tracer.python_seq(key) + base, self.seen.get(key, base))
+            if key != busy and seq > known:
+                new.append((key, pg, known + 1, seq))
+        return new
+
+    def _record_new(self, key: str, pg: Any, first: int, last: int, calls: dict, now: float,
+                    out: list[bytes]) -> None:
+        base = self.tracer.seq_base(key)
+        frames = stack_of(self.main_thread)
+        for seq in range(first, last + 1):
+            call = calls.get((key, seq))
+            if call is None and self.recorder and seq == last and now - self._pending_since.setdefault(
+                    (key, seq), now) < 1.0:
+                return   # the recorder has not shown the newest call yet: next poll
+            self._pending_since.pop((key, seq), None)
+            self._define_group(key, pg, out)
+            fp = self._fingerprint(call, frames, out)
+            t_enter = call.t_created if call and call.t_created else now
+            call_key = records.CALL_KEY % (key.encode(), seq - base)
+            out.append(records.enter_record(call_key, fp, int(t_enter * 1e6)))
+            if call is None or call.retired:
+                out.append(records.EXIT_OK % (call_key, int(now * 1e6)))
+            else:
+                self.open.setdefault(key, []).append(_Open(seq, seq - base))
+            self.seen[key] = seq
+
+    def _retire(self, calls: dict | None, now: float, out: list[bytes]) -> None:
+        for key, opened in self.open.items():
+            still = []
+            for o in opened:
+                call = calls.get((key, o.seq)) if calls is not None else None
+                if call is None or call.retired:   # retired, or so old it left the ring
+                    out.append(records.EXIT_OK % (records.CALL_KEY % (key.encode(), o.shown), int(now * 1e6)))
+                else:
+                    still.append(o)
+            opened[:] = still
+
+    def _define_group(self, key: str, pg: Any, out: list[bytes]) -> None:
+        if key in self.defined:
+            return
+        self.defined.add(key)
+        try:
+            import torch.distributed as dist
+            ranks = tuple(dist.get_process_group_ranks(pg))
+        except Exception:
+            ranks = ()
+        out.append(records.group_record(key, ranks))
+
+    def _fingerprint(self, call: NativeCall | None, frames: list, out: list[bytes]) -> bytes:
+        op = call.op if call else UNKNOWN_OP
+        shapes = call.shapes if call else ()
+        dtypes = call.dtypes if call else ()
+        label = issuer_label(op, shapes, frames) if call else "C++-issued call (no Flight Recorder entry)"
+        site_key = (user_line(frames, self._torch), label)
+        site = self.sites.get(site_key)
+        if site is None:
+            site = self.sites[site_key] = f"n{len(self.sites)}"
+            out.append(records.site_record(site, site_key[0], None, label))
+        fp_key = (op, shapes, dtypes, site)
+        fp = self.fps.get(fp_key)
+        if fp is None:
+            fp_id = f"n{len(self.fps)}"
+            out.append(records.native_fingerprint_record(fp_id, op, shapes, dtypes, site))
+            fp = self.fps[fp_key] = fp_id.encode()
+        return fp
+
+
+def start(watcher: NativeWatcher, poll_s: float = 0.1) -> threading.Thread:
+    """Poll in a daemon thread: collectives release the GIL while they wait, so it runs during a hang."""
+    def loop() -> None:
+        while True:
+            try:
+                watcher.poll()
+            except Exception:   # never take the rank down; the trace simply shows less
+                pass
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=loop, name="distcheck-native-collectives", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,113 @@
+"""C++-issued collectives (rank/native.py): found through the group's counter and the Flight Recorder,
+written into the trace as ordinary records. Pure tests with stand-in groups and recorder entries."""
+
+from __future__ import annotations
+
+import threading
+
+from distcheck.files.trace import TraceWriter, parse_trace
+from distcheck.rank.native import NativeCall, NativeWatcher, issuer_label
+
+
+class Counter:
+    """A process group's collective counter."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.seq
+
+
+class PythonSide:
+    """What the tracer tells the watcher: its own numbers, the group a Python call is in."""
+
+    def __init__(self, path) -> None:
+        self.writer = TraceWriter(path)
+        self.lock = threading.Lock()
+        self.busy_group = None
+        self.numbers: dict[str, int] = {}
+
+    def python_seq(self, key: str) -> int:
+        return self.numbers.get(key, 0)
+
+    def seq_base(self, key: str) -> int:
+        return 0
+
+
+def watcher(tmp_path, calls):
+    pg = Counter()
+    side = PythonSide(tmp_path / "rank0.trace")
+    w = NativeWatcher(side, main_thread=threading.get_ident(), groups=lambda: [("0", pg)],
+                      calls=lambda: calls, detail_interval_s=0.0)
+    return w, pg, side
+
+
+def events(tmp_path):
+    return parse_trace(0, (tmp_path / "rank0.trace").read_bytes()).events
+
+
+def test_calls_the_tracer_wrote_are_not_repeated(tmp_path):
+    w, pg, side = watcher(tmp_path, {})
+    pg.seq = side.numbers["0"] = 3
+    w.poll(now=1.0)
+    assert not (tmp_path / "rank0.trace").read_bytes()
+
+
+def test_a_cpp_call_in_flight_is_open_until_the_recorder_retires_it(tmp_path):
+    calls = {("0", 1): NativeCall("all_reduce", ((5,),), ("float32",), t_created=0.5, retired=False)}
+    w, pg, _ = watcher(tmp_path, calls)
+    pg.seq = 1
+    w.poll(now=1.0)
+    [e] = events(tmp_path)
+    assert (e.group, e.seq, e.op, e.shapes, e.dtypes, e.native) == ("0", 1, "all_reduce", ((5,),), ("float32",), True)
+    assert e.t_exit is None and e.t_enter == 0.5 and not e.async_op
+    calls[("0", 1)] = NativeCall("all_reduce", ((5,),), ("float32",), t_created=0.5, retired=True)
+    w.poll(now=2.0)
+    [e] = events(tmp_path)
+    assert e.t_exit == 2.0
+
+
+def test_numbers_a_python_call_is_still_using_are_left_to_it(tmp_path):
+    calls = {("0", 1): NativeCall("all_gather", retired=True), ("0", 2): NativeCall("all_gather", retired=True)}
+    w, pg, side = watcher(tmp_path, calls)
+    side.busy_group, side.numbers["0"], pg.seq = "0", 1, 2   # an object collective runs two all_gathers
+    w.poll(now=1.0)
+    assert events(tmp_path) == []
+    side.busy_group, side.numbers["0"] = None, 2
+    w.poll(now=2.0)
+    assert events(tmp_path) == []
+
+
+def test_without_a_recorder_the_calls_are_counted_but_never_left_open(tmp_path):
+    w, pg, _ = watcher(tmp_path, None)
+    pg.seq = 2
+    w.poll(now=1.0)
+    evs = events(tmp_path)
+    assert [(e.seq, e.op, e.completed) for e in evs] == [(1, "?", True), (2, "?", True)]
+    assert not w.recorder
+
+
+def test_the_newest_call_waits_a_poll_for_its_recorder_entry(tmp_path):
+    calls = {}
+    w, pg, _ = watcher(tmp_path, calls)
+    pg.seq = 1
+    w.poll(now=1.0)
+    assert events(tmp_path) == []
+    calls[("0", 1)] = NativeCall("broadcast", ((3,),), ("int64",), retired=True)
+    w.poll(now=1.1)
+    assert [e.op for e in events(tmp_path)] == ["broadcast"]
+
+
+def test_issuer_is_named_from_the_main_threads_stack():
+    ddp_backward = [("/venv/torch/autograd/graph.py", 824, "_engine_run_backward"),
+                    ("/venv/torch/_tensor.py", 625, "backward"), ("/home/u/train.py", 11, "main")]
+    assert issuer_label("all_reduce", ((5,),), ddp_backward) == "DDP gradient all_reduce, bucket of 5 elements"
+    ddp_init = [("/venv/torch/nn/parallel/distributed.py", 900, "_sync_module_states"),
+                ("/venv/torch/nn/parallel/distributed.py", 820, "__init__"), ("/home/u/train.py", 5, "main")]
+    assert issuer_label("broadcast", ((6,),), ddp_init) == "DDP init broadcast"
+    funcol = [("/venv/torch/distributed/_functional_collectives.py", 200, "wait_tensor"), ("/home/u/x.py", 3, "f")]
+    assert issuer_label("all_reduce", ((4,),), funcol) == "functional collective all_reduce"
+    fsdp = [("/venv/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 1, "foreach_all_gather")]
+    assert issuer_label("all_gather", ((36,),), fsdp) == "FSDP all_gather"
+    assert issuer_label("all_reduce", ((1,),), [("/home/u/x.py", 3, "f")]) == "C++-issued all_reduce"
