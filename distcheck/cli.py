@@ -62,7 +62,8 @@ def run(
     nproc_per_node: int = typer.Option(None, "--nproc-per-node", help="Ranks to start (default: GPUs for nccl, else 4)."),
     backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl (auto: nccl with a GPU per rank, else gloo)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda: where scenario tensors live (gloo works with both)."),
-    stall_timeout: float = typer.Option(10.0, "--stall-timeout", help="Seconds without progress while a rank waits before it is a hang."),
+    stall_timeout: float = typer.Option(10.0, "--stall-timeout", help="Seconds without progress while a rank waits (and none is busy computing) before it is a hang."),
+    busy_timeout: float = typer.Option(600.0, "--busy-timeout", help="Seconds the others may wait for a rank busy in its own code (late, not hung) before it is a hang."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds for each launch before distcheck ends it (exit 4)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
     junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here (one testcase per scenario)."),
@@ -117,7 +118,7 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
     ranks = f"{nodes.nnodes} nodes x {options.nproc_per_node}" if nodes.multi else f"{options.nproc_per_node}"
     console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {options.backend} ranks"
                   + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
-    view = LiveView(console, stall_timeout=options.stall_timeout, verbose=verbose)
+    view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
                      on_poll=view.on_poll, note=view.note)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

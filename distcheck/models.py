@@ -11,6 +11,7 @@ from typing import Any
 
 REPORT_SCHEMA = "distcheck.report/1"
 UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
+JOIN_LABEL = "Join"   # the label of a shadow collective torch's Join runs for a rank out of data
 
 
 
@@ -164,6 +165,7 @@ class RankOutcome:
     # PyTorch Flight Recorder per process group: last enqueued / started / completed collective
     # (GPU-side truth on NCCL, where "exit" only means enqueued), when it was dumped.
     flight_recorder: dict[str, dict[str, int]] | None = None
+    busy_at: str | None = None          # where it was busy (late) while others waited past --stall-timeout
     rss_bytes: int | None = None        # resident memory when last seen alive (sampled by the watchdog)
     peak_rss_bytes: int | None = None
 

@@ -28,6 +28,7 @@ class RunOptions:
     backend: str                    # resolved: gloo or nccl
     device: str = "auto"
     stall_timeout: float = 10.0
+    busy_timeout: float = 600.0      # how long a rank busy in user code may keep the others waiting
     timeout: float | None = None
     max_duration: float | None = None
     seed: int = 0
@@ -51,6 +52,7 @@ class RunFlags:
     backend: str = "auto"
     device: str = "auto"
     stall_timeout: float = 10.0
+    busy_timeout: float = 600.0
     timeout: float | None = None
     max_duration: float | None = None
     seed: int = 0
@@ -90,6 +92,7 @@ def check_flags(flags: RunFlags) -> NodeConfig:
     if flags.device not in DEVICE_CHOICES:
         raise UsageError(f"unknown device {flags.device!r}", "use auto, cpu or cuda")
     positive("--stall-timeout", flags.stall_timeout)
+    positive("--busy-timeout", flags.busy_timeout)
     positive("--timeout", flags.timeout)
     if flags.nproc_per_node is not None and flags.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be at least 1 (got {flags.nproc_per_node})")
@@ -110,6 +113,7 @@ def run_options(flags: RunFlags, nodes: NodeConfig) -> RunOptions:
         check_cuda()
     return RunOptions(
         nproc_per_node=nproc, backend=backend, device=flags.device, stall_timeout=flags.stall_timeout,
+        busy_timeout=max(flags.busy_timeout, flags.stall_timeout),
         timeout=flags.timeout, max_duration=flags.max_duration, seed=flags.seed, nodes=nodes,
         scenario_options=scenario_options(flags.option, flags.min_busbw), flight_recorder=flags.flight_recorder,
         batching=not flags.isolate, run_dir=flags.run_dir, command=flags.command,
@@ -164,4 +168,4 @@ def resolve_backend(backend: str, nproc_per_node: int) -> str:
 
 def pg_timeout(options: RunOptions) -> float:
     """Above the stall timeout, so distcheck diagnoses before the backend aborts."""
-    return max(options.stall_timeout * 4 + 60, (options.timeout or 0) + 60, 300)
+    return max(options.stall_timeout * 4 + 60, options.busy_timeout + 60, (options.timeout or 0) + 60, 300)

@@ -130,7 +130,8 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
 def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], run_id: str,
                 channel: NodeChannel | None = None) -> LaunchSpec:
     nodes = options.nodes
-    limits = Limits(stall_timeout=options.stall_timeout, timeout=options.timeout, max_duration=options.max_duration)
+    limits = Limits(stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, timeout=options.timeout,
+                    max_duration=options.max_duration)
     return LaunchSpec(launch_dir=launch_dir, nproc_per_node=options.nproc_per_node, backend=options.backend,
                       worker_args=args, limits=limits, run_id=f"{run_id}-{launch_dir.name}", device=options.device,
                       rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes, node_rank=nodes.node_rank,
@@ -145,7 +146,7 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
     check_script_was_distributed(spec, run, outcome.end_reason)
     facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
-                     timeout_s=options.timeout, oom_kills=outcome.oom_kills)
+                     timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills)
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
                         results=run.results, started_at=outcome.started_at, ended_at=outcome.ended_at)
     scenario = Scenario(name=spec.name, source=spec.source if isinstance(spec, ScriptSpec) else spec.file,

@@ -66,3 +66,47 @@ def evaluate_confmat(ctx, loader, dataset_size: int, max_batches: int | None = N
         seen.extend(ids.tolist())
     ctx.record_samples(seen, dataset_size=dataset_size, dataset="eval set")
     return metric.compute().cpu()
+
+
+def ddp_model(ctx, features: int = 4):
+    """A tiny DDP-wrapped model on the scenario's device (DDP's init broadcasts run here, from C++)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(ctx.seed)   # the same initial weights on every rank
+    model = torch.nn.Linear(features, 1).to(ctx.device)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids)
+
+
+def train_steps(ctx, model, steps: int, features: int = 4) -> None:
+    """Plain training steps: forward, backward (DDP's reducer all_reduces the gradients), SGD step."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        x = torch.randn(8, features, generator=ctx.generator).to(ctx.device)
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def fsdp2_steps(ctx, steps: int) -> None:
+    """Train a two-layer model sharded with FSDP2's fully_shard for ``steps`` steps."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(ctx.seed)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(ctx.device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8, generator=ctx.generator).to(ctx.device)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()

@@ -20,6 +20,7 @@ from distcheck.discovery import builtin_scenarios
 pytestmark = pytest.mark.e2e
 
 STALL = 3
+BUSY_S = 5    # rank0_slow_then_barrier: rank 0 computes this long (> STALL) before its barrier
 # Generous hard limits: the machine running the suite may be shared; normal runs take a fraction.
 HARD_TIMEOUT_4 = 540
 HARD_TIMEOUT_2 = 360
@@ -218,6 +219,50 @@ def _straggler(s: dict, world: int) -> None:
     assert f["data"]["last_in"] >= 0.8 * f["data"]["collectives"]
 
 
+# -- collectives issued from C++, and late ranks ---------------------------------------------
+
+
+def _hang_in_cpp(s: dict, waiting: list[int], absent: list[int], op: str, label: str) -> dict:
+    [h] = findings(s, "hang")
+    assert (h["op"], h["waiting_ranks"], h["absent_ranks"]) == (op, waiting, absent)
+    assert h["label"].startswith(label), h["label"]
+    assert h["detected_after_s"] <= STALL + 3
+    return h
+
+
+@check("ddp_uneven_inputs")
+def _ddp_uneven(s: dict, world: int) -> None:
+    h = _hang_in_cpp(s, [0], list(range(1, world)), "all_reduce", "DDP gradient all_reduce, bucket of 5 elements")
+    assert "loss.backward()" in source_line(h["callsite"])
+    assert h["seq"] == 8   # the group's own number: 3 init calls, 2 rebuild broadcasts, 1 bucket per step
+
+
+@check("ddp_no_sync_one_rank")
+def _ddp_no_sync(s: dict, world: int) -> None:
+    h = _hang_in_cpp(s, list(range(1, world)), [0], "all_reduce", "DDP gradient all_reduce")
+    assert "backward()" in source_line(h["callsite"])
+
+
+@check("functional_collective_subset")
+def _funcol(s: dict, world: int) -> None:
+    _hang_in_cpp(s, [0], list(range(1, world)), "all_reduce", "functional collective all_reduce")
+
+
+@check("fsdp2_extra_step")
+def _fsdp2(s: dict, world: int) -> None:
+    _hang_in_cpp(s, [0], list(range(1, world)), "all_gather", "FSDP all_gather")
+
+
+@check("rank0_slow_then_barrier")
+def _late(s: dict, world: int) -> None:
+    assert s["observed"] == ["straggler"] and s["end_reason"] == "completed"
+    [f] = findings(s, "straggler")
+    assert f["odd_ranks"] == [0] and f["waiting_ranks"] == list(range(1, world))
+    assert f["data"]["waited_s"] >= BUSY_S - 1
+    assert "rank0_slow_then_barrier.py" in f["data"]["busy_at"]
+    assert all(r["state"] == "finished" for r in s["ranks"])
+
+
 # -- passes, skips and the seeds -----------------------------------------------------------
 
 
@@ -226,7 +271,8 @@ def _passes(s: dict, world: int) -> None:
     assert all(r["state"] == "finished" for r in s["ranks"])
 
 
-for _name in ("weighted_mean", "unrepeated_sharding_confmat", "collectives_sanity", "auroc_all_ranks_compute"):
+for _name in ("weighted_mean", "unrepeated_sharding_confmat", "collectives_sanity", "auroc_all_ranks_compute",
+              "ddp_uneven_inputs_join", "ddp_no_sync_all_ranks", "functional_collective_all_ranks", "fsdp2_same_steps"):
     check(_name)(_passes)
 
 
@@ -264,7 +310,7 @@ def _terminal_says_what_was_duplicated_and_which_entries_are_off(stdout: str, s:
 def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
     # No targets: the whole built-in catalogue, exactly as the "done when" runs it.
     r = distcheck("run", "--nproc-per-node", "4", "--backend", "gloo", "--stall-timeout", str(STALL),
-                  timeout=HARD_TIMEOUT_4, env=WIDE)
+                  "--option", f"busy_s={BUSY_S}", timeout=HARD_TIMEOUT_4, env=WIDE)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     report = r.report
     assert report["verdict"] == "pass"

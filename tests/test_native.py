@@ -26,10 +26,10 @@ class PythonSide:
         self.writer = TraceWriter(path)
         self.lock = threading.Lock()
         self.busy_group = None
-        self.numbers: dict[str, int] = {}
+        self.written: dict[str, list[int]] = {}
 
-    def python_seq(self, key: str) -> int:
-        return self.numbers.get(key, 0)
+    def take_written(self, key: str) -> list[int]:
+        return self.written.pop(key, [])
 
     def seq_base(self, key: str) -> int:
         return 0
@@ -49,9 +49,18 @@ def events(tmp_path):
 
 def test_calls_the_tracer_wrote_are_not_repeated(tmp_path):
     w, pg, side = watcher(tmp_path, {})
-    pg.seq = side.numbers["0"] = 3
+    pg.seq, side.written["0"] = 3, [1, 2, 3]
     w.poll(now=1.0)
     assert not (tmp_path / "rank0.trace").read_bytes()
+
+
+def test_cpp_calls_between_python_calls_are_found(tmp_path):
+    # DDP: init broadcasts (C++), a Python all_reduce in forward, the reducer's all_reduce (C++)
+    calls = {("0", 1): NativeCall("broadcast", retired=True), ("0", 3): NativeCall("all_reduce", retired=True)}
+    w, pg, side = watcher(tmp_path, calls)
+    pg.seq, side.written["0"] = 3, [2]
+    w.poll(now=1.0)
+    assert [(e.seq, e.op) for e in events(tmp_path)] == [(1, "broadcast"), (3, "all_reduce")]
 
 
 def test_a_cpp_call_in_flight_is_open_until_the_recorder_retires_it(tmp_path):
@@ -71,10 +80,10 @@ def test_a_cpp_call_in_flight_is_open_until_the_recorder_retires_it(tmp_path):
 def test_numbers_a_python_call_is_still_using_are_left_to_it(tmp_path):
     calls = {("0", 1): NativeCall("all_gather", retired=True), ("0", 2): NativeCall("all_gather", retired=True)}
     w, pg, side = watcher(tmp_path, calls)
-    side.busy_group, side.numbers["0"], pg.seq = "0", 1, 2   # an object collective runs two all_gathers
+    side.busy_group, side.written["0"], pg.seq = "0", [1], 2   # an object collective runs two all_gathers
     w.poll(now=1.0)
     assert events(tmp_path) == []
-    side.busy_group, side.numbers["0"] = None, 2
+    side.busy_group, side.written["0"] = None, [2]              # its second number, once it returned
     w.poll(now=2.0)
     assert events(tmp_path) == []
 

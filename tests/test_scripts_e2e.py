@@ -11,6 +11,7 @@ pytestmark = pytest.mark.e2e
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK0_COMPUTE = SCRIPTS / "rank0_compute.py"
 LIGHTNING_VAL = SCRIPTS / "lightning_val.py"
+TIMEOUT_BUSY = SCRIPTS / "timeout_busy.py"
 
 
 def _only(report: dict) -> dict:
@@ -67,6 +68,37 @@ def test_a_script_that_never_initializes_a_process_group_is_a_clear_error(distch
     assert "without calling init_process_group" in r.stderr and "Traceback" not in r.stderr
 
 
+def _line_of(script: Path, marker: str) -> int:
+    return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if f"# {marker}" in line)
+
+
+def _timed_out_hang(distcheck, flag: str) -> dict:
+    r = distcheck("run", str(TIMEOUT_BUSY), "--nproc-per-node", "3", "--stall-timeout", "60", "--timeout", "8",
+                  "--", flag, timeout=120)
+    assert r.returncode == 4, r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["end_reason"] == "timeout"
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    return hang
+
+
+def test_a_rank_busy_in_user_code_at_the_timeout_is_absent_with_its_line(distcheck):
+    hang = _timed_out_hang(distcheck, "--busy")
+    assert hang["waiting_ranks"] == [] and hang["absent_ranks"] == [1]
+    busy = f"{TIMEOUT_BUSY}:{_line_of(TIMEOUT_BUSY, 'BUSY')}"
+    [rank1] = hang["ranks"]
+    assert rank1["role"] == "absent" and rank1["where"].startswith(busy + ":")
+    assert f"rank 1 running outside any collective at {busy}" in hang["summary"]
+    assert "ranks 0, 2 finished" in hang["summary"]
+
+
+def test_a_barrier_alone_at_the_timeout_names_the_waiting_and_absent_sides(distcheck):
+    hang = _timed_out_hang(distcheck, "--alone")
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1, 2]
+    assert (hang["op"], hang["seq"]) == ("barrier", 2)
+    assert hang["callsite"].startswith(f"{TIMEOUT_BUSY}:{_line_of(TIMEOUT_BUSY, 'ALONE')}:")
+    assert "ranks 1, 2 never entered it (finished, now idle)" in hang["summary"]
+
 def test_lightning_ddp_validation_runs_clean_without_double_spawning(distcheck):
     r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "8", "--", "--devices", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -89,6 +121,19 @@ def test_lightning_rank0_only_self_log_is_diagnosed(distcheck):
     assert file == str(LIGHTNING_VAL)
     assert 'self.log("rank0_loss"' in LIGHTNING_VAL.read_text().splitlines()[int(line) - 1]
 
+
+def test_lightning_rank0_only_self_log_dict_is_attributed_to_the_log_dict_line(distcheck):
+    # log_dict calls self.log per key from Lightning's own frame: the user's log_dict line must win.
+    r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "5",
+                  "--", "--devices", "2", "--rank0-log-dict")
+    assert r.returncode == 1
+    s = _only(r.report)
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
+    assert hang["op"] in ("barrier", "all_reduce", "all_gather")
+    file, line, function = hang["callsite"].split(":")
+    assert (file, function) == (str(LIGHTNING_VAL), "validation_step")
+    assert "self.log_dict({" in LIGHTNING_VAL.read_text().splitlines()[int(line) - 1]
 
 def test_lightning_validation_of_10_samples_on_4_ranks_reports_the_2_padded_duplicates(distcheck):
     r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "4", "--stall-timeout", "8",

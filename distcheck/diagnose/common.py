@@ -32,6 +32,7 @@ class RunFacts:
     stall_onset: float | None = None     # wall time of the last progress
     detected_at: float | None = None     # wall time the stall was declared
     timeout_s: float | None = None
+    stall_timeout_s: float | None = None  # a wait this long for a late rank is reported (None: not known)
     straggler_min_lag_s: float = 0.1
     oom_kills: int | None = None         # OOM kills counted in distcheck's memory cgroup (None: no counter)
 

@@ -4,6 +4,7 @@ never completed; ranks that never got past start-up; a run past its --timeout. P
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from typing import Mapping, Sequence
 
@@ -99,15 +100,59 @@ def find_startup_hang(outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> l
     )]
 
 
+# States of a rank that had not finished when the run was cut.
+_UNFINISHED = (RankState.RUNNING, RankState.STUCK, RankState.KILLED)
+
+
 def find_timeout(outcomes: Mapping[int, RankOutcome], facts: RunFacts, already: list[Finding]) -> list[Finding]:
+    """What was left open when --timeout cut a run that no other hang finding explains.
+
+    Only a rank inside a collective is *waiting*; the other members of that call are
+    *absent* with their whereabouts (finished, or busy in user code), as a stall report
+    says it. Unfinished ranks outside every open call are absent from nothing: they get
+    one finding of their own, never a "waiting" role.
+    """
     if facts.end_reason != EndReason.TIMEOUT or already:
         return []
-    running = sorted(r for r, o in outcomes.items() if o.state in (RankState.RUNNING, RankState.STUCK, RankState.KILLED))
     limit = f" of {facts.timeout_s:g} s" if facts.timeout_s else ""
-    return [Finding(
-        kind="hang", severity="error", waiting_ranks=tuple(running),
-        summary=(f"The run did not finish within its --timeout{limit}: "
-                 + "; ".join(f"rank {r} {whereabouts(r, outcomes[r])}" for r in running) + "."),
-        ranks=tuple(RankDetail(rank=r, role="running", where=outcomes[r].where,
-                               note=whereabouts(r, outcomes[r])) for r in running),
-    )]
+    prefix = f"The run did not finish within its --timeout{limit}"
+    findings = [_timed_out_in(call, present, facts.world_size, outcomes, prefix)
+                for call, present in sorted(_open_calls(outcomes).items())]
+    named = {r for f in findings for r in f.waiting_ranks + f.absent_ranks}
+    rest = sorted(r for r, o in outcomes.items() if o.state in _UNFINISHED and r not in named)
+    if rest or not findings:
+        findings.append(_timed_out_outside(rest, outcomes, prefix))
+    return findings
+
+
+def _open_calls(outcomes: Mapping[int, RankOutcome]) -> dict[tuple[str, int], dict[int, Event]]:
+    """{(group, seq): {rank: event}} of the collectives ranks were stuck in at the end."""
+    calls: dict[tuple[str, int], dict[int, Event]] = defaultdict(dict)
+    for r, o in sorted(outcomes.items()):
+        if o.state == RankState.STUCK and o.last_event is not None:
+            calls[(o.last_event.group, o.last_event.seq)][r] = o.last_event
+    return calls
+
+
+def _timed_out_in(call: tuple[str, int], present: Mapping[int, Event], world_size: int,
+                  outcomes: Mapping[int, RankOutcome], prefix: str) -> Finding:
+    """The stall report's hang finding for one open call, said as a timeout."""
+    group, seq = call
+    members = next(iter(present.values())).group_ranks or tuple(range(world_size))
+    absent = sorted(set(members) - set(present))
+    found = _hang_finding(group, seq, present, absent, outcomes, {}, None, None)
+    return dataclasses.replace(found, summary=f"{prefix}: {found.summary[0].lower()}{found.summary[1:]}")
+
+
+def _timed_out_outside(rest: list[int], outcomes: Mapping[int, RankOutcome], prefix: str) -> Finding:
+    """Unfinished ranks that were in no collective: busy in user code, so absent and not waiting."""
+    done = sorted(r for r, o in outcomes.items() if o.state == RankState.FINISHED)
+    parts = [f"rank {r} {whereabouts(r, outcomes[r])}" for r in rest]
+    parts += [f"{rank_list(done)} finished"] if done else []
+    said = f": {'; '.join(parts)}" if parts else ""
+    return Finding(
+        kind="hang", severity="error", summary=f"{prefix} and no rank was waiting in a collective{said}.",
+        absent_ranks=tuple(rest),
+        ranks=tuple(RankDetail(rank=r, role="absent", state=outcomes[r].state, where=outcomes[r].where,
+                               note=whereabouts(r, outcomes[r])) for r in rest),
+    )

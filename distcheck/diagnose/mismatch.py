@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.diagnose.common import Table, detail, majority, who
 from distcheck.diagnose.order import crossing_finding
-from distcheck.models import UNKNOWN_OP, Event, Finding
+from distcheck.models import JOIN_LABEL, UNKNOWN_OP, Event, Finding
 from distcheck.text import field_value, plural, rank_list
 
 
@@ -69,6 +69,11 @@ def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None,
     if blur:
         return (e.op, None, e.shapes, e.dtypes, None, None, gid(group) if gid else group)
     return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group)
+
+
+def _shadow(e: Event) -> bool:
+    """A call torch's Join made for a rank out of data: it matches any label on purpose."""
+    return e.label is not None and (e.label == JOIN_LABEL or e.label.startswith(JOIN_LABEL + " ("))
 
 
 def _has_native(events: Mapping[int, Event]) -> bool:
@@ -148,9 +153,11 @@ def _judge(members: tuple[int, ...], events: Mapping[int, Event], gid: _GroupIds
         return _Verdict("mismatch", _differing(sigs, COMPARED_FIELDS, expected, odd), tuple(odd), tie, expected)
     # Same signature, different metric/module: the backend pairs them silently. Only the label counts:
     # the same label reached from different lines (if rank == 0: broadcast(a) else: broadcast(b)) is ordinary code.
-    # A C++-issued call's label is read from a stack sampled a little later, so it is never compared.
-    labels = {r: e.label for r, e in events.items()}
-    if not native and len(set(labels.values())) > 1:
+    # Crossed calls need a module on every side: a side with none is plain code, e.g. Join's shadow
+    # all_reduces for ranks out of data, matching DDP.forward's on purpose. A C++-issued call's label
+    # is read from a stack sampled a little later, so it is never compared.
+    labels = {r: e.label for r, e in events.items() if not _shadow(e)}
+    if not native and None not in labels.values() and len(set(labels.values())) > 1:
         expected, odd, tie = majority(labels)
         return _Verdict("order", ("label",), tuple(odd), tie, expected)
     return None

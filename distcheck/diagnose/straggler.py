@@ -1,5 +1,6 @@
 """Stragglers: a rank that is the last one into most collectives, by a lag well
-above scheduling noise. Pure.
+above scheduling noise; and a rank so late into one collective that the others
+waited a whole stall timeout for it (busy in its own code: late, not hung). Pure.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Mapping
 
-from distcheck.diagnose.common import RunFacts, Table
-from distcheck.models import Finding
+from distcheck.diagnose.common import RunFacts, Table, detail
+from distcheck.models import Event, Finding, RankOutcome
+from distcheck.text import rank_list, site
 
 
 def find_stragglers(table: Table, facts: RunFacts, min_collectives: int = 5, share: float = 0.8) -> list[Finding]:
@@ -45,4 +47,51 @@ def _straggler_finding(group: str, rank: int, n_last: int, complete: int, lags: 
                  f"for it each time. Look for extra work on that rank (data loading, logging, rank-specific code)."),
         data={"rank": rank, "last_in": n_last, "collectives": complete, "median_lag_s": round(median_lag, 4),
               "max_lag_s": round(max(lags[rank]), 4), "others_median_lag_s": round(others, 4)},
+    )
+
+
+def find_late_arrivals(table: Table, facts: RunFacts, outcomes: Mapping[int, RankOutcome],
+                       max_reported: int = 5) -> list[Finding]:
+    """Collectives every member entered, but some only a stall timeout or more after the others.
+
+    distcheck kept waiting because the late rank was busy; the warning says who waited how
+    long, for whom, and where the late rank was busy (a stack sample taken while the others waited).
+    """
+    if facts.stall_timeout_s is None:
+        return []
+    findings = []
+    for (group, members), seqs in sorted(table.items()):
+        if group.startswith("p2p:"):
+            continue
+        for seq in sorted(seqs):
+            events = seqs[seq]
+            if len(events) < max(2, len(members)):
+                continue
+            first = min(e.t_enter for e in events.values())
+            last = max(e.t_enter for e in events.values())
+            if last - first >= facts.stall_timeout_s and len(findings) < max_reported:
+                findings.append(_late_finding(group, seq, events, outcomes))
+    return findings
+
+
+def _late_finding(group: str, seq: int, events: Mapping[int, Event], outcomes: Mapping[int, RankOutcome]) -> Finding:
+    last = max(e.t_enter for e in events.values())
+    late = sorted(r for r, e in events.items() if last - e.t_enter < 1.0)
+    waiters = sorted(r for r in events if r not in late)
+    waited = last - min(e.t_enter for e in events.values())
+    ref = events[waiters[0]]
+    busy = [outcomes[r].busy_at for r in late if r in outcomes and outcomes[r].busy_at]
+    where = f", busy at {site(busy[0])}" if busy else ""
+    it = "it" if len(late) == 1 else "them"
+    why = (f"{it.capitalize()} was using the CPU, so distcheck took {it} for late, not hung, and kept waiting. "
+           if busy else "")
+    summary = (f"{rank_list(waiters).capitalize()} waited {waited:.1f} s in {ref.op} #{seq} (group {group}) for "
+               f"{rank_list(late)}{where}. {why}If this is expected (a rank-0-only evaluation or checkpoint save), "
+               f"nothing is wrong; if not, look at what {rank_list(late)} does before this call.")
+    details = tuple(detail(r, "late" if r in late else "waiting", e) for r, e in sorted(events.items()))
+    return Finding(
+        kind="straggler", severity="warning", group=group, seq=seq, op=ref.op, label=ref.label,
+        callsite=ref.callsite, odd_ranks=tuple(late), waiting_ranks=tuple(waiters), ranks=details,
+        summary=summary,
+        data={"waited_s": round(waited, 3), "late_ranks": late, "busy_at": busy[0] if busy else None},
     )

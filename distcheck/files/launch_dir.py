@@ -113,6 +113,10 @@ class LaunchFiles:
     def stacks(self, rank: int) -> Path:
         return self.root / "stacks" / f"rank{rank}.txt"
 
+    def stack_sample(self, rank: int) -> Path:
+        """Where a busy rank was while others waited (sampled on SIGUSR2, before any teardown)."""
+        return self.root / "stacks" / f"rank{rank}.sample.txt"
+
     def flight_recorder(self, rank: int) -> Path:
         return self.root / "flight_recorder" / f"rank{rank}.json"
 

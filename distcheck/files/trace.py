@@ -33,6 +33,7 @@ templates and functions below, ``parse_trace`` reads a whole file and
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import re
 import time
@@ -159,6 +160,7 @@ else:  # the model changed its field order: fall back to keywords
         return Event(**dict(zip(_EVENT_ORDER, values)))
 
 _NO_SITE = (None, None, None)
+_T_ENTER = operator.attrgetter("t_enter")
 _NO_EXIT = (None, None)
 
 
@@ -240,7 +242,15 @@ def _parse_clean(rank: int, body: str) -> RankTrace | None:
                                fp[6], int(t) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10]))
     except (ValueError, KeyError):
         return None            # a field that does not convert: the careful path counts it
+    _in_call_order(trace, fps)
     return trace
+
+
+def _in_call_order(trace: RankTrace, fps: dict[str, tuple]) -> None:
+    """C++-issued calls are written when the sidecar sees them, a little after they started:
+    put them where they belong (the trace is in call order otherwise)."""
+    if any(fp[10] for fp in fps.values()):
+        trace.events.sort(key=_T_ENTER)
 
 
 def _parse_lines(rank: int, body: str) -> RankTrace:
@@ -273,6 +283,7 @@ def _parse_lines(rank: int, body: str) -> RankTrace:
             corrupt += 1
     trace = RankTrace(rank=rank)
     trace.corrupt_lines = corrupt + _add_events(trace, enters, exits, fps, groups)
+    _in_call_order(trace, fps)
     return trace
 
 

@@ -27,8 +27,10 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
         return []
 
 
-def request_stacks(pids: dict[int, int], stack_file: Callable[[int], Path], wait_s: float = 1.5) -> None:
-    """SIGUSR1 every live rank (faulthandler dumps all threads) and wait for the dumps."""
+def request_stacks(pids: dict[int, int], stack_file: Callable[[int], Path], wait_s: float = 1.5,
+                   sig: int = signal.SIGUSR1) -> None:
+    """Signal every live rank (faulthandler dumps all threads: SIGUSR1 into its stacks file,
+    SIGUSR2 into its sample file) and wait for the dumps."""
     before: dict[int, int] = {}
     for rank, pid in pids.items():
         if not is_alive(pid):
@@ -36,7 +38,7 @@ def request_stacks(pids: dict[int, int], stack_file: Callable[[int], Path], wait
         path = stack_file(rank)
         before[rank] = path.stat().st_size if path.exists() else 0
         try:
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, sig)
         except OSError:
             before.pop(rank, None)
     deadline = time.monotonic() + wait_s
@@ -135,3 +137,39 @@ def processes_mentioning(path: str) -> list[psutil.Process]:
         if p.pid != os.getpid() and any(a == path or a.startswith(below) for a in args) and is_alive(p.pid):
             found.append(p)
     return found
+
+
+class CpuMeter:
+    """How many cores each process used over the last ``window_s`` (user + system time)."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._procs: dict[int, psutil.Process] = {}
+        self._samples: dict[int, list[tuple[float, float]]] = {}   # key -> [(monotonic, cpu seconds)]
+
+    def cores(self, key: int, pid: int | None, now: float) -> float | None:
+        """None until there is a window's worth of samples (or when the process is gone)."""
+        used = self._cpu_seconds(pid)
+        if used is None:
+            self._samples.pop(key, None)
+            return None
+        samples = self._samples.setdefault(key, [])
+        samples.append((now, used))
+        while len(samples) > 2 and now - samples[1][0] >= self.window_s:
+            samples.pop(0)
+        t0, c0 = samples[0]
+        if now - t0 < self.window_s / 2:
+            return None
+        return max(0.0, (used - c0) / (now - t0))
+
+    def _cpu_seconds(self, pid: int | None) -> float | None:
+        if not pid:
+            return None
+        proc = self._procs.get(pid)
+        try:
+            if proc is None:
+                proc = self._procs[pid] = psutil.Process(pid)
+            times = proc.cpu_times()
+        except psutil.Error:
+            return None
+        return times.user + times.system

@@ -8,18 +8,24 @@ incrementally; ``Watchdog`` is the thread that ties them to the processes.
 from __future__ import annotations
 
 import enum
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
 from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.files.stacks import main_stack, parse_dumps, torch_dir, user_top
 from distcheck.files.trace import TraceTail
 from distcheck.models import EndReason, Phase
 
 STARTED_PHASES = (Phase.RUNNING, Phase.FINISHED, Phase.ERROR)
+# A rank using this much of a core is computing, not blocked: a Python loop uses ~1.0, a rank
+# asleep or blocked in a C call (or idle after finishing) ~0.0, distcheck's own sidecars < 0.02.
+BUSY_CPU = 0.3
 
 
 class Decision(enum.Enum):
@@ -51,10 +57,18 @@ class RankProgress:
     label: str | None = None     # entry point of the current collective ("BinaryAUROC.compute")
     rss_bytes: int | None = None       # resident memory when last seen alive
     peak_rss_bytes: int | None = None  # the most it was seen using
+    cpu: float | None = None           # CPU it used lately, in cores (None: not measured yet)
+    busy_at: str | None = None         # file:line:function it was busy at while others waited (a stack sample)
 
     @property
     def dead(self) -> bool:
         return not self.alive or self.phase == Phase.ERROR
+
+    @property
+    def late(self) -> bool:
+        """Outside every collective and using the CPU: busy in user code, so it may yet arrive."""
+        return (self.alive and self.phase == Phase.RUNNING and self.open_collectives == 0
+                and self.cpu is not None and self.cpu >= BUSY_CPU)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class Limits:
     timeout: float | None = None
     max_duration: float | None = None
     startup_timeout: float = 120.0
+    busy_timeout: float = 600.0     # how long to wait for a rank busy in user code while others wait
 
 
 @dataclass
@@ -101,8 +116,18 @@ class StallDetector:
         if someone_died and idle >= min(self.limits.stall_timeout, 5.0):
             return Decision.STALL   # normally the agent tears down first; this is the backstop
         if someone_waits and idle >= self.limits.stall_timeout:
+            # Late is not hung: while a rank computes outside the collectives, it may still arrive.
+            if idle < self.limits.busy_timeout and any(p.late for p in ranks.values()):
+                return Decision.CONTINUE
             return Decision.STALL
         return Decision.CONTINUE
+
+    def waiting_for_late(self, now: float, ranks: Mapping[int, RankProgress]) -> list[int]:
+        """Ranks distcheck is waiting for past the stall timeout because they are busy."""
+        waits = any(p.open_collectives > 0 and p.alive for p in ranks.values())
+        if not waits or now - self.last_progress < self.limits.stall_timeout:
+            return []
+        return sorted(r for r, p in ranks.items() if p.late)
 
 
 class RankMonitor:
@@ -114,6 +139,8 @@ class RankMonitor:
         self.tails = {r: TraceTail(files.trace(r)) for r in range(world_size)}
         self.status: dict[int, RankStatus] = {}
         self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
+        self._cpu = procs.CpuMeter()
+        self.busy_at: dict[int, str] = {}             # rank -> where a stack sample found it busy
 
     def _sample_memory(self, rank: int, pid: int | None) -> tuple[int | None, int | None]:
         """Last and peak resident memory; a dead rank keeps what it was last seen using."""
@@ -139,14 +166,35 @@ class RankMonitor:
             call = tail.newest_open
             alive = procs.is_alive(status.pid) if status else True
             rss, peak = self._sample_memory(rank, status.pid if status and alive else None)
+            cpu = self._cpu.cores(rank, status.pid if status and alive else None, time.monotonic())
             out[rank] = RankProgress(
                 records=tail.records, open_collectives=len(tail.open),
                 phase=status.phase if status else None, alive=alive,
                 current=f"{call.op} #{call.seq} [group {call.group}]" if call else None,
                 since=call.t_enter if call else None, label=call.label if call else None,
-                rss_bytes=rss, peak_rss_bytes=peak,
+                rss_bytes=rss, peak_rss_bytes=peak, cpu=cpu, busy_at=self.busy_at.get(rank),
             )
         return out
+
+    def sample_stacks(self, ranks: list[int]) -> None:
+        """Where each of ``ranks`` is busy: a faulthandler sample (it works with the GIL held in C)."""
+        pids = {r: pid for r, pid in self.pids().items() if r in ranks}
+        procs.request_stacks(pids, self.files.stack_sample, wait_s=0.5, sig=signal.SIGUSR2)
+        for rank in pids:
+            where = busy_line(self.files.stack_sample(rank), self.status[rank].main_thread)
+            if where:
+                self.busy_at[rank] = where
+
+
+def busy_line(path: Path, main_thread: int | None) -> str | None:
+    """file:line:function of the user's innermost frame in the newest dump of ``path``."""
+    try:
+        dumps = parse_dumps(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return None
+    thread = main_stack(dumps[-1], main_thread) if dumps else None
+    frame = user_top(thread.frames, torch_dir()) if thread else None
+    return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
 
 
 class NodeChannel(Protocol):
@@ -218,6 +266,7 @@ class Watchdog(threading.Thread):
             self.result.last_progress = progress
             now = self.clock()
             decision = self.detector.observe(now, progress)
+            self._sample_late(now, progress)
             if self.on_poll is not None:
                 self.on_poll(progress, now - self.detector.last_progress)
             if decision is Decision.RELEASE:
@@ -242,6 +291,12 @@ class Watchdog(threading.Thread):
                 self._tear_down(progress)
                 return
             self._stop_event.wait(self.poll_s)
+
+    def _sample_late(self, now: float, progress: Mapping[int, RankProgress]) -> None:
+        """Once per rank and wait: where a rank that others wait for is busy (for the live view and the report)."""
+        late = [r for r in self.detector.waiting_for_late(now, progress) if r not in self.monitor.busy_at]
+        if late:
+            self.monitor.sample_stacks(late)
 
     def _tear_down(self, progress: dict[int, RankProgress]) -> None:
         pids = self.monitor.pids()

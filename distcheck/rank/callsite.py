@@ -20,6 +20,7 @@ from __future__ import annotations
 from types import CodeType, FrameType
 
 from distcheck.files.stacks import LIBRARY, SKIP, USER, classify_file, torch_dir
+from distcheck.models import JOIN_LABEL
 from distcheck.rank import integrations
 
 MAX_DEPTH = 96
@@ -27,6 +28,10 @@ MAX_DEPTH = 96
 # What a code object's ``self`` is: none, not yet seen, an nn.Module.
 _NO_SELF, _SELF_UNKNOWN, _SELF_MODULE = 0, 1, 2
 
+
+# torch's Join context: ranks out of data run "shadow" collectives matching the others' on purpose.
+_JOIN = -1
+_JOIN_FILE = "distributed/algorithms/join.py"
 
 # Module methods that stand for "the module was called".
 _CALL_ENTRY = {"_wrapped_call_impl": "forward", "_call_impl": "forward"}
@@ -52,6 +57,8 @@ class CallsiteResolver:
 
     def _code_info(self, code: CodeType) -> list:
         kind = classify_file(code.co_filename, self._torch_dir)
+        if code.co_filename.replace("\\", "/").endswith(_JOIN_FILE):
+            kind = _JOIN
         has_self = (code.co_argcount > 0 and code.co_varnames[:1] == ("self",)) or "self" in code.co_freevars
         info = [code, kind, _SELF_UNKNOWN if has_self and kind != SKIP else _NO_SELF]
         self._codes[id(code)] = info
@@ -68,6 +75,7 @@ class CallsiteResolver:
         codes = self._codes
         user = user_line = lib = lib_line = None
         target = label_frame = None
+        joined = False
         depth = MAX_DEPTH
         # Inner part: up to the user's frame, looking for the call site and the library frame.
         while frame is not None and depth:
@@ -80,6 +88,8 @@ class CallsiteResolver:
                 user, user_line = code, frame.f_lineno
             elif kind == LIBRARY and lib is None:
                 lib, lib_line = code, frame.f_lineno
+            elif kind == _JOIN:
+                joined = True
             if info[2]:
                 target, label_frame = self._self_step(info, frame, target, label_frame)
             frame = frame.f_back
@@ -103,6 +113,8 @@ class CallsiteResolver:
             if logged:   # Lightning's deferred self.log reduction: blame the self.log line
                 log_site = integrations.LOG_SITES.get(logged)
                 label = f"{label} (self.log {logged!r})"
+        if joined:   # a shadow call: it stands in for whatever the ranks still working call here
+            label = f"{JOIN_LABEL} ({label})" if label else JOIN_LABEL
         # ids, not code objects: a code object's hash is computed from its contents on every lookup.
         return (None if user is None else id(user), user_line, None if lib is None else id(lib), lib_line, label,
                 log_site)

@@ -4,8 +4,8 @@ Lightning reduces ``self.log(..., sync_dist=True)`` values at the end of the
 epoch, far from the ``self.log`` line that asked for it: the stack then shows
 ``trainer.validate(...)`` and ``_ResultMetric.compute``. When (and only when)
 the user's script imports Lightning, a post-import hook wraps
-``LightningModule.log`` to remember the line each logged name came from; the
-tracer then attributes the epoch-end collective to that line.
+``LightningModule.log`` and ``log_dict`` to remember the line each logged name
+came from; the tracer then attributes the epoch-end collective to that line.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-# logged name -> "file:line:function" of the user's self.log(...) call
+# logged name -> "file:line:function" of the user's self.log(...) / self.log_dict(...) call
 LOG_SITES: dict[str, str] = {}
+
+# Sites of the wrapped log/log_dict calls in progress, outermost first. log_dict calls
+# self.log per key: the user's log_dict line, not Lightning's frame, must be the one kept.
+_OUTER: list[str] = []
 
 LIGHTNING_MODULES = ("lightning.pytorch.core.module", "pytorch_lightning.core.module")
 
@@ -56,24 +60,43 @@ def _wrap_exec(loader: Any, hook: Callable[[ModuleType], None]) -> None:
     loader.exec_module = exec_module
 
 
+def _caller_site() -> str:
+    caller = sys._getframe(2)   # 0: here, 1: the wrapper, 2: whoever called self.log / self.log_dict
+    return f"{caller.f_code.co_filename}:{caller.f_lineno}:{caller.f_code.co_name}"
+
+
+def _outermost(call: Callable[[], Any], site: str) -> Any:
+    """Run ``call`` with ``site`` pushed; a nested wrapped call sees the outermost site in _OUTER[0]."""
+    _OUTER.append(site)
+    try:
+        return call()
+    finally:
+        _OUTER.pop()
+
+
 def _patch_lightning_log(module: ModuleType) -> None:
     cls = getattr(module, "LightningModule", None)
     if cls is None or getattr(cls.log, "__distcheck__", False):
         return
-    original = cls.log
+    original_log, original_log_dict = cls.log, cls.log_dict
 
-    @functools.wraps(original)
+    @functools.wraps(original_log)
     def log(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1)
-        LOG_SITES[name] = f"{caller.f_code.co_filename}:{caller.f_lineno}:{caller.f_code.co_name}"
-        return original(self, name, *args, **kwargs)
+        site = _OUTER[0] if _OUTER else _caller_site()
+        LOG_SITES[name] = site
+        return _outermost(lambda: original_log(self, name, *args, **kwargs), site)
 
-    log.__distcheck__ = True  # type: ignore[attr-defined]
-    cls.log = log
+    @functools.wraps(original_log_dict)
+    def log_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        site = _OUTER[0] if _OUTER else _caller_site()
+        return _outermost(lambda: original_log_dict(self, *args, **kwargs), site)
+
+    log.__distcheck__ = log_dict.__distcheck__ = True  # type: ignore[attr-defined]
+    cls.log, cls.log_dict = log, log_dict
 
 
 def install() -> None:
-    """Attribute Lightning's deferred self.log reductions to their lines."""
+    """Attribute Lightning's deferred self.log / self.log_dict reductions to their lines."""
     for name in LIGHTNING_MODULES:
         if name in sys.modules:
             _patch_lightning_log(sys.modules[name])

@@ -152,10 +152,12 @@ class _Open:
 class NativeWatcher:
     """Finds C++-issued collectives of one rank and writes them into its trace.
 
-    ``tracer`` gives the Python side: ``python_seq(key)`` (the newest number it
-    wrote for a group), ``busy_group`` (a Python call in flight: its numbers are
-    its own, e.g. an object collective runs two), ``seq_base(key)``, and
-    ``lock`` (held while a batched launch starts its next segment).
+    ``tracer`` gives the Python side: ``take_written(key)`` (the numbers it wrote
+    for a group since the last call, relative to ``seq_base(key)``), ``busy_group``
+    (a Python call in flight: the numbers it runs are its own, e.g. an object
+    collective runs two), and ``lock`` (held while a batched launch starts its
+    next segment). Every number up to ``seen`` is accounted for: written by the
+    tracer, or recorded here.
     """
 
     tracer: Any
@@ -163,7 +165,8 @@ class NativeWatcher:
     groups: Callable[[], Iterable[tuple[str, Any]]] = process_groups
     calls: Callable[[], dict[tuple[str, int], NativeCall] | None] = flight_recorder_calls
     detail_interval_s: float = 0.25
-    seen: dict[str, int] = field(default_factory=dict)        # group → newest absolute seq accounted for
+    seen: dict[str, int] = field(default_factory=dict)        # group → every absolute seq up to it is accounted for
+    python: dict[str, set[int]] = field(default_factory=dict)  # group → absolute seqs above ``seen`` the tracer wrote
     open: dict[str, list[_Open]] = field(default_factory=dict)
     defined: set[str] = field(default_factory=set)
     fps: dict[tuple, bytes] = field(default_factory=dict)
@@ -173,9 +176,29 @@ class NativeWatcher:
     _pending_since: dict[tuple[str, int], float] = field(default_factory=dict)
     _torch: str = field(default_factory=torch_dir)
 
+    def flush(self) -> None:
+        """Record every call the groups ran so far, and close them all: the caller's work is over
+        (the end of a scenario or script), so each call it made has returned."""
+        with self.tracer.lock:
+            self.end_segment()
+
+    def end_segment(self) -> None:
+        """``flush`` with the tracer's lock held (a batched launch's segment ends here)."""
+        now = time.time()
+        calls = self.calls() if self.recorder else None
+        out: list[bytes] = []
+        for key, pg, todo, upto in self._new_numbers():
+            self._record_new(key, pg, todo, upto, calls or {}, now, out, final=True)
+        for key, opened in self.open.items():
+            out.extend(records.EXIT_OK % (records.CALL_KEY % (key.encode(), o.shown), int(now * 1e6)) for o in opened)
+            opened.clear()
+        if out:
+            self.tracer.writer.write(b"".join(out))
+
     def reset(self) -> None:
         """A new trace segment: numbers restart, definitions are written again."""
         self.open.clear()
+        self.python.clear()
         self.defined.clear()
         self.fps.clear()
         self.sites.clear()
@@ -193,13 +216,14 @@ class NativeWatcher:
             if calls is None:
                 self.recorder = False
             out: list[bytes] = []
-            for key, pg, first, last in new:
-                self._record_new(key, pg, first, last, calls or {}, now, out)
+            for key, pg, todo, upto in new:
+                self._record_new(key, pg, todo, upto, calls or {}, now, out)
             self._retire(calls, now, out)
             if out:
                 self.tracer.writer.write(b"".join(out))
 
-    def _new_numbers(self) -> list[tuple[str, Any, int, int]]:
+    def _new_numbers(self) -> list[tuple[str, Any, list[int], int]]:
+        """(group, pg, numbers no one recorded yet, the group's counter) for each group with some."""
         busy = self.tracer.busy_group          # read before the numbers (see the class docstring)
         new = []
         for key, pg in self.groups():
@@ -208,19 +232,29 @@ class NativeWatcher:
             except Exception:    # a backend without sequence numbers: nothing to learn here
                 continue
             base = self.tracer.seq_base(key)
-            known = max(self.tracer.python_seq(key) + base, self.seen.get(key, base))
-            if key != busy and seq > known:
-                new.append((key, pg, known + 1, seq))
+            python = self.python.setdefault(key, set())
+            python.update(s + base for s in self.tracer.take_written(key))
+            seen = max(self.seen.get(key, base), base)
+            todo = [s for s in range(seen + 1, seq + 1) if s not in python]
+            if key == busy or not todo:
+                self._advance(key, seq if key != busy else seen)
+                continue
+            new.append((key, pg, todo, seq))
         return new
 
-    def _record_new(self, key: str, pg: Any, first: int, last: int, calls: dict, now: float,
-                    out: list[bytes]) -> None:
+    def _advance(self, key: str, seq: int) -> None:
+        self.seen[key] = max(self.seen.get(key, 0), seq)
+        self.python[key] = {s for s in self.python.get(key, ()) if s > self.seen[key]}
+
+    def _record_new(self, key: str, pg: Any, todo: list[int], upto: int, calls: dict, now: float,
+                    out: list[bytes], final: bool = False) -> None:
         base = self.tracer.seq_base(key)
         frames = stack_of(self.main_thread)
-        for seq in range(first, last + 1):
+        for seq in todo:
             call = calls.get((key, seq))
-            if call is None and self.recorder and seq == last and now - self._pending_since.setdefault(
+            if call is None and self.recorder and not final and seq == upto and now - self._pending_since.setdefault(
                     (key, seq), now) < 1.0:
+                self._advance(key, seq - 1)
                 return   # the recorder has not shown the newest call yet: next poll
             self._pending_since.pop((key, seq), None)
             self._define_group(key, pg, out)
@@ -228,11 +262,11 @@ class NativeWatcher:
             t_enter = call.t_created if call and call.t_created else now
             call_key = records.CALL_KEY % (key.encode(), seq - base)
             out.append(records.enter_record(call_key, fp, int(t_enter * 1e6)))
-            if call is None or call.retired:
+            if call is None or call.retired or final:
                 out.append(records.EXIT_OK % (call_key, int(now * 1e6)))
             else:
                 self.open.setdefault(key, []).append(_Open(seq, seq - base))
-            self.seen[key] = seq
+        self._advance(key, upto)
 
     def _retire(self, calls: dict | None, now: float, out: list[bytes]) -> None:
         for key, opened in self.open.items():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections import deque
 import os
 import sys
 import threading
@@ -159,8 +160,10 @@ class Tracer:
         # group -> the newest number this tracer wrote (the group's own counter where it has one)
         self._seq: dict[str, int] = {}
         # id(pg) -> (key, pg, key as bytes, the group's collective counter or None, its value at the
-        # segment's start); pg kept alive so its id stays valid
-        self._groups: dict[int, tuple[str, Any, bytes, Callable[[], int] | None, int]] = {}
+        # segment's start, the numbers written for it not yet taken by the sidecar); pg kept alive
+        # so its id stays valid
+        self._groups: dict[int, tuple[str, Any, bytes, Callable[[], int] | None, int, deque]] = {}
+        self._written: dict[str, deque] = {}
         # Numbers count from each group's counter when tracing started (0 for groups made later).
         self._bases: dict[str, int] = {key: counter() for key, counter in _c10d_counters()}
         self._multi: tuple[str, Callable[[], int], int] | None = None
@@ -168,7 +171,7 @@ class Tracer:
         # is in right now (its numbers are its own), and a lock held while a new segment starts.
         self.busy_group: str | None = None
         self.lock = threading.Lock()
-        self.segment_listeners: list[Callable[[], None]] = []
+        self.segment_listeners: list[Any] = []   # end_segment() before the B record, reset() after
         self._sites: dict[tuple, str] = {}
         self._fps: dict[tuple, bytes] = {}   # fingerprint -> its F record's id
         self._op_names: dict[Any, str] = {}
@@ -184,18 +187,25 @@ class Tracer:
         its own (``distcheck.files.trace.split_segments``).
         """
         with self.lock:
+            for listener in self.segment_listeners:
+                listener.end_segment()
             self._bases = {key: counter() for key, counter in _c10d_counters()}
             self._seq.clear()
             self._groups.clear()
+            self._written.clear()
             self._sites.clear()
             self._fps.clear()
             self.writer.write(segment_record(name))
             for listener in self.segment_listeners:
-                listener()
+                listener.reset()
 
-    def python_seq(self, group: str) -> int:
-        """The newest number written for ``group`` in this segment."""
-        return self._seq.get(group, 0)
+    def take_written(self, group: str) -> list[int]:
+        """The numbers written for ``group`` since the last call (the sidecar's; thread-safe)."""
+        written = self._written.get(group)
+        out = []
+        while written:
+            out.append(written.popleft())
+        return out
 
     def seq_base(self, group: str) -> int:
         """The group's counter when this segment started (numbers in the trace count from it)."""
@@ -288,9 +298,12 @@ class Tracer:
             group, counter, base = self._multi
             self._multi = None
             try:
-                self._seq[group] = max(self._seq.get(group, 0), counter() - base)
+                last = counter() - base
             except Exception:
-                pass
+                return
+            written = self._written.setdefault(group, deque())
+            written.extend(range(self._seq.get(group, 0) + 1, last + 1))
+            self._seq[group] = max(self._seq.get(group, 0), last)
 
     def _wrap_batch(self, original: Callable) -> Callable:
         local = self._local
@@ -364,6 +377,7 @@ class Tracer:
             group, counter = entry[0], entry[3]
             seq = (seqs[group] if counter is None else counter() - entry[4]) + 1
             seqs[group] = seq
+            entry[5].append(seq)
             tracer.busy_group = group
             tracer.count += 1
             key = CALL_KEY % (entry[2], seq)
@@ -383,22 +397,25 @@ class Tracer:
             return entry
         key, ranks = self._resolve_group(pg)
         key = clean(key or str(len(self._groups)))
-        entry = self._groups[id(pg)] = (key, pg, key.encode(), _counter(pg), self._bases.get(key, 0))
+        written = self._written.setdefault(key, deque())
+        entry = self._groups[id(pg)] = (key, pg, key.encode(), _counter(pg), self._bases.get(key, 0), written)
         self._seq.setdefault(key, 0)
         out.append(group_record(key, ranks))
         return entry
 
     def _number(self, name: str, entry: tuple, out: list[bytes]) -> tuple[str, int]:
         """(group, seq) for a call on a group: the group's own counter + 1, where it has one."""
-        key, _, _, counter, base = entry
+        key, _, _, counter, base, written = entry
         if name in UNCOUNTED:
             if NEW_GROUP_KEY not in self._seq:
                 out.append(group_record(NEW_GROUP_KEY, _members(entry[1])))
             key, counter = NEW_GROUP_KEY, None
         seq = (self._seq.get(key, 0) if counter is None else counter() - base) + 1
+        if counter is not None:
+            written.append(seq)
+            self.busy_group = key
         if name in MULTI_SEQ and counter is not None:
             self._multi = (key, counter, base)
-        self.busy_group = key
         return key, seq
 
     def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> bytes:

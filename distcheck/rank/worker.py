@@ -58,8 +58,9 @@ def redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def install_stack_dumps(path: Path) -> Any:
-    """All threads' stacks on SIGUSR1 (on request) and before SIGTERM kills us.
+def install_stack_dumps(path: Path, sample_path: Path) -> None:
+    """All threads' stacks on SIGUSR1 (on request) and before SIGTERM kills us, and
+    a sample on SIGUSR2 (where a late rank is busy while the others wait).
 
     faulthandler writes from the signal handler in C, so it works while the
     main thread is blocked inside a collective or holds the GIL in C code.
@@ -69,7 +70,8 @@ def install_stack_dumps(path: Path) -> Any:
     faulthandler.enable(file=f, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
     faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
-    return f
+    sample = open(sample_path, "a", buffering=1, encoding="utf-8")
+    faulthandler.register(signal.SIGUSR2, file=sample, all_threads=True, chain=False)
 
 
 def user_frame_of(tb: Any) -> str | None:
@@ -246,11 +248,12 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
     threading.Thread(target=serve, name="distcheck-flight-recorder", daemon=True).start()
 
 
-def watch_native_collectives(tracer: Any) -> None:
+def watch_native_collectives(tracer: Any) -> native.NativeWatcher:
     """The sidecar that writes C++-issued collectives (DDP, FSDP2, functional) into the trace."""
     watcher = native.NativeWatcher(tracer, main_thread=threading.main_thread().ident)
-    tracer.segment_listeners.append(watcher.reset)
+    tracer.segment_listeners.append(watcher)
     native.start(watcher)
+    return watcher
 
 
 def wait_for_release(files: LaunchFiles) -> None:
@@ -273,12 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     redirect_output(files.log(rank))
     STATUS = Status(files, rank)
     STATUS.update(phase=Phase.STARTING)
-    install_stack_dumps(files.stacks(rank))
+    install_stack_dumps(files.stacks(rank), files.stack_sample(rank))
     if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
         start_flight_recorder_sidecar(files, rank)
         STATUS.update(flight_recorder=True)
     tracer = install(files.trace(rank), rank)
-    watch_native_collectives(tracer)
+    watcher = watch_native_collectives(tracer)
     note_process_group_init()
     if not args.scenario_file:
         SampleRecorder(files.samples(rank)).install()   # scripts: no code change needed
@@ -297,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(130)
     except BaseException as exc:  # the rank's own failure: report it, then die like the job would
         _fail(exc, tracer, exit_code=1)
+    watcher.flush()   # the C++-issued calls of the last steps are in the trace before "finished"
     STATUS.update(phase=Phase.FINISHED, collectives=tracer.count, results=results)
     wait_for_release(files)
     sys.stdout.flush()

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.report import terminal
-from distcheck.text import rank_list
+from distcheck.text import rank_list, short_path
 
 MAX_ROWS = 12
 
@@ -42,6 +42,10 @@ class RankProgress(Protocol):
     def label(self) -> str | None: ...
     @property
     def dead(self) -> bool: ...
+    @property
+    def late(self) -> bool: ...
+    @property
+    def busy_at(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ def rank_state(p: RankProgress) -> tuple[str, str]:
     """(text, style) of one rank's state."""
     if p.dead:
         return "dead", "bold red"
+    if p.late:
+        return "busy (late, not hung)", "magenta"
     if p.open_collectives:
         return "waiting", "yellow"
     if p.phase is None or p.phase == "starting":
@@ -83,7 +89,7 @@ def _stalling(state: LiveState) -> bool:
     return state.idle_s >= 1.0 and any(p.open_collectives or p.dead for p in progress.values())
 
 
-def status_line(state: LiveState, now: float, stall_timeout: float) -> Text:
+def status_line(state: LiveState, now: float, stall_timeout: float, busy_timeout: float | None = None) -> Text:
     if state.name is None:
         return Text("  starting…", style="dim")
     elapsed = now - state.started if state.started else 0.0
@@ -92,9 +98,26 @@ def status_line(state: LiveState, now: float, stall_timeout: float) -> Text:
     if state.progress:
         line.append(f" · {_counts(state.progress)}", style="dim")
     if _stalling(state):
-        line.append(f" · no progress for {state.idle_s:.1f}/{stall_timeout:g} s",
-                    style="bold yellow" if state.idle_s >= stall_timeout / 2 else "yellow")
+        late = _late(state)
+        limit = busy_timeout if late and busy_timeout else stall_timeout
+        line.append(f" · no progress for {state.idle_s:.1f}/{limit:g} s",
+                    style="bold yellow" if state.idle_s >= limit / 2 else "yellow")
+        if late:
+            line.append(f" · waiting for busy {rank_list(late)} (late, not hung)", style="magenta")
     return line
+
+
+def _late(state: LiveState) -> list[int]:
+    return sorted(r for r, p in (state.progress or {}).items() if p.late)
+
+
+def late_line(state: LiveState, busy_timeout: float) -> str:
+    """The plain-output line once the stall timeout passed while a rank is still busy."""
+    progress = state.progress or {}
+    where = "; ".join(f"rank {r} busy at {short_path(progress[r].busy_at)}" if progress[r].busy_at
+                      else f"rank {r} busy" for r in _late(state))
+    return (f"        {where}: late, not hung (it is using the CPU); distcheck keeps waiting, "
+            f"up to --busy-timeout {busy_timeout:g} s")
 
 
 def rank_rows(progress: Mapping[int, RankProgress], now: float) -> list[tuple[str, str, str, str, str, str]]:
@@ -104,7 +127,7 @@ def rank_rows(progress: Mapping[int, RankProgress], now: float) -> list[tuple[st
     longest: dict[tuple, float] = {}
     for rank, p in sorted(progress.items()):
         text, style = rank_state(p)
-        key = (text, p.current, p.label)
+        key = (text, p.current, p.label or (f"at {short_path(p.busy_at)}" if p.busy_at else None))
         groups.setdefault(key, []).append(rank)
         styles[key] = style
         if p.since is not None:
@@ -132,8 +155,8 @@ def rank_table(progress: Mapping[int, RankProgress], now: float) -> Table:
     return table
 
 
-def renderable(state: LiveState, now: float, stall_timeout: float) -> Group:
-    parts: list = [status_line(state, now, stall_timeout)]
+def renderable(state: LiveState, now: float, stall_timeout: float, busy_timeout: float | None = None) -> Group:
+    parts: list = [status_line(state, now, stall_timeout, busy_timeout)]
     if _stalling(state):
         parts.append(rank_table(state.progress or {}, now))
     return Group(*parts)
@@ -161,21 +184,24 @@ class LiveView:
     """
 
     def __init__(self, console: Console, *, stall_timeout: float, verbose: bool = False,
-                 clock: Callable[[], float] = time.time, interactive: bool | None = None) -> None:
+                 clock: Callable[[], float] = time.time, interactive: bool | None = None,
+                 busy_timeout: float | None = None) -> None:
         self.console = console
         self.stall_timeout = stall_timeout
+        self.busy_timeout = busy_timeout
         self.verbose = verbose
         self.clock = clock
         self.interactive = (console.is_terminal and not console.is_dumb_terminal) if interactive is None \
             else interactive
         self.state = LiveState()
         self._stall_reported = False
+        self._late_reported = False
         self._lock = threading.Lock()
         self._live: Live | None = None
 
     # rich calls this on every refresh
     def __rich__(self) -> Group:
-        return renderable(self.state, self.clock(), self.stall_timeout)
+        return renderable(self.state, self.clock(), self.stall_timeout, self.busy_timeout)
 
     def __enter__(self) -> LiveView:
         if self.interactive:
@@ -192,7 +218,7 @@ class LiveView:
     def scenario_started(self, spec, index: int, total: int) -> None:
         with self._lock:
             self.state = LiveState(name=spec.name, index=index, total=total, started=self.clock())
-            self._stall_reported = False
+            self._stall_reported = self._late_reported = False
         if not self.interactive:
             self.console.print(f"  RUN  {spec.name}  [{index + 1}/{total}]", style="dim", markup=False,
                                highlight=False, soft_wrap=True)
@@ -205,15 +231,23 @@ class LiveView:
             state = LiveState(name=self.state.name, index=self.state.index, total=self.state.total,
                               started=self.state.started, progress=dict(progress), idle_s=idle_s)
             self.state = state
-            report = False
+            report = late = False
             threshold = max(1.0, self.stall_timeout / 2)
             if idle_s < threshold:
-                self._stall_reported = False
+                self._stall_reported = self._late_reported = False
             elif not self._stall_reported and _stalling(state):
                 self._stall_reported = report = True
-        if report and not self.interactive:
+            if (idle_s >= self.stall_timeout and not self._late_reported and _late(state)
+                    and all(state.progress[r].busy_at for r in _late(state))):
+                self._late_reported = late = True
+        if self.interactive:
+            return
+        if report:
             self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False,
                                soft_wrap=True)
+        if late:
+            self.console.print(late_line(state, self.busy_timeout or 0), style="magenta", markup=False,
+                               highlight=False, soft_wrap=True)
 
     def scenario_finished(self, result) -> None:
         with self._lock:
