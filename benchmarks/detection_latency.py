@@ -2,8 +2,10 @@
 
 Runs the real CLI (``python -m distcheck run``: launcher, watchdog, analysis,
 report) on ``benchmarks/hang_scenario.py`` — rank 0 alone enters an
-all_reduce — with ``--stall-timeout S``, world sizes interleaved over the
-repeats, and reads the run's JSON report:
+all_reduce — and, with ``--hang cpp``, on ``benchmarks/hang_scenario_cpp.py`` —
+rank 0 alone runs a DDP backward(), so it waits in an all_reduce issued from
+C++ by DDP's reducer — with ``--stall-timeout S``, world sizes interleaved
+over the repeats, and reads the run's JSON report:
 
 * **stall onset** — the watchdog's last observed progress (``stall_onset``);
 * **detected** — the watchdog's decision (``detected_at``; the finding's
@@ -18,7 +20,7 @@ detection; the report file is written once the job is torn down.
 Each run has a hard timeout and its whole process group is killed afterwards;
 a process left behind is reported as a failure.
 
-    python benchmarks/detection_latency.py [--sizes 2 4 8 16] [--stall-timeout 5] [--repeats 3]
+    python benchmarks/detection_latency.py [--sizes 2 4 8 16] [--stall-timeout 5] [--repeats 3] [--hang python|cpp]
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, conditions, median, run_group, table  # noqa: E402
 
-SCENARIO = Path(__file__).resolve().parent / "hang_scenario.py"
+SCENARIOS = {"python": Path(__file__).resolve().parent / "hang_scenario.py",
+             "cpp": Path(__file__).resolve().parent / "hang_scenario_cpp.py"}
 
 
 def survivors(marker: str) -> list[psutil.Process]:
@@ -51,10 +54,10 @@ def survivors(marker: str) -> list[psutil.Process]:
     return found
 
 
-def one_run(world: int, stall_timeout: float, hard_timeout: float) -> dict:
+def one_run(world: int, stall_timeout: float, hard_timeout: float, scenario: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"distcheck-latency-{world}-"))
     json_path = run_dir / "out.json"
-    cmd = [sys.executable, "-m", "distcheck", "run", str(SCENARIO), "--nproc-per-node", str(world),
+    cmd = [sys.executable, "-m", "distcheck", "run", str(scenario), "--nproc-per-node", str(world),
            "--backend", "gloo", "--stall-timeout", str(stall_timeout), "--run-dir", str(run_dir / "run"),
            "--json", str(json_path)]
     try:
@@ -73,7 +76,9 @@ def one_run(world: int, stall_timeout: float, hard_timeout: float) -> dict:
     except (OSError, ValueError, KeyError, StopIteration) as exc:
         return {**result, "error": f"{type(exc).__name__}: {exc}; exit {proc.returncode}; {proc.stderr[-500:]}"}
     onset = s["stall_onset"]
+    began = s["ranks"][0]["last_event"]["t_enter"]   # rank 0's stuck call, as the trace says it began
     result.update(
+        since_call=s["detected_at"] - began,
         ok=s["ok"] and proc.returncode == 0 and hang["waiting_ranks"] == [0]
         and hang["absent_ranks"] == list(range(1, world)),
         detected=s["detected_at"] - onset, detected_after_s=hang["detected_after_s"],
@@ -90,13 +95,15 @@ def main() -> None:
     p.add_argument("--stall-timeout", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hard-timeout", type=float, default=400.0, help="per run, seconds")
+    p.add_argument("--hang", choices=sorted(SCENARIOS), default="python",
+                   help="python: a Python-issued all_reduce; cpp: DDP's reducer all_reduce (issued from C++)")
     args = p.parse_args()
     print(f"conditions: {conditions()}")
     runs: dict[int, list[dict]] = {w: [] for w in args.sizes}
     for r in range(args.repeats):
         sizes = args.sizes if r % 2 == 0 else args.sizes[::-1]   # interleave sizes over repeats
         for world in sizes:
-            res = one_run(world, args.stall_timeout, args.hard_timeout)
+            res = one_run(world, args.stall_timeout, args.hard_timeout, SCENARIOS[args.hang])
             runs[world].append(res)
             status = res.get("error") or (f"detected +{res['detected']:.2f} s, torn down +{res['torn_down']:.2f} s, "
                                           f"reported +{res['reported']:.2f} s, survivors {res['survivors']}")
@@ -108,21 +115,23 @@ def main() -> None:
         if not good:
             rows.append([world, f"0/{len(rs)}", "-", "-", "-", "-", "-", "-"])
             continue
-        det, down, rep = ([x[k] for x in good] for k in ("detected", "torn_down", "reported"))
+        det, down, rep, call = ([x[k] for x in good] for k in ("detected", "torn_down", "reported", "since_call"))
         rows.append([
             world, f"{sum(bool(x['ok']) for x in good)}/{len(rs)}",
             f"{median(x['startup'] for x in good):.1f}",
             f"{median(det):.2f} (max {max(det):.2f})",
+            f"{median(call):.2f} (max {max(call):.2f})",
             f"{median(rep):.2f} (max {max(rep):.2f})",
             f"{median(down):.2f} (max {max(down):.2f})",
-            "yes" if max(det) <= s + 1 else "NO", "yes" if max(down) <= s + 3 else "NO",
+            "yes" if max(det + call) <= s + 1 else "NO", "yes" if max(down) <= s + 3 else "NO",
             "yes" if max(rep) <= s + 1 else "no",
         ])
     print()
-    print(table(["ranks", "correct", "start-up s", "detected s (JSON detected_after_s)", "report.json written s",
+    print(table(["ranks", "correct", "start-up s", "detected s (JSON detected_after_s)",
+                 "detected s after the stuck call began", "report.json written s",
                  "torn down s", f"detected ≤ {s + 1:g} s", f"torn down ≤ {s + 3:g} s",
                  f"report written ≤ {s + 1:g} s"], rows,
-                title=f"Stall onset → detected / reported / torn down, --stall-timeout {s:g}, "
+                title=f"{args.hang} hang: stall onset → detected / reported / torn down, --stall-timeout {s:g}, "
                       f"{args.repeats} runs per size (medians, max)"))
     if any(x.get("survivors") for rs in runs.values() for x in rs):
         print("\nWARNING: processes survived some runs (killed by this script).")

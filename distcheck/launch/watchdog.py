@@ -23,9 +23,10 @@ from distcheck.files.trace import TraceTail
 from distcheck.models import EndReason, Phase
 
 STARTED_PHASES = (Phase.RUNNING, Phase.FINISHED, Phase.ERROR)
-# A rank using this much of a core is computing, not blocked: a Python loop uses ~1.0, a rank
-# asleep or blocked in a C call (or idle after finishing) ~0.0, distcheck's own sidecars < 0.02.
-BUSY_CPU = 0.3
+# A rank using this much of a core is computing, not blocked: a Python loop uses ~1.0 (still ~0.3
+# with 4 ranks busy on 2 cores), a rank asleep or blocked in a C call (or idle after finishing)
+# ~0.0, distcheck's own sidecars < 0.02.
+BUSY_CPU = 0.1
 
 
 class Decision(enum.Enum):
@@ -219,6 +220,8 @@ class WatchdogResult:
     error: str | None = None             # why the watchdog itself failed
     lost_node_0: bool = False            # multi-node: node 0's distcheck went away mid-launch
     last_progress: dict[int, RankProgress] = field(default_factory=dict)
+    # (rank, wall time, file:line:function): where a late rank was busy while others waited
+    busy_samples: list[tuple[int, float, str]] = field(default_factory=list)
 
 
 class Watchdog(threading.Thread):
@@ -294,9 +297,14 @@ class Watchdog(threading.Thread):
 
     def _sample_late(self, now: float, progress: Mapping[int, RankProgress]) -> None:
         """Once per rank and wait: where a rank that others wait for is busy (for the live view and the report)."""
-        late = [r for r in self.detector.waiting_for_late(now, progress) if r not in self.monitor.busy_at]
+        waiting_for = self.detector.waiting_for_late(now, progress)
+        for rank in [r for r in self.monitor.busy_at if r not in waiting_for]:
+            del self.monitor.busy_at[rank]   # it arrived: a later wait for it is sampled again
+        late = [r for r in waiting_for if r not in self.monitor.busy_at]
         if late:
             self.monitor.sample_stacks(late)
+            self.result.busy_samples.extend((r, time.time(), self.monitor.busy_at[r])
+                                            for r in late if r in self.monitor.busy_at)
 
     def _tear_down(self, progress: dict[int, RankProgress]) -> None:
         pids = self.monitor.pids()
