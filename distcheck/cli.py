@@ -104,7 +104,7 @@ def run(
     console = _console(json_path)
     report = _run_live(specs, options, console, verbose)
     _print_run_end(report, options, console)
-    _write_json(report, json_path)
+    _announce(console, _write_json(report, json_path))
     _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True)
     raise typer.Exit(int(_exit_code(report)))
 
@@ -116,7 +116,10 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
 
     nodes = options.nodes
     ranks = f"{nodes.nnodes} nodes x {options.nproc_per_node}" if nodes.multi else f"{options.nproc_per_node}"
-    console.print(f"distcheck {__version__}: {len(specs)} scenario(s) on {ranks} {options.backend} ranks"
+    from distcheck.discovery import ScriptSpec
+
+    what = specs[0].source if len(specs) == 1 and isinstance(specs[0], ScriptSpec) else f"{len(specs)} scenario(s)"
+    console.print(f"distcheck {__version__}: {what} on {ranks} {options.backend} ranks"
                   + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
     view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
@@ -229,7 +232,10 @@ def report_cmd(
 
     saved = load_run(run_dir)
     console = _console(json_path)
-    terminal.render(saved.report, console, verbose)
+    if verbose or not (json_path or junit_xml or chrome_trace or html):
+        terminal.render(saved.report, console, verbose)
+    else:   # only files were asked for: the verdict and where they went, not the whole view again
+        console.print(terminal.summary_line(saved.report))
     _announce(console, _write_json(saved.report, json_path))
     _write_formats(saved.report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=False,
                    html=html, events=saved.events)

@@ -7,6 +7,7 @@ scenarios never runs their code or needs their optional dependencies.
 from __future__ import annotations
 
 import ast
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
@@ -167,6 +168,14 @@ def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
                 )
             specs.extend(found)
         else:
-            names = ", ".join(sorted(builtins)) or "(none)"
-            raise UsageError(f"unknown scenario or file: {target!r}", f"built-in scenarios: {names}")
+            raise unknown_target(target, sorted(builtins))
     return specs
+
+
+def unknown_target(target: str, names: list[str]) -> UsageError:
+    """A one-line error; the hint offers the closest built-in names first (a typo is the usual cause)."""
+    close = difflib.get_close_matches(target, names, n=3, cutoff=0.6)
+    if close:
+        return UsageError(f"unknown scenario or file: {target!r}; did you mean {' or '.join(map(repr, close))}?",
+                          "'distcheck list' shows every built-in scenario")
+    return UsageError(f"unknown scenario or file: {target!r}", f"built-in scenarios: {', '.join(names) or '(none)'}")

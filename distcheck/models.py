@@ -64,7 +64,7 @@ class Phase(_Named):
 # Finding kinds, in the order a reader should see them.
 FINDING_KINDS = (
     "crash", "hang", "mismatch", "order", "count",
-    "numeric", "duplicates", "straggler", "health",
+    "numeric", "duplicates", "straggler", "health", "coverage",
 )
 RANK_STATES = tuple(s.value for s in RankState)
 SEVERITIES = ("error", "warning", "info")
@@ -93,6 +93,9 @@ class Event:
     library_callsite: str | None = None
     label: str | None = None
     native: bool = False            # issued from C++ (DDP, FSDP2, functional collectives), seen via the Flight Recorder
+    # all_to_all(_single): (elements sent to, elements received from) each group rank, in group-rank order
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    members: tuple[int, ...] | None = None   # new_group: the ranks this call asked for (sorted)
 
     @property
     def is_p2p(self) -> bool:
@@ -128,6 +131,10 @@ class Event:
         d["shapes"] = tuple(tuple(s) for s in d.get("shapes", ()))
         d["dtypes"] = tuple(d.get("dtypes", ()))
         d["group_ranks"] = tuple(d.get("group_ranks", ()))
+        if d.get("splits") is not None:
+            d["splits"] = tuple(tuple(side) for side in d["splits"])
+        if d.get("members") is not None:
+            d["members"] = tuple(d["members"])
         return cls(**{k: v for k, v in d.items() if k in _EVENT_FIELDS})
 
 
@@ -166,6 +173,7 @@ class RankOutcome:
     # (GPU-side truth on NCCL, where "exit" only means enqueued), when it was dumped.
     flight_recorder: dict[str, dict[str, int]] | None = None
     busy_at: str | None = None          # where it was busy (late) while others waited past --stall-timeout
+    unwatched: str | None = None        # why its C++-issued collectives were counted but not watched
     rss_bytes: int | None = None        # resident memory when last seen alive (sampled by the watchdog)
     peak_rss_bytes: int | None = None
 
@@ -269,11 +277,13 @@ class ScenarioResult:
     ended_at: float | None = None
     stall_onset: float | None = None    # last progress before a stall/timeout was declared
     detected_at: float | None = None    # when the watchdog declared it
+    script: bool = False                # the user's own script (or -m module), not a @scenario
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "source": self.source,
+            "script": self.script,
             "description": self.description,
             "expected": list(self.expected),
             "observed": list(self.observed),
@@ -305,7 +315,7 @@ class ScenarioResult:
             ranks=tuple(RankOutcome.from_dict(r) for r in d.get("ranks", ())),
             log_tail=d.get("log_tail"),
             tables=tuple(d.get("tables", ())), started_at=d.get("started_at"), ended_at=d.get("ended_at"),
-            stall_onset=d.get("stall_onset"), detected_at=d.get("detected_at"),
+            stall_onset=d.get("stall_onset"), detected_at=d.get("detected_at"), script=d.get("script", False),
         )
 
 

@@ -152,6 +152,7 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
     scenario = Scenario(name=spec.name, source=spec.source if isinstance(spec, ScriptSpec) else spec.file,
                         expected=spec.expect, description=spec.description, launch_dir=str(launch_dir))
     result = scenario_result(scenario, evidence, outcome.ended_at - outcome.started_at)
+    result = dataclasses.replace(result, script=isinstance(spec, ScriptSpec))
     if result.ok:
         return result
     log_rank = next((o.rank for o in run.outcomes.values() if o.state == RankState.CRASHED), 0)
@@ -186,19 +187,26 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
              cluster: ClusterStore | None, hooks: RunHooks) -> RunState:
     """Each unit of ``batch.plan`` in turn, until all ran or the run must stop."""
     state = RunState()
-    position = {s.name: i for i, s in enumerate(specs)}
+    started: list[str] = []
+
+    def announce(spec: Target) -> None:   # counters go by the order scenarios start, not by name
+        if spec.name not in started:
+            started.append(spec.name)
+            hooks.scenario_started(spec, len(started) - 1, len(specs))
+
     units = batch.plan(specs, batching=options.batching and not options.nodes.multi and not options.max_duration)
     batches = 0
     while units:
         unit = units.pop(0)
-        hooks.scenario_started(unit[0], position[unit[0].name], len(specs))
         try:
             if len(unit) == 1:
+                announce(unit[0])
                 results, leftover = [run_scenario(unit[0], options, run_dir / unit[0].name, launch_base,
                                                   hooks.on_poll, cluster)], []
             else:
                 batches += 1
-                results, leftover = run_batch(unit, options, run_dir, f"batch-{batches}", launch_base, hooks.on_poll)
+                results, leftover = run_batch(unit, options, run_dir, f"batch-{batches}", launch_base, hooks.on_poll,
+                                              announce)
         except KeyboardInterrupt:
             state.interrupted = True
             break
@@ -209,8 +217,7 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
             units[0:0] = [leftover] if results else [[s] for s in leftover]
         if _must_stop(results, state, cluster):
             break
-    state.results.sort(key=lambda r: position.get(r.name, len(position)))
-    return state
+    return state   # results in the order they ran
 
 
 def _must_stop(results: list[ScenarioResult], state: RunState, cluster: ClusterStore | None) -> bool:
@@ -245,18 +252,31 @@ def unique_names(specs: list[Target]) -> list[Target]:
 
 
 def run_batch(unit: list[ScenarioSpec], options: RunOptions, run_dir: Path, batch_name: str, run_id: str,
-              on_poll: Callable | None) -> tuple[list[ScenarioResult], list[ScenarioSpec]]:
-    """Several scenarios in one launch; returns their results and the ones it never reached."""
+              on_poll: Callable | None, announce: Callable[[ScenarioSpec], None] = lambda spec: None,
+              ) -> tuple[list[ScenarioResult], list[ScenarioSpec]]:
+    """Several scenarios in one launch; returns their results and the ones it never reached.
+    ``announce`` is told when each scenario starts."""
     results = [skipped_result(s, reason) for s in unit
                if (reason := skip_reason(s, options.backend, options.nproc_per_node))]
     runnable = [s for s in unit if not skip_reason(s, options.backend, options.nproc_per_node)]
     if len(runnable) <= 1:
+        for s in runnable:
+            announce(s)
         return results + [run_scenario(s, options, run_dir / s.name, run_id, on_poll) for s in runnable], []
     batch_dir = run_dir / batch_name
     rundir.prepare_launch_dir(batch_dir)
-    outcome = launch(launch_spec(options, batch_dir, worker_args(runnable, options, batch_dir), run_id), on_poll=on_poll)
+    follower = batch.ScenarioFollower(LaunchFiles(batch_dir), runnable, announce)
+    follower.start()
+
+    def poll(progress: dict, idle_s: float) -> None:
+        follower.poll()
+        if on_poll is not None:
+            on_poll(progress, idle_s)
+
+    outcome = launch(launch_spec(options, batch_dir, worker_args(runnable, options, batch_dir), run_id), on_poll=poll)
     parts = batch.split(LaunchFiles(batch_dir), runnable, options.world_size, outcome, run_dir)
     done = parts.completed + ([parts.failed] if parts.failed else [])
+    follower.finish({spec.name for spec, _, _ in done})
     results += [result_of_launch(spec, options, launch_dir, o) for spec, launch_dir, o in done]
     return results, parts.not_started
 

@@ -39,7 +39,7 @@ def watcher(tmp_path, calls):
     pg = Counter()
     side = PythonSide(tmp_path / "rank0.trace")
     w = NativeWatcher(side, main_thread=threading.get_ident(), groups=lambda: [("0", pg)],
-                      calls=lambda: calls, detail_interval_s=0.0)
+                      calls=lambda: calls, detail_interval_s=0.0, recorder=calls is not None)
     return w, pg, side
 
 
@@ -86,6 +86,15 @@ def test_numbers_a_python_call_is_still_using_are_left_to_it(tmp_path):
     side.busy_group, side.written["0"] = None, [2]              # its second number, once it returned
     w.poll(now=2.0)
     assert events(tmp_path) == []
+
+
+def test_cpp_calls_before_a_python_call_still_in_flight_are_found(tmp_path):
+    # ranks that finished their DDP steps wait in a barrier: the reducer's calls before it still count
+    calls = {("0", 1): NativeCall("all_reduce", retired=True), ("0", 2): NativeCall("all_reduce", retired=True)}
+    w, pg, side = watcher(tmp_path, calls)
+    side.busy_group, side.written["0"], pg.seq = "0", [3], 3
+    w.poll(now=1.0)
+    assert [(e.seq, e.op) for e in events(tmp_path)] == [(1, "all_reduce"), (2, "all_reduce")]
 
 
 def test_without_a_recorder_the_calls_are_counted_but_never_left_open(tmp_path):

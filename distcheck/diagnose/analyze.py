@@ -16,6 +16,7 @@ from distcheck.diagnose.duplicates import find_duplicates
 from distcheck.diagnose.hang import find_hangs, find_startup_hang, find_timeout
 from distcheck.diagnose.mismatch import find_mismatches
 from distcheck.diagnose.numeric import explain_numbers, find_numeric
+from distcheck.diagnose.coverage import find_coverage_gaps
 from distcheck.diagnose.straggler import find_late_arrivals, find_stragglers
 from distcheck.models import Event, Finding, RankOutcome
 
@@ -47,7 +48,8 @@ def analyze(
     stopped = crashes + hangs + timeout
     caused = [f for f in stopped if "caused_by" in f.data]
     first = [f for f in stopped if f not in caused]
-    return first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
+    return (first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
+            + find_coverage_gaps(outcomes))
 
 
 def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:

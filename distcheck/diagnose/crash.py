@@ -69,7 +69,7 @@ def _crash_summary(root: RankOutcome, inside: Event | None, cause: Finding | Non
     if cause is not None:
         summary += (f" — most likely a consequence of the {' and '.join(cause.fields)} mismatch in that very "
                     f"collective (see the mismatch finding)")
-        if {"shape", "dtype"} & set(cause.fields):
+        if {"shape", "dtype", "splits", "bytes"} & set(cause.fields):
             summary += ": gloo aborts a process that receives a buffer of another size than it expects"
     same = [o.rank for o in crashed if o.rank != root.rank and _cause_text(o) == _cause_text(root)]
     if same:

@@ -1,6 +1,6 @@
 """Structural mismatches: ranks that meet at one (group, seq) with a different
-op, reduce op, shape, dtype, device, root or group, and send/recv pairs whose
-buffers differ. Same signature but a different metric/module is a crossing
+op, reduce op, shape, dtype, device, root, group or new_group members, all_to_all
+split sizes that do not pair up (``splits``), and send/recv pairs whose buffers differ. Same signature but a different metric/module is a crossing
 (``order``), judged in the same pass. Pure.
 """
 
@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.diagnose.common import Table, detail, majority, who
 from distcheck.diagnose.order import crossing_finding
+from distcheck.diagnose.splits import broken_pairs, odd_side, splits_finding
 from distcheck.models import JOIN_LABEL, UNKNOWN_OP, Event, Finding
 from distcheck.text import field_value, plural, rank_list
 
@@ -20,7 +21,7 @@ from distcheck.text import field_value, plural, rank_list
 # Fingerprint fields compared across ranks: (name in findings, Event attribute).
 COMPARED = (
     ("op", "op"), ("reduce_op", "reduce_op"), ("shape", "shapes"), ("dtype", "dtypes"),
-    ("device", "device"), ("root", "root"), ("group", "group_ranks"),
+    ("device", "device"), ("root", "root"), ("group", "group_ranks"), ("members", "members"),
 )
 COMPARED_FIELDS = tuple(name for name, _ in COMPARED)
 P2P_COMPARED = ("shape", "dtype", "device")
@@ -36,6 +37,9 @@ CONSEQUENCE = {
     "device": "ranks passed tensors on different devices",
     "root": "ranks disagree about which rank sends or receives",
     "group": "ranks disagree about who is in the process group",
+    "members": ("the ranks create their process groups in a different order, so the same group name has "
+                "different members on different ranks: creating it waits forever, or later calls pair the "
+                "wrong ranks. Create subgroups in the same order on every rank"),
 }
 
 
@@ -67,8 +71,8 @@ def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None,
     device, root), so a Python call and a C++ one are compared on op, shapes, dtypes and group only."""
     group = e.group_ranks or members
     if blur:
-        return (e.op, None, e.shapes, e.dtypes, None, None, gid(group) if gid else group)
-    return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group)
+        return (e.op, None, e.shapes, e.dtypes, None, None, gid(group) if gid else group, None)
+    return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group, e.members)
 
 
 def _shadow(e: Event) -> bool:
@@ -151,6 +155,11 @@ def _judge(members: tuple[int, ...], events: Mapping[int, Event], gid: _GroupIds
     if len(set(sigs.values())) > 1:
         expected, odd, tie = majority(sigs)
         return _Verdict("mismatch", _differing(sigs, COMPARED_FIELDS, expected, odd), tuple(odd), tie, expected)
+    if not native:
+        pairs = broken_pairs(members, events)
+        if pairs:
+            odd_splits, tie = odd_side(pairs, members)
+            return _Verdict("mismatch", ("splits",), odd_splits, tie, tuple(pairs))
     # Same signature, different metric/module: the backend pairs them silently. Only the label counts:
     # the same label reached from different lines (if rank == 0: broadcast(a) else: broadcast(b)) is ordinary code.
     # Crossed calls need a module on every side: a side with none is plain code, e.g. Join's shadow
@@ -169,6 +178,8 @@ def _build(v: _Verdict, group: str, members: tuple[int, ...], seq: int, events: 
     details = tuple(detail(r, role(r), e) for r, e in sorted(events.items()))
     if v.kind == "order":
         return crossing_finding(group, seq, events, details, v.odd, v.tie, v.expected)
+    if v.fields == ("splits",):
+        return splits_finding(group, seq, members, events, v.expected, v.odd, v.tie)
     blur = _has_native(events)
     ref = None if v.tie else next(e for _, e in sorted(events.items())
                                   if _signature(e, members, gid, blur) == v.expected)
@@ -195,7 +206,7 @@ def _values_by_field(fields: Sequence[str], events: Mapping[int, Event], members
     for f in fields:
         by_value: dict[str, list[int]] = defaultdict(list)
         for r, e in sorted(events.items()):
-            by_value[field_value(f, _value(e, f, members))].append(r)
+            by_value[field_value("group" if f == "members" else f, _value(e, f, members))].append(r)
         out[f] = dict(by_value)
     return out
 
@@ -207,6 +218,8 @@ def _mismatch_summary(seq: int, group: str, members: tuple[int, ...], fields: tu
                       for f, by in values.items())
     ops = "/".join(dict.fromkeys(e.op for _, e in sorted(events.items())))
     consequence = "; ".join(CONSEQUENCE[f] for f in fields)
+    if fields == ("members",):
+        return _members_summary(seq, events, values["members"], consequence)
     if ref is None:
         calls = "; ".join(f"{rank_list([r])} {who(e)}" for r, e in sorted(events.items()))
         return (f"{ops} #{seq} (group {group}): the ranks disagree on {' and '.join(fields)} and no side has a "
@@ -215,6 +228,14 @@ def _mismatch_summary(seq: int, group: str, members: tuple[int, ...], fields: tu
     return (f"{ops} #{seq} (group {group}): {rank_list(odd)} called it with a different {' and '.join(fields)} "
             f"than the majority — {diffs}. Majority: {who(ref)}; {rank_list(odd)}: {who(odd_e)}. "
             f"Consequence: {consequence}.")
+
+
+def _members_summary(seq: int, events: Mapping[int, Event], by_value: Mapping[str, list[int]],
+                     consequence: str) -> str:
+    """new_group: each side's member list and the line that created it."""
+    sides = "; ".join(f"{value} on {rank_list(rs)} ({who(events[rs[0]])})" for value, rs in by_value.items())
+    return (f"new_group #{seq}: the group created by this call has different members on different ranks — "
+            f"{sides}. The creation order of subgroups differs by rank. Consequence: {consequence}.")
 
 
 def _p2p_mismatch_at(group: str, seq: int, events: Mapping[int, Event]) -> Finding | None:

@@ -49,6 +49,9 @@ class RankStatus:
     exception: str | None = None             # "Type: first line of the message"
     traceback: str | None = None
     where: str | None = None                 # file:line:function of the innermost user frame
+    unwatched: str | None = None             # why C++-issued collectives were counted but not watched
+    world_size: int | None = None            # ranks in the job (a rank the user's own command started says)
+    backend: str | None = None               # its process group's backend (likewise)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankStatus:

@@ -10,7 +10,7 @@ Records (tab separated, ``-`` for "none"):
 
     G  group  ranks(comma separated)
     S  site-id  callsite  library-callsite  label
-    F  fp-id  op  reduce_op  shapes  dtypes  device  root  kind  site-id
+    F  fp-id  op  reduce_op  shapes  dtypes  device  root  kind  site-id  splits  members
     E  group  seq  fp-id  t_enter_us
     X  group  seq  t_exit_us  error
 
@@ -23,7 +23,9 @@ FSDP2, functional collectives: ``rank.native``), which blocks like ``0``.
 Definitions (G, S, F) are written in the same ``os.write`` as the first E
 record that uses them, and before it. Times are integer microseconds since the
 epoch. shapes: tensors separated by ``;``, dims by ``x``, a 0-d tensor as
-``()``.
+``()``. splits (all_to_all, all_to_all_single): elements sent to each group
+rank, ``/``, elements received from each, comma separated. members (new_group):
+the ranks the call asked for, comma separated.
 
 This module is the format's one owner: the tracer writes records through the
 templates and functions below, ``parse_trace`` reads a whole file and
@@ -56,6 +58,7 @@ EXIT_OK = b"X\t%b\t%d\t-\n"        # call key, t_exit_us
 EXIT = b"X\t%b\t%d\t%b\n"          # call key, t_exit_us, error
 MAX_ERROR_CHARS = 300
 NATIVE = "n"                       # F's kind for a call issued from C++
+F_FIELDS = 12
 
 
 def group_record(group: str, ranks: Iterable[int | None]) -> bytes:
@@ -69,17 +72,20 @@ def site_record(site: str, callsite: str | None, library: str | None, label: str
 
 
 def fingerprint_record(fp: str, op: str, reduce_op: str | None, shapes: str, dtypes: str, device: str,
-                       root: int | None, is_async: bool, site: str) -> bytes:
+                       root: int | None, is_async: bool, site: str,
+                       splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                       members: tuple[int, ...] | None = None) -> bytes:
     """F: everything a traced call's E records share; ``shapes`` and ``dtypes`` already encoded."""
     return (f"F\t{fp}\t{op}\t{reduce_op or NONE}\t{shapes}\t{dtypes}\t{device}\t"
-            f"{NONE if root is None else root}\t{int(is_async)}\t{site}\n").encode()
+            f"{NONE if root is None else root}\t{int(is_async)}\t{site}\t{encode_splits(splits)}\t"
+            f"{_ints(members)}\n").encode()
 
 
 def native_fingerprint_record(fp: str, op: str, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...],
                               site: str) -> bytes:
     """F for a C++-issued call: what the Flight Recorder knows (no reduce op, device or root)."""
     return (f"F\t{fp}\t{clean(op)}\t{NONE}\t{encode_shapes(shapes)}\t{';'.join(dtypes) or NONE}\t{NONE}\t"
-            f"{NONE}\t{NATIVE}\t{site}\n").encode()
+            f"{NONE}\t{NATIVE}\t{site}\t{NONE}\t{NONE}\n").encode()
 
 
 def enter_record(key: bytes, fp: bytes, t_enter_us: int) -> bytes:
@@ -129,6 +135,25 @@ def decode_shapes(text: str) -> tuple[tuple[int, ...], ...]:
     return tuple(() if s == "()" else tuple(int(d) for d in s.split("x")) for s in text.split(";"))
 
 
+def _ints(values: Iterable[int] | None) -> str:
+    return NONE if values is None else ",".join(map(str, values))
+
+
+def _decode_ints(text: str) -> tuple[int, ...] | None:
+    return None if text == NONE else tuple(int(v) for v in text.split(",") if v)
+
+
+def encode_splits(splits: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
+    return NONE if splits is None else f"{_ints(splits[0])}/{_ints(splits[1])}"
+
+
+def decode_splits(text: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if text == NONE:
+        return None
+    sent, _, received = text.partition("/")
+    return _decode_ints(sent) or (), _decode_ints(received) or ()
+
+
 def clean(text: str | None) -> str:
     """A field value that cannot break the line format."""
     if text is None or text == "":
@@ -152,7 +177,8 @@ class RankTrace:
 
 # Event's fields in the order parse_trace passes them (positional: cheaper than keywords).
 _EVENT_ORDER = ("rank", "group", "seq", "op", "reduce_op", "shapes", "dtypes", "device", "root", "group_ranks",
-                "async_op", "t_enter", "t_exit", "error", "callsite", "library_callsite", "label", "native")
+                "async_op", "t_enter", "t_exit", "error", "callsite", "library_callsite", "label", "native",
+                "splits", "members")
 if tuple(f.name for f in dataclasses.fields(Event)) == _EVENT_ORDER:
     _make_event = Event
 else:  # the model changed its field order: fall back to keywords
@@ -165,12 +191,13 @@ _NO_EXIT = (None, None)
 
 
 def _fingerprint(parts: list[str], sites: dict) -> tuple:
-    """(op, reduce_op, shapes, dtypes, device, root, async) + site strings + native, from F fields 2..9."""
+    """(op, reduce_op, shapes, dtypes, device, root, async) + site strings + (native, splits, members),
+    from F fields 2..11."""
     return (
         parts[2], _opt(parts[3]), decode_shapes(parts[4]),
         () if parts[5] == NONE else tuple(parts[5].split(";")),
         _opt(parts[6]), None if parts[7] == NONE else int(parts[7]), parts[8] == "1",
-    ) + sites.get(parts[9], _NO_SITE) + (parts[8] == NATIVE,)
+    ) + sites.get(parts[9], _NO_SITE) + (parts[8] == NATIVE, decode_splits(parts[10]), _decode_ints(parts[11]))
 
 
 # Whole-file patterns for the fast path (a clean format-2 file): the regex engine
@@ -216,7 +243,7 @@ def _parse_clean(rank: int, body: str) -> RankTrace | None:
         for line in defs:
             parts = line.split("\t")
             tag, n = parts[0], len(parts)
-            if tag == "F" and n == 10:
+            if tag == "F" and n == F_FIELDS:
                 fps[parts[1]] = _fingerprint(parts, sites)
             elif tag == "S" and n == 5:
                 sites[parts[1]] = _site(parts)
@@ -239,7 +266,7 @@ def _parse_clean(rank: int, body: str) -> RankTrace | None:
             else:
                 t_exit, error = int(x[0]) / 1e6, (None if x[1] == NONE else x[1])
             append(_make_event(rank, g, int(s), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], groups.get(g, no_ranks),
-                               fp[6], int(t) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10]))
+                               fp[6], int(t) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10], fp[11], fp[12]))
     except (ValueError, KeyError):
         return None            # a field that does not convert: the careful path counts it
     _in_call_order(trace, fps)
@@ -271,7 +298,7 @@ def _parse_lines(rank: int, body: str) -> RankTrace:
                 enters.append(parts)
             elif tag == "X" and n == 5:
                 exits[(parts[1], parts[2])] = (int(parts[3]) / 1e6, _opt(parts[4]))
-            elif tag == "F" and n == 10:
+            elif tag == "F" and n == F_FIELDS:
                 fps[parts[1]] = _fingerprint(parts, sites)
             elif tag == "S" and n == 5:
                 sites[parts[1]] = _site(parts)
@@ -297,7 +324,8 @@ def _add_events(trace: RankTrace, enters: list[list[str]], exits: dict[tuple[str
             t_exit, error = exits.get((p[1], p[2]), _NO_EXIT)
             fp = fps[p[3]]
             append(_make_event(rank, p[1], int(p[2]), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
-                               groups.get(p[1], ()), fp[6], int(p[4]) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10]))
+                               groups.get(p[1], ()), fp[6], int(p[4]) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10],
+                               fp[11], fp[12]))
         except (ValueError, KeyError):
             bad += 1
     return bad
@@ -402,7 +430,7 @@ class TraceTail:
         elif tag == "X" and n >= 3:
             self.records += 1
             self.open.pop((parts[1], parts[2]), None)
-        elif tag == "F" and n == 10:
+        elif tag == "F" and n == F_FIELDS:
             self._fps[parts[1]] = (parts[2], parts[8], parts[9])
         elif tag == "S" and n >= 5:
             self._labels[parts[1]] = _opt(parts[4])

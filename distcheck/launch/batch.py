@@ -19,7 +19,7 @@ import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from distcheck.launch.launcher import LaunchOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -36,6 +36,9 @@ BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "h
 RISKY = frozenset({"mismatch", "count"})
 # Per-batch fields of a rank's status that do not belong to one scenario.
 _BATCH_FIELDS = dict.fromkeys(("scenarios", "current", "results", "collectives"))
+# A failure's fields: they belong to the scenario running when it happened, never to one
+# that had finished on that rank before (a later scenario's gloo abort is not theirs).
+_FAILURE_FIELDS = dict.fromkeys(("exit_code", "exception", "traceback", "where"))
 
 
 def can_share_launch(spec: Any) -> bool:
@@ -53,6 +56,36 @@ def plan(specs: list[Any], batching: bool) -> list[list[Any]]:
     shared = sorted((s for s in specs if can_share_launch(s)), key=_risky)   # stable: keeps their order
     alone = [[s] for s in specs if not can_share_launch(s)]
     return ([shared] if shared else []) + alone
+
+
+class ScenarioFollower:
+    """Announces each scenario of a shared launch when it starts, not only the launch's first:
+    rank 0's status names the scenario it runs (the ranks move on together, through the store)."""
+
+    def __init__(self, files: LaunchFiles, specs: list[ScenarioSpec], announce: Callable[[ScenarioSpec], None]) -> None:
+        self.files, self.specs, self.announce = files, specs, announce
+        self.announced = 0
+
+    def start(self) -> None:
+        """The launch begins: its first scenario starts as soon as the ranks are up."""
+        self._through(0)
+
+    def poll(self) -> None:
+        status = self.files.read_status(0)
+        names = [s.name for s in self.specs]
+        if status is not None and status.current in names:
+            self._through(names.index(status.current))
+
+    def finish(self, reached: set[str]) -> None:
+        """After the launch: those that ran between the last poll and its end, in their order."""
+        indices = [i for i, s in enumerate(self.specs) if s.name in reached]
+        if indices:
+            self._through(max(indices))
+
+    def _through(self, index: int) -> None:
+        while self.announced <= index:
+            self.announce(self.specs[self.announced])
+            self.announced += 1
 
 
 @dataclass
@@ -120,7 +153,8 @@ def _status_for(status: RankStatus, name: str) -> RankStatus:
     own = dataclasses.replace(status, **_BATCH_FIELDS)
     done = (status.scenarios or {}).get(name)
     if done is not None:
-        own = dataclasses.replace(own, phase=Phase.FINISHED, results=done["results"], collectives=done["collectives"])
+        own = dataclasses.replace(own, **_FAILURE_FIELDS, phase=Phase.FINISHED, results=done["results"],
+                                  collectives=done["collectives"])
     return own
 
 

@@ -68,6 +68,7 @@ class LaunchOutcome:
     failures: dict[int, RankFailure] = field(default_factory=dict)
     error: str | None = None
     oom_kills: int | None = None          # OOM kills in distcheck's memory cgroup during the launch
+    world_size: int | None = None         # ranks found (a command's ranks are counted, not planned)
 
 
 _workers_cpp_log_level: str | None = None

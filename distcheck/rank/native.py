@@ -24,6 +24,7 @@ groups run calls the tracer did not write, and at most every
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import threading
@@ -132,6 +133,18 @@ def flight_recorder_calls() -> dict[tuple[str, int], NativeCall] | None:
     return out
 
 
+def recorder_problem() -> str | None:
+    """Why the Flight Recorder cannot show C++-issued calls here (None: it can)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace  # noqa: F401
+    except ImportError:
+        return "this torch has no Flight Recorder (torch 2.5 or newer has one)"
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
+    if not size.strip().isdigit() or int(size) <= 0:
+        return "the Flight Recorder is off (--no-flight-recorder, or TORCH_FR_BUFFER_SIZE=0)"
+    return None
+
+
 def process_groups() -> list[tuple[str, Any]]:
     """(name, process group) of every group this rank belongs to."""
     import torch.distributed.distributed_c10d as c10d
@@ -171,8 +184,10 @@ class NativeWatcher:
     defined: set[str] = field(default_factory=set)
     fps: dict[tuple, bytes] = field(default_factory=dict)
     sites: dict[tuple, str] = field(default_factory=dict)
-    recorder: bool = True      # False once the Flight Recorder proved absent: counted, not watched
+    recorder: bool = field(default_factory=lambda: recorder_problem() is None)   # False: counted, not watched
+    on_unwatched: Callable[[str], None] = lambda why: None   # told once, when a call could not be watched
     _last_detail: float = 0.0
+    _told: bool = False
     _pending_since: dict[tuple[str, int], float] = field(default_factory=dict)
     _torch: str = field(default_factory=torch_dir)
 
@@ -214,13 +229,20 @@ class NativeWatcher:
             self._last_detail = now
             calls = self.calls() if self.recorder else None
             if calls is None:
-                self.recorder = False
+                self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
             out: list[bytes] = []
             for key, pg, todo, upto in new:
                 self._record_new(key, pg, todo, upto, calls or {}, now, out)
             self._retire(calls, now, out)
             if out:
                 self.tracer.writer.write(b"".join(out))
+
+    def _unwatched(self, why: str) -> None:
+        if self.recorder or not self._told:
+            self.recorder = False
+            self._told = True
+            self.on_unwatched(f"collectives issued from C++ (DDP, FSDP2, functional collectives) were counted "
+                              f"but not watched: {why}, so a hang inside one is not seen")
 
     def _new_numbers(self) -> list[tuple[str, Any, list[int], int]]:
         """(group, pg, numbers no one recorded yet, the group's counter) for each group with some."""
@@ -235,9 +257,11 @@ class NativeWatcher:
             python = self.python.setdefault(key, set())
             python.update(s + base for s in self.tracer.take_written(key))
             seen = max(self.seen.get(key, base), base)
+            if key == busy:   # numbers past the Python call's own may be its own (an object collective)
+                seq = max((s for s in python if s <= seq), default=seen)
             todo = [s for s in range(seen + 1, seq + 1) if s not in python]
-            if key == busy or not todo:
-                self._advance(key, seq if key != busy else seen)
+            if not todo:
+                self._advance(key, seq)
                 continue
             new.append((key, pg, todo, seq))
         return new

@@ -48,6 +48,9 @@ class OpSpec:
     p2p: str | None = None               # "send" or "recv": the root is the peer
     shape_unless: str | None = None      # skip shapes when this parameter is set (uneven splits)
     object_list: str | None = None       # parameter holding a list of objects: its length is compared
+    # all_to_all(_single): (output, input[, output_split_sizes, input_split_sizes]); new_group: (ranks,).
+    # Read on the slow path only: rank i's sends to j must equal what j expects from i.
+    extra: tuple[str, ...] = ()
 
 
 OPS: dict[str, OpSpec] = {
@@ -66,11 +69,12 @@ OPS: dict[str, OpSpec] = {
     "gather_object": OpSpec(root="dst", group_root="group_dst"),
     "scatter": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
     "scatter_object_list": OpSpec(root="src", group_root="group_src", object_list="scatter_object_output_list"),
-    "all_to_all": OpSpec(tensor_lists=("input_tensor_list",)),
-    "all_to_all_single": OpSpec(tensors=("input",), shape_unless="input_split_sizes"),
+    "all_to_all": OpSpec(tensor_lists=("input_tensor_list",), extra=("output_tensor_list", "input_tensor_list")),
+    "all_to_all_single": OpSpec(tensors=("input",), shape_unless="input_split_sizes",
+                                extra=("output", "input", "output_split_sizes", "input_split_sizes")),
     "barrier": OpSpec(),
     "monitored_barrier": OpSpec(),
-    "new_group": OpSpec(),
+    "new_group": OpSpec(extra=("ranks",)),
     "send": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
     "isend": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
     "recv": OpSpec(tensors=("tensor",), root="src", group_root="group_src", p2p="recv"),
@@ -98,12 +102,12 @@ def _reduce_op_name(op: Any) -> str:
 
 # What an extractor returns, in this order.
 _SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless",
-          "object_list")
+          "object_list", "extra")
 
 
 def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], tuple]:
     """A function ``(args, kwargs) -> (group, tensors, tensor_lists, reduce_op, root,
-    group_root, async_op, shape_unless, object_list)`` specialised to one op's signature.
+    group_root, async_op, shape_unless, object_list, extra)`` specialised to one op's signature.
 
     Generated once per op (like ``collections.namedtuple``), so a call reads
     each argument by position or keyword without binding the whole signature.
@@ -128,7 +132,8 @@ def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> 
     tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
     lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
     values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
-              read("async_op"), read(spec.shape_unless), read(spec.object_list))
+              read("async_op"), read(spec.shape_unless), read(spec.object_list),
+              "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None")
     lines.append(f"    return ({', '.join(values)})")
     exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
     return namespace[f"extract_{name}"]
@@ -343,7 +348,8 @@ class Tracer:
         (known group and fingerprint: one dict lookup, one short line), and
         ``_enter`` for everything else (first calls, p2p, tensor lists, group ranks)."""
         slow = functools.partial(self._enter, name, spec)
-        if spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED:
+        if (spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED
+                or spec.extra):
             return slow
         groups, seqs, fps, op_names = self._groups, self._seq, self._fps, self._op_names
         site_key = self.resolver.key
@@ -356,7 +362,7 @@ class Tracer:
         tracer = self
 
         def enter(values: tuple, frame: Any) -> bytes:
-            pg, tensors, _, op, root, group_root, async_op, shape_unless, _ = values
+            pg, tensors, _, op, root, group_root, async_op, shape_unless, _, _ = values
             if group_root is not None:
                 return slow(values, frame)
             entry = groups.get(id(default_group() if pg is None else pg))
@@ -420,7 +426,7 @@ class Tracer:
 
     def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> bytes:
         """Write the enter record; return the call key its exit record repeats."""
-        pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless, objects = values
+        pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless, objects, extra = values
         defs: list[bytes] = []
         if tensor_lists:
             tensors = [t for t in tensors if t is not None]
@@ -450,8 +456,10 @@ class Tracer:
         if objects is not None:   # the list's length must agree (a sender with 2 objects, receivers with 1)
             described = (((len(objects),), "object", None),)
         is_async = name in ASYNC_BY_NATURE or bool(async_op)
-        skip_shapes = spec.shape_unless is not None and shape_unless is not None
-        fp_key = (name, op, root, is_async, skip_shapes, described, self.resolver.key(frame))
+        splits, members = _extra(name, extra, pg if pg is not None else self._default_group())
+        # Uneven all_to_all lists differ in shape on purpose: the splits say what must agree.
+        skip_shapes = (spec.shape_unless is not None and shape_unless is not None) or (splits is not None and tensor_lists)
+        fp_key = (name, op, root, is_async, skip_shapes, described, self.resolver.key(frame), splits, members)
         fp = self._fps.get(fp_key)
         if fp is None:
             fp = self._define(fp_key, defs)
@@ -473,7 +481,7 @@ class Tracer:
         return text
 
     def _define(self, fp_key: tuple, defs: list[bytes]) -> bytes:
-        name, op, root, is_async, skip_shapes, described, site_key = fp_key
+        name, op, root, is_async, skip_shapes, described, site_key, splits, members = fp_key
         site = self._sites.get(site_key)
         if site is None:
             site = self._sites[site_key] = str(len(self._sites))
@@ -482,7 +490,7 @@ class Tracer:
         dtypes = ";".join(str(d).removeprefix("torch.") for _, d, _ in described) or NONE
         device = described[0][2].type if described and described[0][2] is not None else NONE
         fp = str(len(self._fps))
-        defs.append(fingerprint_record(fp, name, op, shapes, dtypes, device, root, is_async, site))
+        defs.append(fingerprint_record(fp, name, op, shapes, dtypes, device, root, is_async, site, splits, members))
         self._fps[fp_key] = fp.encode()
         return self._fps[fp_key]
 
@@ -490,11 +498,38 @@ class Tracer:
         op_name = getattr(p2p.op, "__name__", str(p2p.op))
         spec = OPS.get(op_name, OPS["isend"])
         # (group, tensors, tensor_lists, reduce_op, root, group_root, async_op, shape_unless)
-        values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None, None)
+        values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None, None, None)
         return self._enter(op_name, spec, values, frame)
 
     def _exit(self, key: bytes, exc: BaseException | None) -> None:
         os.write(self.writer.fd, exit_record(key, time_ns() // 1000, exc))
+
+
+def _extra(name: str, extra: tuple | None, pg: Any) -> tuple[tuple | None, tuple[int, ...] | None]:
+    """(splits, members) of an all_to_all(_single) or new_group call; (None, None) for any other."""
+    if not extra:
+        return None, None
+    try:
+        if name == "new_group":
+            ranks = extra[0]
+            return None, tuple(sorted(int(r) for r in ranks)) if ranks is not None else tuple(range(pg.size()))
+        if name == "all_to_all":
+            out, inp = extra
+            return (tuple(t.numel() for t in inp), tuple(t.numel() for t in out)), None
+        out, inp, out_splits, in_splits = extra
+        n = pg.size()
+        return (_elements(inp, in_splits, n), _elements(out, out_splits, n)), None
+    except Exception:   # an argument the call itself will reject: record nothing extra
+        return None, None
+
+
+def _elements(t: Any, split_sizes: Any, n: int) -> tuple[int, ...]:
+    """Elements per group rank of an all_to_all_single buffer: rows of dim 0 times the row's size."""
+    row = 1
+    for d in tuple(t.shape)[1:]:
+        row *= int(d)
+    rows = [int(s) for s in split_sizes] if split_sizes is not None and len(split_sizes) else [t.shape[0] // n] * n
+    return tuple(r * row for r in rows)
 
 
 def _c10d_default_group() -> Callable[[], Any]:

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from distcheck.rank import integrations, native
 from distcheck.rank.callsite import USER, classify_file
@@ -87,17 +87,19 @@ def user_frame_of(tb: Any) -> str | None:
 class Status:
     """This rank's status file, rewritten atomically on every phase change."""
 
-    def __init__(self, files: LaunchFiles, rank: int) -> None:
+    def __init__(self, files: LaunchFiles, rank: int, main_thread: int | None = None) -> None:
         self.files, self.rank = files, rank
+        self._lock = threading.Lock()
         files.status(rank).parent.mkdir(parents=True, exist_ok=True)
         self.data = RankStatus(
             rank=rank, pid=os.getpid(), host=socket.gethostname(), node=int(os.environ.get("GROUP_RANK", "0")),
-            main_thread=threading.main_thread().ident, t_start=time.time(),
+            main_thread=main_thread or threading.main_thread().ident, t_start=time.time(),
         )
 
     def update(self, **fields: Any) -> None:
-        self.data = dataclasses.replace(self.data, **fields, t_update=time.time())
-        self.files.write_status(self.rank, self.data)
+        with self._lock:   # the main thread and the C++-collective sidecar both report here
+            self.data = dataclasses.replace(self.data, **fields, t_update=time.time())
+            self.files.write_status(self.rank, self.data)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -248,25 +250,72 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
     threading.Thread(target=serve, name="distcheck-flight-recorder", daemon=True).start()
 
 
-def watch_native_collectives(tracer: Any) -> native.NativeWatcher:
+def watch_native_collectives(tracer: Any, main_thread: int | None = None) -> native.NativeWatcher:
     """The sidecar that writes C++-issued collectives (DDP, FSDP2, functional) into the trace."""
-    watcher = native.NativeWatcher(tracer, main_thread=threading.main_thread().ident)
+    watcher = native.NativeWatcher(tracer, main_thread=main_thread or threading.main_thread().ident,
+                                   on_unwatched=lambda why: STATUS.update(unwatched=why))
     tracer.segment_listeners.append(watcher)
     native.start(watcher)
     return watcher
 
 
-def wait_for_release(files: LaunchFiles) -> None:
-    """Idle like a healthy rank whose peers are stuck, until the launcher says stop."""
-    while not files.release.exists():
+def wait_for_release(files: LaunchFiles, still_wanted: Callable[[], bool] = lambda: True) -> None:
+    """Idle like a healthy rank whose peers are stuck, until the launcher says stop
+    (or ``still_wanted`` says nobody is left to say it)."""
+    while not files.release.exists() and still_wanted():
         time.sleep(0.05)
+
+
+@dataclasses.dataclass
+class RankRuntime:
+    """What a traced rank carries: its status file, its tracer and the C++-collective sidecar."""
+
+    files: LaunchFiles
+    status: Status
+    tracer: Any
+    watcher: native.NativeWatcher
+
+
+def trace_rank(files: LaunchFiles, rank: int, *, script: bool, main_thread: int | None = None) -> RankRuntime:
+    """Everything a rank needs to be watched, however it was started: by distcheck's own
+    worker (before the job runs) or by the user's launch command (right after its
+    ``init_process_group``, through ``rank.injected``)."""
+    global STATUS
+    status = STATUS = Status(files, rank, main_thread)
+    status.update(phase=Phase.STARTING)
+    install_stack_dumps(files.stacks(rank), files.stack_sample(rank))
+    if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
+        start_flight_recorder_sidecar(files, rank)
+        status.update(flight_recorder=True)
+    tracer = install(files.trace(rank), rank)
+    watcher = watch_native_collectives(tracer, main_thread)
+    if script:
+        SampleRecorder(files.samples(rank)).install()   # scripts: no code change needed
+        integrations.install()
+    return RankRuntime(files, status, tracer, watcher)
+
+
+def finish_rank(runtime: RankRuntime, results: dict[str, Any]) -> None:
+    """The rank's work is done: its last C++-issued calls are in the trace before "finished"."""
+    runtime.watcher.flush()
+    runtime.status.update(phase=Phase.FINISHED, collectives=runtime.tracer.count, results=results)
+
+
+def record_failure(status: Status, exc: BaseException, collectives: int, exit_code: int) -> None:
+    """The rank's own failure, with the user's line it was raised at."""
+    tb = exc.__traceback__
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    status.update(
+        phase=Phase.ERROR, collectives=collectives, exit_code=exit_code,
+        exception=f"{type(exc).__name__}: {message}"[:500], traceback=text[-8000:], where=user_frame_of(tb),
+    )
 
 
 STATUS: Status
 
 
 def main(argv: list[str] | None = None) -> None:
-    global STATUS
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -274,18 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     files = LaunchFiles(Path(args.launch_dir))
     die_with_parent()
     redirect_output(files.log(rank))
-    STATUS = Status(files, rank)
-    STATUS.update(phase=Phase.STARTING)
-    install_stack_dumps(files.stacks(rank), files.stack_sample(rank))
-    if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
-        start_flight_recorder_sidecar(files, rank)
-        STATUS.update(flight_recorder=True)
-    tracer = install(files.trace(rank), rank)
-    watcher = watch_native_collectives(tracer)
+    runtime = trace_rank(files, rank, script=not args.scenario_file)
+    tracer = runtime.tracer
     note_process_group_init()
-    if not args.scenario_file:
-        SampleRecorder(files.samples(rank)).install()   # scripts: no code change needed
-        integrations.install()
     try:
         if args.scenario_file:
             results = run_scenarios(args, rank, world, local_rank, tracer)
@@ -300,8 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(130)
     except BaseException as exc:  # the rank's own failure: report it, then die like the job would
         _fail(exc, tracer, exit_code=1)
-    watcher.flush()   # the C++-issued calls of the last steps are in the trace before "finished"
-    STATUS.update(phase=Phase.FINISHED, collectives=tracer.count, results=results)
+    finish_rank(runtime, results)
     wait_for_release(files)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -309,14 +348,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _fail(exc: BaseException, tracer: Any, exit_code: int) -> None:
-    tb = exc.__traceback__
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    sys.stderr.write(text)
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    STATUS.update(
-        phase=Phase.ERROR, collectives=tracer.count, exit_code=exit_code,
-        exception=f"{type(exc).__name__}: {message}"[:500], traceback=text[-8000:], where=user_frame_of(tb),
-    )
+    sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    record_failure(STATUS, exc, tracer.count, exit_code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

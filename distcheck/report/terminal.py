@@ -19,16 +19,29 @@ KIND_STYLE = {
 }
 
 
+def script_name(result: ScenarioResult) -> str:
+    """How a script is named to its user: the file they gave ("train.py"), or "-m module"."""
+    return result.source.rsplit("/", 1)[-1] if result.source.endswith(".py") else result.source
+
+
+def _script_line(result: ScenarioResult, mark: tuple[str, str]) -> Text:
+    """A script declares no expectation: say what it showed ("train.py: hang")."""
+    observed = "ran clean" if result.observed == ("pass",) else "+".join(result.observed)
+    return Text.assemble(mark, (script_name(result), "bold"), ": ", (observed, "green" if result.ok else "red"),
+                         (f"  ({result.duration_s:.1f} s)", "dim"))
+
+
 def scenario_line(result: ScenarioResult) -> Text:
     if result.skipped:
         return Text.assemble(("  SKIP ", "dim"), (result.name, "bold"), (f"  {result.skipped}", "dim"))
     mark = ("  OK   ", "bold green") if result.ok else ("  FAIL ", "bold red")
-    expected = "+".join(result.expected)
-    observed = "+".join(result.observed)
-    line = Text.assemble(
-        mark, (result.name, "bold"), f"  expected {expected}, observed ",
-        (observed, "green" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"),
-    )
+    if result.script:
+        line = _script_line(result, mark)
+    else:
+        line = Text.assemble(
+            mark, (result.name, "bold"), f"  expected {'+'.join(result.expected)}, observed ",
+            ("+".join(result.observed), "green" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"),
+        )
     if result.observed == ("pass",) and result.collectives_compared:
         window = " in the --max-duration window" if result.end_reason == "max_duration" else ""
         line.append(f"\n         clean{window}: {result.collectives_compared:,} collectives on "
@@ -116,9 +129,14 @@ def summary_line(report: Report) -> Text:
     skipped = len(report.scenarios) - len(ran)
     verdict = ("PASS", "bold green") if report.verdict == "pass" else ("FAIL", "bold red")
     extra = " (interrupted)" if report.interrupted else ""
+    if ran and all(s.script for s in ran):
+        what = "; ".join(f"{script_name(s)}: {'ran clean' if s.observed == ('pass',) else '+'.join(s.observed)}"
+                         for s in ran)
+        counts = f"  {what}"
+    else:
+        counts = f"  {ok}/{len(ran)} scenarios behaved as expected"
     return Text.assemble(
-        verdict, f"  {ok}/{len(ran)} scenarios behaved as expected",
-        f", {skipped} skipped" if skipped else "", extra,
+        verdict, counts, f", {skipped} skipped" if skipped else "", extra,
         (f"  · {report.run.backend} × {report.run.world_size} ranks · {report.run.duration_s:.1f} s", "dim"),
         (f"\n      run dir: {short_path(report.run.run_dir)}", "dim"),
     )
