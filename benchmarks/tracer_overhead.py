@@ -20,6 +20,13 @@ Two parts, both printed as tables of medians and ratios:
 ``--nccl`` runs part 2 with one rank on NCCL and CUDA tensors instead
 (single-GPU machine; two NCCL ranks cannot share one GPU).
 
+``--flight-recorder`` runs part 2 twice, without and with PyTorch's Flight
+Recorder (256 entries, as ``distcheck run`` sets it) plus distcheck's sidecar
+that reads it for collectives issued from C++: the Flight Recorder is a
+process-wide setting, so the two runs are separate processes, one after the
+other. It prints what ``distcheck run``'s default (tracer + Flight Recorder +
+sidecar) costs against untraced without the recorder.
+
     python benchmarks/tracer_overhead.py                 # both parts, 2 and 4 ranks
     python benchmarks/tracer_overhead.py --hot-only
     python benchmarks/tracer_overhead.py --nccl          # on a machine with a GPU
@@ -159,6 +166,11 @@ def worker(args: argparse.Namespace) -> None:
     world_pg = dist.group.WORLD
     tracer = Tracer(Path(args.trace_dir) / f"rank{rank}.trace", rank)
     tracer.install()
+    if os.environ.get("TORCH_FR_BUFFER_SIZE"):   # distcheck run's default: the sidecar polls as in a rank
+        import threading
+
+        from distcheck.rank import native
+        native.start(native.NativeWatcher(tracer, main_thread=threading.main_thread().ident))
     orig = tracer._originals
 
     small = torch.ones(1, device=dev)
@@ -210,20 +222,24 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_world(world: int, args: argparse.Namespace) -> list[list]:
+def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = False) -> list[list]:
     trace_dir = tempfile.mkdtemp(prefix="distcheck-bench-")
     out = os.path.join(trace_dir, "result.json")
     port = free_port()
     cmd = [python(), __file__, "--worker", "--rounds", str(args.rounds), "--block", str(args.block),
            "--trace-dir", trace_dir, "--out", out] + (["--nccl"] if args.nccl else [])
     envs = [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)} for r in range(world)]
+             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+             **({"TORCH_FR_BUFFER_SIZE": "256"} if flight_recorder else {})} for r in range(world)]
     results = run_group([cmd] * world, envs, timeout=args.timeout)
     if not os.path.exists(out):
         for r in results:
             sys.stderr.write(r.stderr[-3000:])
         raise SystemExit(f"the {world}-rank run failed")
     per_rank = json.loads(Path(out).read_text())
+    if args.flight_recorder:
+        return [[world, op, median(x for rank in per_rank for x in rank[op][mode])]
+                for op in OPS for mode in ("untraced", "distcheck")]
     rows = []
     for op in OPS:
         # every rank's calls pooled: a collective's time is the same event seen from each rank
@@ -246,6 +262,8 @@ def main() -> None:
     p.add_argument("--hot-block", type=int, default=2000)
     p.add_argument("--hot-only", action="store_true")
     p.add_argument("--nccl", action="store_true", help="one rank, NCCL, CUDA tensors (needs one GPU)")
+    p.add_argument("--flight-recorder", action="store_true",
+                   help="part 2 without, then with the Flight Recorder + sidecar (distcheck run's default)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", help=argparse.SUPPRESS)
@@ -264,6 +282,9 @@ def main() -> None:
     if args.hot_only:
         return
     worlds = [1] if args.nccl else args.ranks
+    if args.flight_recorder:
+        flight_recorder_table(worlds, args)
+        return
     rows = []
     for world in worlds:
         rows += run_world(world, args)
@@ -273,6 +294,22 @@ def main() -> None:
                  "distcheck adds µs", "DETAIL adds µs", "DETAIL/distcheck added"], rows,
                 title=f"Per-call medians, {backend}; modes interleaved round by round "
                       f"({args.rounds} rounds × {args.block} calls per mode, 1 MiB: {max(1, args.block // 8)})"))
+
+
+def flight_recorder_table(worlds: list[int], args: argparse.Namespace) -> None:
+    rows = []
+    for world in worlds:
+        off, on = run_world(world, args), run_world(world, args, flight_recorder=True)
+        for i in range(0, len(off), 2):
+            op = off[i][1]
+            plain, traced, plain_fr, traced_fr = off[i][2], off[i + 1][2], on[i][2], on[i + 1][2]
+            rows.append([world, op, f"{plain:.1f}", f"{traced:.1f}", f"{plain_fr:.1f}", f"{traced_fr:.1f}",
+                         f"{traced / plain:.3f}", f"{traced_fr / plain:.3f}", f"{traced_fr / traced:.3f}"])
+    print()
+    print(table(["ranks", "op", "untraced µs", "tracer µs", "untraced + FR µs", "tracer + FR + sidecar µs",
+                 "tracer ×", "distcheck run default ×", "FR + sidecar × (on the tracer)"], rows,
+                title=f"Per-call medians, gloo; without then with the Flight Recorder (separate runs, "
+                      f"{args.rounds} rounds × {args.block} calls per mode)"))
 
 
 if __name__ == "__main__":
