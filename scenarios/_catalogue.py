@@ -110,3 +110,21 @@ def fsdp2_steps(ctx, steps: int) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+
+def accumulate_steps(ctx, model, steps: int, skip_sync) -> None:
+    """Training steps where ``skip_sync(step)`` runs backward() under model.no_sync() (gradient
+    accumulation: DDP's reducer does not all_reduce that step) and leaves the optimizer step out."""
+    import contextlib
+
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=ctx.generator).to(ctx.device)
+        skip = skip_sync(step)
+        with model.no_sync() if skip else contextlib.nullcontext():
+            model(x).sum().backward()
+        if not skip:
+            opt.step()
+            opt.zero_grad()

@@ -263,6 +263,42 @@ def _late(s: dict, world: int) -> None:
     assert all(r["state"] == "finished" for r in s["ranks"])
 
 
+# -- issue 17: splits, group members, gloo's own words -----------------------------------------
+
+
+@check("moe_all_to_all_splits")
+def _splits(s: dict, world: int) -> None:
+    [m] = findings(s, "mismatch")
+    assert (m["fields"], m["op"], m["seq"]) == (["splits"], "all_to_all_single", 1)
+    assert m["odd_ranks"] == odd(world)
+    pairs = {(p["src"], p["dst"]): (p["sent"], p["expected"]) for p in m["data"]["pairs"]}
+    last = world - 1
+    assert pairs[(last, 0)] == (320, 128) and pairs[(0, last)] == (128, 320)
+    assert f"rank {last} sends 320 elements to rank 0, which expects 128" in m["summary"]
+    for crash in findings(s, "crash"):   # gloo aborts the receivers: a consequence, said so
+        assert crash["data"]["caused_by"]["fields"] == ["splits"]
+
+
+@check("subgroups_created_in_different_order")
+def _members(s: dict, world: int) -> None:
+    [m] = findings(s, "mismatch")
+    assert (m["fields"], m["op"], m["seq"], m["group"]) == (["members"], "new_group", 1, "new_group")
+    everyone = "[" + ", ".join(map(str, range(world))) + "]"
+    assert m["data"]["values"]["members"] == {"[0, 1]": list(range(world - 1)), everyone: [world - 1]}
+    assert "subgroups_created_in_different_order.py:10" in m["summary"]
+    assert "subgroups_created_in_different_order.py:13" in m["summary"]
+
+
+@check("recv_any_source_sizes")
+def _backend_words(s: dict, world: int) -> None:
+    [m] = findings(s, "mismatch")
+    assert (m["fields"], m["op"], m["odd_ranks"]) == (["bytes"], "recv", [world - 1])
+    assert m["data"]["receivers"] == {"0": {"received": 388, "expected": 4}}
+    assert "Received data size doesn't match expected size" in m["data"]["backend_error"]
+    [c] = findings(s, "crash")
+    assert c["data"]["root_rank"] == 0 and c["data"]["caused_by"]["fields"] == ["bytes"]
+
+
 # -- passes, skips and the seeds -----------------------------------------------------------
 
 
@@ -272,7 +308,8 @@ def _passes(s: dict, world: int) -> None:
 
 
 for _name in ("weighted_mean", "unrepeated_sharding_confmat", "collectives_sanity", "auroc_all_ranks_compute",
-              "ddp_uneven_inputs_join", "ddp_no_sync_all_ranks", "functional_collective_all_ranks", "fsdp2_same_steps"):
+              "ddp_uneven_inputs_join", "ddp_no_sync_all_ranks", "functional_collective_all_ranks", "fsdp2_same_steps",
+              "moe_all_to_all_splits_exchanged", "subgroups_created_in_same_order", "recv_sized_per_worker"):
     check(_name)(_passes)
 
 

@@ -637,3 +637,87 @@ def test_joins_shadow_calls_match_any_label():
     label = {0: "DistributedDataParallel.forward", 1: "Join (DistributedDataParallel._check_global_requires_backward_grad_sync)"}
     traces = traces_of(*(ev(r, 1, members=(0, 1), label=label[r]) for r in (0, 1)))
     assert run(traces) == []
+
+
+# -- issue 17: splits, group members, the backend's words, findings that agree ---------------
+
+
+def _a2a(rank: int, sent, received, seq: int = 1) -> Event:
+    return dataclasses.replace(ev(rank, seq, "all_to_all_single", reduce_op=None, shapes=()),
+                               splits=(tuple(sent), tuple(received)))
+
+
+def test_all_to_all_split_sizes_that_do_not_pair_up_name_each_pair_and_the_odd_rank():
+    # Rank 3 sends 320 elements to each peer and expects 320 back; every peer sends and expects 128.
+    traces = traces_of(*[_a2a(r, [128] * 4, [128] * 4) for r in range(3)],
+                       _a2a(3, [320] * 4, [320] * 4))
+    [m] = run(traces)
+    assert (m.kind, m.fields, m.odd_ranks, m.tie, m.op) == ("mismatch", ("splits",), (3,), False, "all_to_all_single")
+    pairs = {(p["src"], p["dst"]): (p["sent"], p["expected"]) for p in m.data["pairs"]}
+    assert pairs == {(3, 0): (320, 128), (3, 1): (320, 128), (3, 2): (320, 128),
+                     (0, 3): (128, 320), (1, 3): (128, 320), (2, 3): (128, 320)}
+    assert "rank 3 sends 320 elements to rank 0, which expects 128" in m.summary
+
+
+def test_uneven_splits_that_pair_up_are_clean_and_two_ranks_are_a_tie():
+    # Uneven but consistent: rank i sends i+j+1 to j, and j expects exactly that from i.
+    traces = traces_of(*[_a2a(i, [i + j + 1 for j in range(4)], [j + i + 1 for j in range(4)]) for i in range(4)])
+    assert run(traces) == []
+    two = traces_of(_a2a(0, [1, 2], [1, 5], ), _a2a(1, [3, 4], [2, 4]))
+    for e in two.values():
+        e[0] = dataclasses.replace(e[0], group_ranks=(0, 1))
+    [m] = run(two, world=2)
+    assert m.fields == ("splits",) and m.tie and m.odd_ranks == ()
+
+
+def test_new_group_called_with_different_members_names_each_side_and_its_line():
+    traces = traces_of(*[dataclasses.replace(ev(r, 1, "new_group", group="new_group", reduce_op=None, shapes=(),
+                                                dtypes=(), line=10 if r < 3 else 13), members=(0, 1) if r < 3 else WORLD4)
+                         for r in range(4)])
+    [m] = run(traces)
+    assert (m.fields, m.odd_ranks) == (("members",), (3,))
+    assert m.data["values"]["members"] == {"[0, 1]": [0, 1, 2], "[0, 1, 2, 3]": [3]}
+    assert "train.py:10" in m.summary and "train.py:13" in m.summary and "creation order" in m.summary
+
+
+ABORT = ("[enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 388 vs 4. "
+         "Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?")
+
+
+def test_gloo_size_abort_becomes_a_mismatch_that_blames_the_sender_by_size_never_the_receiver():
+    recv = ev(0, 3, "recv", group="p2p:any>0", members=(0,), reduce_op=None, shapes=((1,),), done=False)
+    sends = [ev(r, 1, "send", group=f"p2p:{r}>0", members=(r, 0), reduce_op=None, root=0,
+                shapes=((97,) if r == 3 else (1,),)) for r in (1, 2, 3)]
+    outcomes = {0: RankOutcome(rank=0, state="crashed", signal="SIGABRT", exception=ABORT, last_event=recv),
+                **finished(1, 2, 3)}
+    found = run(traces_of(recv, *sends), outcomes, end="crash")
+    [m] = [f for f in found if f.kind == "mismatch"]
+    assert (m.fields, m.odd_ranks, m.seq, m.op) == (("bytes",), (3,), 3, "recv")
+    assert m.data["receivers"] == {"0": {"received": 388, "expected": 4}}
+    assert "rank 0 received 388 bytes where it expected 4" in m.summary
+    [c] = [f for f in found if f.kind == "crash"]
+    assert c.data["caused_by"]["fields"] == ["bytes"] and "SIGABRT" in c.summary
+
+
+def test_gloo_abort_explained_by_fingerprints_adds_no_second_mismatch():
+    a = [ev(r, 1, shapes=((4,),) if r < 3 else ((97,),), done=r != 0) for r in range(4)]
+    outcomes = {0: RankOutcome(rank=0, state="crashed", signal="SIGABRT", exception=ABORT, last_event=a[0]),
+                **{r: RankOutcome(rank=r, state="stuck", last_event=a[r]) for r in (1, 2, 3)}}
+    found = run(traces_of(*a), outcomes, end="crash")
+    assert [f.fields for f in found if f.kind == "mismatch"] == [("shape",)]
+
+
+def test_a_second_finding_that_puts_a_rank_elsewhere_than_its_outcome_is_dropped():
+    # Ranks 0, 1 are stuck in new_group #2; rank 2 passed it and waits in all_reduce #1 (group 0).
+    ng = [ev(r, s, "new_group", group="new_group", members=(0, 1, 2), reduce_op=None, shapes=(), dtypes=(),
+             done=not (s == 2 and r < 2)) for r in range(3) for s in (1, 2)]
+    ar = ev(2, 1, members=(0, 1, 2), done=False)
+    outcomes = {r: RankOutcome(rank=r, state="stuck", last_event=ng[2 * r + 1]) for r in (0, 1)}
+    outcomes[2] = RankOutcome(rank=2, state="stuck", last_event=ar)
+    found = run(traces_of(*ng, ar), outcomes, end="stall", world=3)
+    hangs = [f for f in found if f.kind == "hang"]
+    assert hangs, found
+    for f in found[1:]:
+        for r in f.waiting_ranks:
+            e = outcomes[r].last_event
+            assert (e.group, e.seq, e.op) == (f.group, f.seq, f.op), f.summary

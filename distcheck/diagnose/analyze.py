@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, group_table, majority
+from distcheck.diagnose.backend_error import find_backend_mismatches
+from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, agreeing, group_table, majority
 from distcheck.diagnose.count import find_count_differences
 from distcheck.diagnose.crash import find_crashes
 from distcheck.diagnose.duplicates import find_duplicates
@@ -37,6 +38,7 @@ def analyze(
     """
     table = group_table(traces)
     mismatches = find_mismatches(table)
+    mismatches += find_backend_mismatches(outcomes, traces, mismatches)   # gloo's words, where fingerprints say nothing
     crashes = find_crashes(outcomes, facts, mismatches)
     hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
     hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
@@ -48,8 +50,9 @@ def analyze(
     stopped = crashes + hangs + timeout
     caused = [f for f in stopped if "caused_by" in f.data]
     first = [f for f in stopped if f not in caused]
-    return (first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
+    found = (first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
             + find_coverage_gaps(outcomes))
+    return agreeing(found, outcomes)   # no second finding may say a rank was elsewhere
 
 
 def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distcheck.diagnose.backend_error import abort_text
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -59,6 +60,7 @@ class _RankFacts:
     flight_recorder: dict[str, dict[str, int]] | None = None
     primary: bool = False
     left_early: bool = False     # exited with code 0 in the middle of its work (os._exit(0)) while others ran
+    abort: str | None = None     # the C++ exception a SIGABRT came from (gloo's own words), from its log
 
     @property
     def failed(self) -> bool:
@@ -124,6 +126,8 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
         f = _RankFacts(rank, status, traces.get(rank) or RankTrace(rank=rank), exit_code,
                        failure.signal if failure else None, read_stack_dump(files, rank),
                        read_flight_recorder_status(files.flight_recorder(rank)), left_early=left_early)
+        if f.signal == "SIGABRT" and not status.exception:
+            f.abort = _abort_in_log(files.log(rank))
         facts.append(f)
     if launch.end_reason != EndReason.INTERRUPTED:
         _mark_primary(facts, killed)
@@ -133,6 +137,17 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
     initialized = any(f.status.pg_initialized for f in facts)
     return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results,
                         initialized_process_group=initialized)
+
+
+def _abort_in_log(path) -> str | None:
+    """gloo's message before it aborted the process: the log's last ``what():`` (read from its tail)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 65536))
+            return abort_text(fh.read().decode("utf-8", "replace"))
+    except OSError:
+        return None
 
 
 def _results(status: RankStatus, samples_file) -> dict[str, Any]:
@@ -168,7 +183,7 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
         rank=f.rank, state=state, host=f.status.host, node=f.status.node, pid=f.status.pid,
         exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
         where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
-        exception=f.status.exception, traceback=f.status.traceback, phase=f.status.phase,
+        exception=f.status.exception or f.abort, traceback=f.status.traceback, phase=f.status.phase,
         flight_recorder=f.flight_recorder,
         rss_bytes=seen.rss_bytes if seen else None, peak_rss_bytes=seen.peak_rss_bytes if seen else None,
         unwatched=f.status.unwatched,

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from distcheck.models import EndReason, Event, Phase, RankDetail, RankOutcome, RankState
+from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState
 from distcheck.text import site
 
 
@@ -134,3 +134,30 @@ def whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = Non
     if outcome.where:
         return f"running outside any collective at {site(outcome.where)}"
     return outcome.state
+
+
+
+# -- agreement -----------------------------------------------------------------
+
+
+def contradicts(f: Finding, outcomes: Mapping[int, RankOutcome]) -> bool:
+    """A hang finding that puts a rank in a call its outcome says it was not in at the end:
+    it had finished, or it was stuck in another call."""
+    if f.kind != "hang" or f.seq is None:
+        return False
+    for r in f.waiting_ranks:
+        o = outcomes.get(r)
+        if o is None:
+            continue
+        if o.state == RankState.FINISHED:
+            return True
+        e = o.last_event
+        if o.state == RankState.STUCK and e is not None and (e.group, e.seq, e.op) != (f.group, f.seq, f.op):
+            return True
+    return False
+
+
+def agreeing(findings: Sequence[Finding], outcomes: Mapping[int, RankOutcome]) -> list[Finding]:
+    """Every finding but the first that contradicts where a rank was at the end is dropped: the first
+    is the main finding, and a second one must never tell another story about the same rank."""
+    return list(findings[:1]) + [f for f in findings[1:] if not contradicts(f, outcomes)]

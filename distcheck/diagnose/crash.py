@@ -14,6 +14,8 @@ from distcheck.text import gib, plural, rank_list, site
 
 
 def _cause_text(o: RankOutcome) -> str:
+    if o.exception and o.signal:   # a C++ exception that aborted the process: its message from the log
+        return f"was killed by {o.signal} ({o.exception})"
     if o.exception:
         return f"raised {o.exception}"
     if o.signal:

@@ -123,9 +123,9 @@ def flight_recorder_calls() -> dict[tuple[str, int], NativeCall] | None:
         if e.get("is_p2p"):
             continue
         pg = e.get("process_group") or ("",)
-        op, _ = op_name(e.get("profiling_name", UNKNOWN_OP))
+        op, backend = op_name(e.get("profiling_name", UNKNOWN_OP))
         created = e.get("time_created_ns")
-        out[(str(pg[0]), int(e.get("collective_seq_id", -1)))] = NativeCall(
+        out[(str(pg[0]), _counter_value(e, backend))] = NativeCall(
             op=op, shapes=tuple(tuple(s) for s in e.get("input_sizes") or ()),
             dtypes=tuple(DTYPES.get(str(d), str(d).lower()) for d in e.get("input_dtypes") or ()),
             t_created=created / 1e9 if created else None,
@@ -143,6 +143,14 @@ def recorder_problem() -> str | None:
     if not size.strip().isdigit() or int(size) <= 0:
         return "the Flight Recorder is off (--no-flight-recorder, or TORCH_FR_BUFFER_SIZE=0)"
     return None
+
+
+def _counter_value(entry: dict, backend: str | None) -> int:
+    """The entry's number on the group's counter. gloo's counter also counts send/recv, which its
+    recorder leaves out of ``collective_seq_id``; ``op_id`` counts them (measured, torch 2.13).
+    NCCL's counter is its collective count."""
+    key = "op_id" if backend == "gloo" else "collective_seq_id"
+    return int(entry.get(key, entry.get("collective_seq_id", -1)))
 
 
 def process_groups() -> list[tuple[str, Any]]:

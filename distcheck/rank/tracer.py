@@ -424,7 +424,18 @@ class Tracer:
             self._multi = (key, counter, base)
         return key, seq
 
-    def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any) -> bytes:
+    def _claim_p2p_number(self, pg: Any, defs: list[bytes]) -> None:
+        """A send/recv advances its group's collective counter by one (gloo): tell the sidecar that
+        number is a Python call's, or it would record it as an unknown C++-issued collective."""
+        try:
+            entry = self._group(pg, defs)
+        except Exception:
+            return
+        if entry[3] is not None:
+            entry[5].append(entry[3]() - entry[4] + 1)
+            self.busy_group = entry[0]
+
+    def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any, claim: bool = True) -> bytes:
         """Write the enter record; return the call key its exit record repeats."""
         pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless, objects, extra = values
         defs: list[bytes] = []
@@ -443,6 +454,8 @@ class Tracer:
             if group not in self._seq:
                 defs.append(group_record(group, (src, dst)))
             seq = self._seq.get(group, 0) + 1
+            if claim:
+                self._claim_p2p_number(pg, defs)
         else:
             group, seq = self._number(name, self._group(pg, defs), defs)
         if op is not None:
@@ -499,7 +512,7 @@ class Tracer:
         spec = OPS.get(op_name, OPS["isend"])
         # (group, tensors, tensor_lists, reduce_op, root, group_root, async_op, shape_unless)
         values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None, None, None)
-        return self._enter(op_name, spec, values, frame)
+        return self._enter(op_name, spec, values, frame, claim=False)   # a batch is numbered as a whole
 
     def _exit(self, key: bytes, exc: BaseException | None) -> None:
         os.write(self.writer.fd, exit_record(key, time_ns() // 1000, exc))

@@ -1,0 +1,125 @@
+"""The backend's own words as evidence (``bytes``): gloo aborts a rank that
+receives more bytes than it expects ("Received data size doesn't match expected
+size ... 388 vs 4"). When no recorded fingerprint explains such an abort, this
+turns the message into a mismatch: who received how many bytes against how many
+expected, in which call, and which sender (by majority), never the receiver. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from distcheck.diagnose.common import call, detail
+from distcheck.models import Event, Finding, RankDetail, RankOutcome
+from distcheck.text import rank_list, site
+
+SIZE_TEXT = "Received data size doesn't match expected size"
+_SIZES = re.compile(r"(\d+) vs (\d+)")
+_ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+_TERMINATE = re.compile(r"what\(\):\s*(.*)")
+
+
+def abort_text(log: str) -> str | None:
+    """The ``what():`` of a C++ exception that terminated the process (a SIGABRT), from its log."""
+    lines = log.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _TERMINATE.search(lines[i])
+        if m:
+            rest = [m.group(1)] + [ln.strip() for ln in lines[i + 1:i + 4] if ln.strip()]
+            return " ".join(rest)[:600]
+    return None
+
+
+@dataclass(frozen=True)
+class SizeAbort:
+    rank: int
+    received: int      # bytes that arrived
+    expected: int      # bytes the receiving buffer holds
+    text: str
+
+
+def size_abort(o: RankOutcome) -> SizeAbort | None:
+    text = o.exception or ""
+    if SIZE_TEXT not in text:
+        return None
+    m = _SIZES.search(text)
+    return SizeAbort(o.rank, int(m.group(1)), int(m.group(2)), text) if m else None
+
+
+def nbytes(e: Event) -> int | None:
+    """Bytes of a call's one buffer, when its record says (one tensor of a known dtype)."""
+    if len(e.shapes) != 1 or len(e.dtypes) != 1 or e.dtypes[0] not in _ITEM_BYTES:
+        return None
+    return math.prod(e.shapes[0]) * _ITEM_BYTES[e.dtypes[0]]
+
+
+def find_backend_mismatches(outcomes: Mapping[int, RankOutcome], traces: Mapping[int, Sequence[Event]],
+                            explained: Sequence[Finding]) -> list[Finding]:
+    """One finding per call whose receivers gloo aborted for a size that no mismatch finding explains."""
+    aborts = [a for a in (size_abort(o) for _, o in sorted(outcomes.items())) if a]
+    by_call: dict[tuple[str, int], list[tuple[SizeAbort, Event | None]]] = {}
+    for a in aborts:
+        e = outcomes[a.rank].last_event
+        by_call.setdefault((e.group, e.seq) if e else ("?", 0), []).append((a, e))
+    known = {(f.group, f.seq) for f in explained if f.kind == "mismatch"}
+    return [_finding(found, traces) for key, found in by_call.items() if key not in known]
+
+
+def _senders(receivers: Sequence[int], inside: Event | None, traces: Mapping[int, Sequence[Event]]) -> dict[int, Event]:
+    """Who could have sent it: the other members of the same call, or ranks that sent to the receiver."""
+    out: dict[int, Event] = {}
+    for r, events in traces.items():
+        if r in receivers:
+            continue
+        for e in reversed(events):
+            same_call = inside is not None and not inside.is_p2p and (e.group, e.seq) == (inside.group, inside.seq)
+            to_receiver = e.is_p2p and e.root in receivers and e.group.endswith(f">{e.root}")
+            if same_call or (inside is not None and inside.is_p2p and to_receiver):
+                out[r] = e
+                break
+    return out
+
+
+def _blame(senders: Mapping[int, Event], received: int, receivers: Sequence[int],
+           collective: bool) -> tuple[tuple[int, ...], bool]:
+    """(odd senders, tie). The senders whose buffer has the size that arrived, when they are the smaller
+    side (or the only sender); else, in a collective, the ranks that did not abort when the receivers that
+    did are the majority; else nobody: a tie, never the receiver."""
+    sized = tuple(sorted(r for r, e in senders.items() if nbytes(e) == received))
+    if sized and (len(senders) == 1 or 2 * len(sized) < len(senders)):
+        return sized, False
+    if not sized and collective and senders and len(senders) < len(receivers):
+        return tuple(sorted(senders)), False
+    return (), True
+
+
+def _finding(found: list[tuple[SizeAbort, Event | None]], traces: Mapping[int, Sequence[Event]]) -> Finding:
+    receivers = [a.rank for a, _ in found]
+    a, inside = found[0]
+    senders = _senders(receivers, inside, traces)
+    odd, tie = _blame(senders, a.received, receivers, inside is not None and not inside.is_p2p)
+    where = f"inside {call(inside)} at {site(inside.callsite)}" if inside else "outside any recorded call"
+    got = "; ".join(f"rank {x.rank} received {x.received} bytes where it expected {x.expected}" for x, _ in found)
+    blame = (f"By the sizes, the sender is {rank_list(odd)} ({rank_list(senders)} could have sent it)" if odd
+             else f"The sender cannot be told from the records ({rank_list(senders) if senders else 'no rank'} "
+                  f"could have sent it); the receiver that aborted is not the cause")
+    summary = (f"gloo aborted {rank_list(receivers)} {where}: {got} (\"{SIZE_TEXT}\"). The recorded fingerprints "
+               f"do not explain it (e.g. a receive from any source, or a call issued outside the tracer). "
+               f"{blame}. The sender's buffer and the receiver's must have the same size.")
+    details = [detail(r, "receiver", e, note=f"received {x.received} bytes, expected {x.expected}")
+               for x, e in found for r in [x.rank]]
+    details += [detail(r, "sender" if r in odd else "peer", e, note=f"buffer of {nbytes(e)} bytes" if nbytes(e) else None)
+                for r, e in sorted(senders.items())]
+    return Finding(
+        kind="mismatch", severity="error", group=inside.group if inside else None, seq=inside.seq if inside else None,
+        op=inside.op if inside else None, label=inside.label if inside else None,
+        callsite=inside.callsite if inside else None, odd_ranks=odd, tie=tie, fields=("bytes",),
+        ranks=tuple(details) if details else (RankDetail(rank=a.rank, role="receiver"),), summary=summary,
+        data={"backend_error": a.text, "receivers": {str(x.rank): {"received": x.received, "expected": x.expected}
+                                                   for x, _ in found},
+              "values": {"bytes": {str(x.received): [x.rank] for x, _ in found}}},
+    )
