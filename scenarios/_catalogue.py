@@ -128,3 +128,41 @@ def accumulate_steps(ctx, model, steps: int, skip_sync) -> None:
         if not skip:
             opt.step()
             opt.zero_grad()
+
+
+MOE_HIDDEN = 64
+MOE_TOKENS_PER_PEER = 2     # tokens every rank routes to each expert rank
+MOE_BUSY_RANK_TOKENS = 5    # the last rank's batch is bigger: it routes this many to each peer
+
+
+def moe_routed(ctx):
+    """(tokens, input_split_sizes): how many rows of the hidden states this rank sends to each rank."""
+    import torch
+
+    per_peer = MOE_BUSY_RANK_TOKENS if ctx.rank == ctx.world_size - 1 else MOE_TOKENS_PER_PEER
+    splits = [per_peer] * ctx.world_size
+    tokens = torch.full((sum(splits), MOE_HIDDEN), float(ctx.rank), device=ctx.device)
+    return tokens, splits
+
+
+WORKER_RESULT_SLOTS = 1     # the result size rank 0 allocates for every worker
+WORKER_BIG_RESULT = 97      # the last worker found this many entries
+
+
+def worker_result(ctx):
+    import torch
+
+    n = WORKER_BIG_RESULT if ctx.rank == ctx.world_size - 1 else WORKER_RESULT_SLOTS
+    return torch.full((n,), float(ctx.rank), device=ctx.device)
+
+
+def pair_and_world(ctx, dist, pair_first: bool):
+    """(pair group of ranks 0 and 1, a group of every rank), created in the given order."""
+    everyone = list(range(ctx.world_size))
+    if pair_first:
+        pair = dist.new_group([0, 1])
+        world = dist.new_group(everyone)
+    else:
+        world = dist.new_group(everyone)
+        pair = dist.new_group([0, 1])
+    return pair, world
