@@ -91,15 +91,16 @@ def run(
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
     TARGETS: built-in scenario names, scenario files or folders (none: all built-ins), or ONE
-    ordinary script that calls init_process_group itself: distcheck run train.py -- --lr 0.1
+    ordinary script that calls init_process_group itself: distcheck run train.py -- --lr 0.1.
+    Nothing before '--': your own launch command, every rank it starts traced:
+    distcheck run -- torchrun --nproc-per-node 4 train.py
     """
-    from distcheck.discovery import resolve_run_targets
-    from distcheck.options import RunFlags, check_flags, run_options
+    from distcheck.options import RunFlags, check_flags, run_options, run_targets_of
 
     flags = RunFlags.of({**locals(), "command": shlex.join(["distcheck", *sys.argv[1:]])})
     nodes = check_flags(flags)
     names, script_args = _split_script_args(list(targets or []))
-    specs = resolve_run_targets(names, module=module, script_args=script_args)
+    specs = run_targets_of(names, module, script_args, flags, nodes)
     options = run_options(flags, nodes)
     console = _console(json_path)
     report = _run_live(specs, options, console, verbose)
@@ -118,9 +119,14 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
     ranks = f"{nodes.nnodes} nodes x {options.nproc_per_node}" if nodes.multi else f"{options.nproc_per_node}"
     from distcheck.discovery import ScriptSpec
 
+    from distcheck.launch.command import CommandSpec
+
     what = specs[0].source if len(specs) == 1 and isinstance(specs[0], ScriptSpec) else f"{len(specs)} scenario(s)"
-    console.print(f"distcheck {__version__}: {what} on {ranks} {options.backend} ranks"
-                  + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
+    if len(specs) == 1 and isinstance(specs[0], CommandSpec):   # its ranks are counted as they initialize
+        console.print(f"distcheck {__version__}: {specs[0].source}", style="dim", markup=False, highlight=False)
+    else:
+        console.print(f"distcheck {__version__}: {what} on {ranks} {options.backend} ranks"
+                      + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
     view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
                      on_poll=view.on_poll, note=view.note)

@@ -26,9 +26,11 @@ from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
 from distcheck.diagnose.verdict import run_info as build_run_info
 from distcheck.errors import LaunchError, UsageError
 from distcheck.launch.cluster import ClusterStore, check_endpoint_address, node_address
+from distcheck.launch.command import CommandSpec, command_options, launch_command
 from distcheck.launch.launcher import (LaunchOutcome, LaunchSpec, launch, merge_node_summaries, node_summary,
                                       quiet_native_warnings)
 from distcheck.launch.worker_args import worker_args
+from distcheck.launch.replay import with_metric_reference
 from distcheck.models import EndReason, RankState, Report, RunInfo, ScenarioResult
 from distcheck.discovery import ScriptSpec, Target
 from distcheck.diagnose.collect import CollectedRun, collect
@@ -107,6 +109,8 @@ def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: st
 
 def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
                  on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
+    if isinstance(spec, CommandSpec):
+        return run_command(spec, options, launch_dir, on_poll)
     reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options.backend, options.nproc_per_node)
     if reason:
         return skipped_result(spec, reason)
@@ -125,6 +129,14 @@ def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: st
     if channel is not None:
         channel.post_result(result.to_dict())
     return result
+
+
+def run_command(spec: CommandSpec, options: RunOptions, launch_dir: Path, on_poll: Callable | None) -> ScenarioResult:
+    """The user's own launch command: its ranks are found as they initialize (``launch.command``)."""
+    rundir.prepare_launch_dir(launch_dir)
+    limits = launch_spec(options, launch_dir, (), "").limits
+    outcome = launch_command(spec, launch_dir, limits, options.flight_recorder is not False, on_poll)
+    return result_of_launch(spec, command_options(options, launch_dir), launch_dir, outcome)
 
 
 def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], run_id: str,
@@ -148,11 +160,14 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills)
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
-                        results=run.results, started_at=outcome.started_at, ended_at=outcome.ended_at)
+                        # the replay (a subprocess) only where every compute() could finish
+                        results=with_metric_reference(run.results, launch_dir)
+                        if outcome.end_reason == EndReason.COMPLETED else run.results,
+                        started_at=outcome.started_at, ended_at=outcome.ended_at)
     scenario = Scenario(name=spec.name, source=spec.source if isinstance(spec, ScriptSpec) else spec.file,
                         expected=spec.expect, description=spec.description, launch_dir=str(launch_dir))
     result = scenario_result(scenario, evidence, outcome.ended_at - outcome.started_at)
-    result = dataclasses.replace(result, script=isinstance(spec, ScriptSpec))
+    result = dataclasses.replace(result, script=not isinstance(spec, ScenarioSpec))   # a script or a command
     if result.ok:
         return result
     log_rank = next((o.rank for o in run.outcomes.values() if o.state == RankState.CRASHED), 0)
@@ -174,6 +189,8 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     started = time.time()
     specs = unique_names(specs)
     state = _run_all(specs, options, run_dir, launch_base, cluster, hooks)
+    if isinstance(specs[0], CommandSpec):   # the report's world size is the one the command's ranks reported
+        options = command_options(options, run_dir / specs[0].name)
     report = Report(run=run_info(options, run_dir, started), scenarios=tuple(state.results),
                     interrupted=state.interrupted)
     write_json_atomic(run_dir / REPORT_FILE, report.to_dict())

@@ -114,3 +114,73 @@ def test_a_scenario_of_a_batch_gets_its_own_finished_status():
     a, b = _status_for(batch, "a"), _status_for(batch, "b")
     assert (a.phase, a.results, a.collectives, a.scenarios, a.current) == (Phase.FINISHED, {"x": 1}, 4, None, None)
     assert (b.phase, b.results, b.collectives, b.pid) == (Phase.RUNNING, None, None, 3)
+
+
+def test_a_finished_scenario_keeps_no_exception_of_a_later_one():
+    """The rank died in a later scenario of the launch: its error is not the finished one's."""
+    from distcheck.files.launch_dir import RankStatus
+    from distcheck.launch.batch import _status_for
+    from distcheck.models import Phase
+
+    batch = RankStatus(rank=0, phase=Phase.ERROR, current="b", exit_code=1,
+                       exception="RuntimeError: Connection reset by peer", traceback="tb", where="x.py:3:b",
+                       scenarios={"a": {"results": {}, "collectives": 2, "t_start": 1, "t_end": 2}})
+    a, b = _status_for(batch, "a"), _status_for(batch, "b")
+    assert (a.phase, a.exception, a.traceback, a.where, a.exit_code) == (Phase.FINISHED, None, None, None, None)
+    assert (b.phase, b.exception, b.exit_code) == (Phase.ERROR, "RuntimeError: Connection reset by peer", 1)
+
+
+ABORTING = '''
+from distcheck import scenario
+
+
+@scenario(expect="count")
+def a_aborts(ctx):
+    """Rank 1 raises while rank 0 waits in an all_reduce: gloo resets rank 0's connection."""
+    import torch
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.all_reduce(torch.ones(1))
+
+
+@scenario(expect="pass")
+def b_ok(ctx):
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))
+
+
+@scenario(expect="pass")
+def c_ok(ctx):
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(2))
+'''
+
+
+@pytest.mark.e2e
+def test_a_shared_launch_with_an_aborting_scenario_keeps_exceptions_where_they_happened(distcheck, tmp_path):
+    """Names sort a, b, c; the launch runs b, c (healthy first), then a, which aborts a rank."""
+    path = tmp_path / "aborting.py"
+    path.write_text(ABORTING)
+    r = distcheck("run", str(path), "--nproc-per-node", "2", "--stall-timeout", "5")
+    assert r.returncode == 1, r.stderr[-3000:]
+    report = r.report
+    assert [s["name"] for s in report["scenarios"]] == ["b_ok", "c_ok", "a_aborts"]   # the order they ran
+    b, c, a = report["scenarios"]
+    assert b["ok"] and c["ok"]
+    assert [x["exception"] for x in b["ranks"] + c["ranks"]] == [None] * 4
+    assert "ValueError: rank 1 gives up" in [x["exception"] for x in a["ranks"]]
+    # Plain output (not a terminal): a start line for every scenario, counted in run order.
+    starts = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("RUN ")]
+    assert starts == ["RUN  b_ok  [1/3]", "RUN  c_ok  [2/3]", "RUN  a_aborts  [3/3]"], r.stdout
+    assert f"wrote {r.json_path}" in r.stdout      # --json PATH says where it went, like the other outputs
+    # `distcheck report` shows them in the same order
+    again = distcheck("report", str(r.run_dir), json=False)
+    order = [n for line in again.stdout.splitlines() for n in ("b_ok", "c_ok", "a_aborts")
+             if line.lstrip().startswith(("OK", "FAIL")) and f" {n} " in line]
+    assert order == ["b_ok", "c_ok", "a_aborts"], again.stdout

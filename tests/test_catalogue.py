@@ -214,6 +214,17 @@ def _unsharded(s: dict, world: int) -> None:
     assert f"the grand total {8 * world} is right" in n["summary"]   # rows wrong, total right
 
 
+@check("lightning_confmat_limit_val")
+def _seed_confmat(s: dict, world: int) -> None:
+    # The sync is right (the replay agrees); the rows count only the 120 samples per rank the cut pass saw.
+    [agree] = findings(s, "numeric")
+    assert agree["severity"] == "info" and agree["data"]["agrees"] and agree["data"]["samples"] == 120 * world
+    assert sum(agree["data"]["class_counts"]) == 120 * world
+    [val] = [f for f in findings(s, "coverage") if f["data"]["stage"] == "validation"]
+    assert val["data"]["covered"] == 120 * world and val["data"]["limit"] == {"setting": "limit_val_batches",
+                                                                              "value": 10}
+
+
 @check("straggler")
 def _straggler(s: dict, world: int) -> None:
     assert s["observed"] == ["straggler"]

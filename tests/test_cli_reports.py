@@ -60,13 +60,19 @@ def test_hang_run_writes_every_format_and_rerenders_from_the_run_dir(distcheck, 
     assert "m-stuck" in page and "never entered barrier #1" in page and "<script" not in page
 
     # re-render from the run dir: same JSON, same JUnit, the same terminal view, the run's own exit code
-    junit_again = tmp_path / "again.xml"
-    again = distcheck("report", str(r.run_dir), "--json", "-", "--junit-xml", str(junit_again))
+    junit_again, html_again = tmp_path / "again.xml", tmp_path / "again.html"
+    again = distcheck("report", str(r.run_dir), "--json", "-", "--junit-xml", str(junit_again),
+                      "--html", str(html_again))
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout) == doc
     assert junit_again.read_text() == junit_path.read_text()
-    assert f"OK   {HANG}  expected hang, observed hang" in again.stderr
-    assert "barrier #1 [BinaryAUROC.compute]" in again.stderr
+    # only files were asked for: the verdict and where they went, not the whole view again
+    assert "PASS  1/1 scenarios behaved as expected" in again.stderr
+    assert f"wrote {junit_again}" in again.stderr and f"wrote {html_again}" in again.stderr
+    assert "barrier #1 [BinaryAUROC.compute]" not in again.stderr and len(again.stderr.splitlines()) <= 5
+    view = distcheck("report", str(r.run_dir), json=False)
+    assert f"OK   {HANG}  expected hang, observed hang" in view.stdout
+    assert "barrier #1 [BinaryAUROC.compute]" in view.stdout
 
     listed = distcheck("runs", "--dir", str(tmp_path), "--json")
     assert listed.returncode == 0, listed.stderr
@@ -124,3 +130,12 @@ def test_every_command_help_lists_the_exit_codes():
         text = " ".join(result.output.split())
         assert "Exit codes: 0 every scenario behaved as expected" in text, name
         assert "5 a saved run (or dump) is corrupt or incomplete; 130 interrupted" in text, name
+
+
+def test_an_unknown_scenario_name_gets_a_did_you_mean(distcheck):
+    r = distcheck("run", "auroc_rank0_only_compte", json=False)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == ("distcheck: error: unknown scenario or file: 'auroc_rank0_only_compte'; "
+                                        "did you mean 'auroc_rank0_only_compute' or 'auroc_all_ranks_compute'?")
+    far = distcheck("list", "zzz_nothing_like_it", json=False)
+    assert far.returncode == 2 and "did you mean" not in far.stderr and "built-in scenarios:" in far.stderr

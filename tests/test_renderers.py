@@ -481,3 +481,20 @@ def test_scenario_list_shows_missing_requirements():
     out = c.file.getvalue()
     assert "needs torchmetrics, nosuchlib (missing)" in out and "nccl only" in out and "≥4 ranks" in out
     assert "2 scenario(s): 1 built-in, 1 given" in out and "skipped by 'distcheck run'" in out
+
+
+def test_a_script_is_worded_as_a_script(fixed):
+    """A user's script declares no expectation: "train.py: hang", never "expected pass"."""
+    import dataclasses
+
+    report, _ = fixed
+    hang = dataclasses.replace(report.scenarios[0], name="train", source="/home/u/train.py", expected=("pass",),
+                               ok=False, script=True)
+    clean = dataclasses.replace(hang, name="evaluate", source="-m mypkg.evaluate", observed=("pass",), ok=True,
+                                findings=())
+    assert terminal.scenario_line(hang).plain.startswith("  FAIL train.py: hang  (")
+    assert terminal.scenario_line(clean).plain.startswith("  OK   -m mypkg.evaluate: ran clean  (")
+    failed = dataclasses.replace(report, scenarios=(hang,))
+    assert terminal.summary_line(failed).plain.startswith("FAIL  train.py: hang  ·")
+    assert "scenario" not in terminal.summary_line(failed).plain
+    assert Report.from_dict(json.loads(json_report.render(failed))).scenarios[0].script

@@ -13,7 +13,8 @@ from distcheck.diagnose.backend_error import find_backend_mismatches
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, agreeing, group_table, majority
 from distcheck.diagnose.count import find_count_differences
 from distcheck.diagnose.crash import find_crashes
-from distcheck.diagnose.duplicates import find_duplicates
+from distcheck.diagnose.duplicates import find_duplicates, find_partial_coverage
+from distcheck.diagnose.metrics import find_metric_results
 from distcheck.diagnose.hang import find_hangs, find_startup_hang, find_timeout
 from distcheck.diagnose.mismatch import find_mismatches
 from distcheck.diagnose.numeric import explain_numbers, find_numeric
@@ -47,11 +48,12 @@ def analyze(
     results = results or {}
     duplicates = find_duplicates(results, facts.world_size)
     numeric = explain_numbers(find_numeric(results), duplicates, [m for m in mismatches if m.kind == "order"])
+    numeric += find_metric_results(results)   # torchmetrics vs their single-process replay
     stopped = crashes + hangs + timeout
     caused = [f for f in stopped if "caused_by" in f.data]
     first = [f for f in stopped if f not in caused]
     found = (first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
-            + find_coverage_gaps(outcomes))
+            + find_coverage_gaps(outcomes) + find_partial_coverage(results))
     return agreeing(found, outcomes)   # no second finding may say a rank was elsewhere
 
 

@@ -19,7 +19,7 @@ from distcheck.diagnose.backend_error import abort_text
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
-from distcheck.rank.samples import read_samples
+from distcheck.files.samples import read_samples
 from distcheck.files.stacks import StackDump, main_stack, parse_dumps, torch_dir, user_top
 from distcheck.files.trace import RankTrace, read_trace_dir
 

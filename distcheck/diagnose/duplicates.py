@@ -1,5 +1,10 @@
 """Duplicated or missed samples: the DataLoader passes every rank recorded,
-per dataset, with the likely cause in plain words. Pure.
+per dataset, with the likely cause in plain words; and how much of the
+dataset a pass cut short covered. Pure.
+
+A pass cut short (``complete: false`` on some rank) still counts for overlap
+between ranks: two ranks drawing the same sample is a duplicate however far
+the pass got. Samples it never drew are not "missed": they are its coverage.
 """
 
 from __future__ import annotations
@@ -14,18 +19,79 @@ from distcheck.text import id_list, plural
 
 def find_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Finding]:
     """Samples counted more than once or never, per dataset, with the likely cause in plain words."""
+    per_dataset, sizes, partial = _passes(results)
+    findings = []
+    for dataset, by_rank in per_dataset.items():
+        f = _sample_finding(dataset, sizes[dataset], by_rank, world_size, partial=dataset in partial)
+        if f is not None:
+            findings.append(f)
+    return findings
+
+
+def _passes(results: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict[str, int], dict[str, dict[int, dict]]]:
+    """(dataset -> rank -> ids, dataset -> size, dataset -> rank -> record, for passes cut short)."""
     per_dataset: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     sizes: dict[str, int] = {}
+    records: dict[str, dict[int, dict]] = defaultdict(dict)
     for rank, res in sorted(results.items()):
         for rec in res.get("samples", ()):
             per_dataset[rec["dataset"]][rank].extend(rec["ids"])
             sizes[rec["dataset"]] = rec["dataset_size"]
+            records[rec["dataset"]][rank] = rec
+    # Records without "complete" (a scenario's own ctx.record_samples) are whole passes.
+    partial = {d: recs for d, recs in records.items() if any(r.get("complete") is False for r in recs.values())}
+    return per_dataset, sizes, partial
+
+
+def find_partial_coverage(results: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
+    """One info line per kind of pass cut short: how much of its dataset it covered, and which limit cut it."""
+    per_dataset, sizes, partial = _passes(results)
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for dataset, recs in partial.items():
+        data = _coverage_data(dataset, sizes[dataset], per_dataset[dataset], recs)
+        lines.setdefault(_coverage_text(data), []).append(data)
     findings = []
-    for dataset, by_rank in per_dataset.items():
-        f = _sample_finding(dataset, sizes[dataset], by_rank, world_size)
-        if f is not None:
-            findings.append(f)
+    for text, passes in lines.items():
+        summary = text + (f", in each of {len(passes)} passes" if len(passes) > 1 else "")
+        summary += f" ({', '.join(p['dataset'] for p in passes[:3])}{', ...' if len(passes) > 3 else ''})."
+        findings.append(Finding(kind="coverage", severity="info", summary=summary,
+                                data={**passes[0], "passes": [p["dataset"] for p in passes]}))
     return findings
+
+
+_DEFAULTS = {"max_steps": -1, "num_sanity_val_steps": None}   # limit_*_batches: 1.0 (all)
+
+
+def _limit(limits: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The Lightning setting that cut the pass: the first one not at its default."""
+    for name, value in limits.items():
+        default = _DEFAULTS.get(name, 1.0)
+        if value is not None and value != default and not (isinstance(value, float) and value == 1.0):
+            return {"setting": name, "value": value}
+    return None
+
+
+def _coverage_data(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]],
+                   recs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    first = recs[min(recs)]
+    batches = sorted({r.get("batches") for r in recs.values()}, key=str)
+    drawn = sum(len(ids) for ids in by_rank.values())
+    return {"dataset": dataset, "stage": first.get("stage"), "covered": len(set().union(*map(set, by_rank.values()))),
+            "dataset_size": size, "drawn": drawn, "ranks": len(recs),
+            "batches": batches[0] if len(batches) == 1 else None, "batch_size": first.get("batch_size"),
+            "limit": _limit(first.get("limits") or {})}
+
+
+def _coverage_text(d: Mapping[str, Any]) -> str:
+    """'validation covered 480 of 10,000 samples (4 ranks × 10 batches × 12; limit_val_batches=10)'."""
+    how = f"{d['ranks']} ranks × {d['batches']} batches × {d['batch_size']}" \
+        if d["batches"] is not None and d["batch_size"] else f"{d['drawn']:,} drawn by {d['ranks']} ranks"
+    if d["batches"] is not None and d["batch_size"] and d["drawn"] != d["covered"]:
+        how += f" = {d['drawn']:,} drawn"
+    limit = d["limit"]
+    why = f"{limit['setting']}={limit['value']}" if limit else "the loop stopped before the loader's end"
+    return (f"{d['stage'] or 'a DataLoader pass'} covered {d['covered']:,} of {d['dataset_size']:,} samples "
+            f"({how}; {why})")
 
 
 def sample_accounting(size: int, by_rank: Mapping[int, Sequence[int]]) -> dict[str, Any]:
@@ -67,8 +133,11 @@ def _sample_cause(size: int, by_rank: Mapping[int, Sequence[int]], world_size: i
     return "the ranks' shards do not cover the dataset", "make the shards cover every sample"
 
 
-def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]], world_size: int) -> Finding | None:
+def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]], world_size: int,
+                    partial: bool = False) -> Finding | None:
     acc = sample_accounting(size, by_rank)
+    if partial:   # a cut pass never drew the rest: not "never seen", only its coverage (find_partial_coverage)
+        acc["missing"] = []
     duplicated, missing = acc["duplicated"], acc["missing"]
     if not duplicated and not missing:
         return None
@@ -79,13 +148,13 @@ def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]
     # Who saw which duplicate — unless it is "everyone saw everything", which the cause already says.
     detail = f" — {shown}" + (", ..." if len(duplicated) > 10 else "") if duplicated and not same_everywhere else ""
     summary = f"Dataset {dataset!r} ({plural(size, 'sample')}): {counted}{detail}; because {cause}. Fix: {fix}."
-    extra = acc["total"] - (size - len(missing))
+    extra = acc["total"] - len(acc["counts"])   # draws beyond the first of each sample
     return Finding(
         kind="duplicates", severity="error", summary=summary,
         odd_ranks=tuple(sorted({r for rs in duplicated.values() for r in rs})),
         data={"dataset": dataset, "dataset_size": size, "duplicated": {str(i): rs for i, rs in duplicated.items()},
               "missing": missing, "extra": extra, "cause": cause, "counted": counted,
-              "same_on_every_rank": same_everywhere,
+              "same_on_every_rank": same_everywhere, "partial_pass": partial,
               "per_rank": {str(r): sorted(ids) for r, ids in sorted(by_rank.items())}},
     )
 

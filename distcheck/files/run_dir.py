@@ -19,7 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from distcheck.launch import procs
+import psutil
+
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
 
@@ -67,7 +68,7 @@ def prepare_launch_dir(path: Path) -> None:
                 f"{path} already exists and is not a distcheck launch directory: refusing to write into it",
                 "pick an empty or new --run-dir",
             )
-        users = procs.processes_mentioning(str(path))
+        users = _processes_mentioning(str(path))
         if users:
             raise LaunchError(
                 f"{path} is in use by running processes (pids {', '.join(str(p.pid) for p in users[:5])}): "
@@ -85,3 +86,17 @@ def prepare_launch_dir(path: Path) -> None:
     except OSError as exc:
         raise LaunchError(f"cannot create the launch directory {path}: {exc.strerror}",
                           "pick a writable place with --run-dir") from None
+
+
+def _processes_mentioning(path: str) -> list[psutil.Process]:
+    """Live processes (not this one) with ``path``, or a path below it, as a command-line argument."""
+    below = path.rstrip(os.sep) + os.sep
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            args = p.info["cmdline"] or []
+        except psutil.Error:
+            continue
+        if p.pid != os.getpid() and any(a == path or a.startswith(below) for a in args) and p.is_running():
+            found.append(p)
+    return found

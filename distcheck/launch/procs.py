@@ -27,14 +27,27 @@ def descendants(pid: int | None = None) -> list[psutil.Process]:
         return []
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for ``sig`` (its /proc status ``SigCgt`` mask; True where
+    there is no /proc to ask)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return True
+    return True
+
+
 def request_stacks(pids: dict[int, int], stack_file: Callable[[int], Path], wait_s: float = 1.5,
                    sig: int = signal.SIGUSR1) -> None:
     """Signal every live rank (faulthandler dumps all threads: SIGUSR1 into its stacks file,
     SIGUSR2 into its sample file) and wait for the dumps."""
     before: dict[int, int] = {}
     for rank, pid in pids.items():
-        if not is_alive(pid):
-            continue
+        if not is_alive(pid) or not catches(pid, sig):
+            continue   # a rank whose handler was reset (Lightning restores SIG_DFL) would die of it
         path = stack_file(rank)
         before[rank] = path.stat().st_size if path.exists() else 0
         try:
@@ -124,19 +137,6 @@ def wait_for_files(paths: Iterable[Path], timeout_s: float) -> None:
         if pending:
             time.sleep(0.02)
 
-
-def processes_mentioning(path: str) -> list[psutil.Process]:
-    """Live processes (not this one) with ``path``, or a path below it, as a command-line argument."""
-    below = path.rstrip(os.sep) + os.sep
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            args = p.info["cmdline"] or []
-        except psutil.Error:
-            continue
-        if p.pid != os.getpid() and any(a == path or a.startswith(below) for a in args) and is_alive(p.pid):
-            found.append(p)
-    return found
 
 
 class CpuMeter:

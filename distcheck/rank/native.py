@@ -210,7 +210,10 @@ class NativeWatcher:
         now = time.time()
         calls = self.calls() if self.recorder else None
         out: list[bytes] = []
-        for key, pg, todo, upto in self._new_numbers():
+        new = self._new_numbers()
+        if new and calls is None:
+            self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
+        for key, pg, todo, upto in new:
             self._record_new(key, pg, todo, upto, calls or {}, now, out, final=True)
         for key, opened in self.open.items():
             out.extend(records.EXIT_OK % (records.CALL_KEY % (key.encode(), o.shown), int(now * 1e6)) for o in opened)

@@ -4,25 +4,72 @@ No change to the user's code: the DataLoader iterator's ``_next_index`` (the one
 place every sampler's indices pass through, for single- and multi-process
 loading) is wrapped. Only indices are kept, never data. A *pass* is one
 ``iter(loader)``; passes are named by the order loaders are first iterated on
-the rank, which is the same on every rank of an SPMD job. Only passes that ran
-to the end are written: a partial pass (Lightning's sanity check,
-``limit_val_batches``) says nothing about samples that were never drawn.
+the rank, which is the same on every rank of an SPMD job.
+
+A pass that stops before its sampler is exhausted (Lightning's sanity check,
+``limit_val_batches``, ``max_steps``, a ``break``) is written too, marked
+``complete: false``: its overlap between ranks is still a real duplicate, and
+how much of the dataset it covered is reported. Such a pass is written when
+its iterator is dropped, when its loader starts a new pass, or when the rank
+finishes (``flush``), whichever comes first.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
+import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
+from distcheck.files.samples import append_pass
+
+# Lightning's stage -> the Trainer setting that caps the batches of a pass in that stage
+_LIGHTNING_LIMITS = {
+    "sanity_check": ("sanity check", ("num_sanity_val_steps",)),
+    "validate": ("validation", ("limit_val_batches",)),
+    "train": ("training", ("limit_train_batches", "max_steps")),
+    "test": ("test", ("limit_test_batches",)),
+    "predict": ("prediction", ("limit_predict_batches",)),
+}
+_RECORD_KEYS = ("dataset", "dataset_size", "ids", "complete", "expected", "batches", "batch_size", "stage", "limits")
+
+
+def lightning_context(max_depth: int = 80) -> tuple[str | None, dict[str, Any]]:
+    """(stage, {setting: value}) of the Lightning Trainer whose loop is creating this iterator, if any.
+
+    Found by walking up to a frame whose ``self`` has a Lightning ``trainer``: no
+    Lightning import, and nothing when Lightning is not in the stack.
+    """
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        trainer = getattr(owner, "trainer", None) if owner is not None else None
+        if trainer is not None and type(trainer).__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
+            stage = getattr(getattr(trainer.state, "stage", None), "value", None)
+            if stage in _LIGHTNING_LIMITS:
+                name, settings = _LIGHTNING_LIMITS[stage]
+                return name, {s: _plain(getattr(trainer, s, None)) for s in settings}
+            return None, {}
+        frame = frame.f_back
+    return None, {}
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, type(None))) else str(value)
+
 
 class SampleRecorder:
-    def __init__(self, path: Path) -> None:
+    """``path``: where a script's passes go (JSON lines). None (scenarios): kept for ``drain``."""
+
+    def __init__(self, path: Path | None) -> None:
         self.path = path
         self._loaders: dict[int, tuple[int, int]] = {}   # id(loader) -> (loader number, passes so far)
         self._loader_refs: list[Any] = []                # keep ids unique while recording
+        self._open: dict[int, dict[str, Any]] = {}       # id(loader) -> its pass not yet written
+        self._done: list[dict[str, Any]] = []            # written passes, for drain()
 
     def _new_pass(self, loader: Any) -> dict[str, Any] | None:
         from torch.utils.data.dataloader import _DatasetKind
@@ -33,6 +80,9 @@ class SampleRecorder:
             size = len(loader.dataset)
         except TypeError:
             return None
+        previous = self._open.pop(id(loader), None)
+        if previous is not None:     # the loader's last pass was abandoned: a new one starts
+            self._finish(previous)
         number, passes = self._loaders.get(id(loader), (len(self._loaders), 0))
         if id(loader) not in self._loaders:
             self._loader_refs.append(loader)
@@ -42,9 +92,14 @@ class SampleRecorder:
             expected = len(loader.sampler)   # what a full pass draws (DistributedSampler: padded share)
         except TypeError:
             expected = None
-        return {"dataset": name, "dataset_size": size, "ids": [], "expected": expected}
+        stage, limits = lightning_context()
+        record = {"dataset": name, "dataset_size": size, "ids": [], "expected": expected, "complete": False,
+                  "batches": 0, "batch_size": getattr(loader, "batch_size", None), "stage": stage, "limits": limits}
+        self._open[id(loader)] = record
+        return record
 
     def _record(self, record: dict[str, Any], index: Any) -> None:
+        record["batches"] += 1
         if isinstance(index, (list, tuple)):
             record["ids"].extend(int(i) for i in index)
         elif isinstance(index, int):
@@ -52,31 +107,49 @@ class SampleRecorder:
         # Loops that count batches (Lightning) never ask past the last one: a pass is
         # complete as soon as it drew everything its sampler holds.
         if record["expected"] is not None and len(record["ids"]) >= record["expected"]:
+            record["complete"] = True
             self._finish(record)
 
     def _finish(self, record: dict[str, Any]) -> None:
         if record.get("written"):
             return
         record["written"] = True
-        line = json.dumps({k: record[k] for k in ("dataset", "dataset_size", "ids")}) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        for key, open_record in list(self._open.items()):
+            if open_record is record:
+                del self._open[key]
+        out = {k: record[k] for k in _RECORD_KEYS}
+        self._done.append(out)
+        if self.path is None:
+            return
+        append_pass(self.path, out)
+
+    def flush(self) -> None:
+        """Write every pass still open (cut short, its iterator still alive)."""
+        for record in list(self._open.values()):
+            self._finish(record)
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every pass so far (open ones included), forgotten afterwards: one scenario's passes."""
+        self.flush()
+        done, self._done = self._done, []
+        return done
 
     def install(self) -> None:
+        global ACTIVE
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        recorder = self
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        ACTIVE = recorder = self
         original_init = _BaseDataLoaderIter.__init__
         original_next_index = _BaseDataLoaderIter._next_index
 
         @functools.wraps(original_init)
         def init(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
             original_init(self, loader, *args, **kwargs)
-            self._distcheck_pass = recorder._new_pass(loader)
+            self._distcheck_pass = record = recorder._new_pass(loader)
+            if record is not None:   # an iterator dropped mid-pass (limit_val_batches, break) ends its pass
+                weakref.finalize(self, recorder._finish, record)
 
         @functools.wraps(original_next_index)
         def next_index(self: Any) -> Any:
@@ -85,6 +158,7 @@ class SampleRecorder:
                 index = original_next_index(self)
             except StopIteration:
                 if record is not None:
+                    record["complete"] = True
                     recorder._finish(record)
                 raise
             if record is not None:
@@ -95,15 +169,4 @@ class SampleRecorder:
         _BaseDataLoaderIter._next_index = next_index
 
 
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    records = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return records
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+ACTIVE: SampleRecorder | None = None   # the rank's recorder, once installed

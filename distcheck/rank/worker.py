@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.rank import integrations, native
+from distcheck.rank import integrations, metrics, native, samples
 from distcheck.rank.callsite import USER, classify_file
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import torch_dir
@@ -68,6 +68,8 @@ def install_stack_dumps(path: Path, sample_path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a", buffering=1, encoding="utf-8")
     faulthandler.enable(file=f, all_threads=True)
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2):
+        faulthandler.unregister(sig)   # a registration someone reset in Python is not redone otherwise
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
     faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
     sample = open(sample_path, "a", buffering=1, encoding="utf-8")
@@ -181,6 +183,9 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
         torch.manual_seed(args.seed * 100_003 + rank)
         started, before = time.time(), tracer.count
         fn(ctx)
+        # Lightning's Trainer restores the Python-level handlers it saw at its start at teardown, which
+        # for faulthandler's signals is SIG_DFL: the next scenario's stack requests would kill the rank.
+        install_stack_dumps(STATUS.files.stacks(rank), STATUS.files.stack_sample(rank))
         results = ctx.results()
         done[name] = {"results": results, "collectives": tracer.count - before,
                       "t_start": started, "t_end": time.time()}
@@ -290,14 +295,19 @@ def trace_rank(files: LaunchFiles, rank: int, *, script: bool, main_thread: int 
     tracer = install(files.trace(rank), rank)
     watcher = watch_native_collectives(tracer, main_thread)
     if script:
-        SampleRecorder(files.samples(rank)).install()   # scripts: no code change needed
         integrations.install()
+    # Scripts write their passes to a file; a scenario's go out with its results (scenario.results()).
+    SampleRecorder(files.samples(rank) if script else None).install()   # no code change needed
+    metrics.install(files.root / "metrics" / f"rank{rank}")   # torchmetrics, once the job imports it
     return RankRuntime(files, status, tracer, watcher)
 
 
 def finish_rank(runtime: RankRuntime, results: dict[str, Any]) -> None:
     """The rank's work is done: its last C++-issued calls are in the trace before "finished"."""
     runtime.watcher.flush()
+    if samples.ACTIVE is not None:
+        samples.ACTIVE.flush()   # passes cut short whose iterators are still alive
+    results = {**results, **metrics.results()}   # a script's metrics (a scenario's went with its results)
     runtime.status.update(phase=Phase.FINISHED, collectives=runtime.tracer.count, results=results)
 
 

@@ -20,8 +20,9 @@ KIND_STYLE = {
 
 
 def script_name(result: ScenarioResult) -> str:
-    """How a script is named to its user: the file they gave ("train.py"), or "-m module"."""
-    return result.source.rsplit("/", 1)[-1] if result.source.endswith(".py") else result.source
+    """How a script is named to its user: the file they gave ("train.py"), else "-m module" or the command."""
+    plain_file = result.source.endswith(".py") and " " not in result.source
+    return result.source.rsplit("/", 1)[-1] if plain_file else result.source
 
 
 def _script_line(result: ScenarioResult, mark: tuple[str, str]) -> Text:

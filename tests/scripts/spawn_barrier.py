@@ -1,0 +1,37 @@
+"""PyTorch's DDP-tutorial style: the script starts its own ranks with torch.multiprocessing.spawn.
+
+--bug: only rank 0 calls dist.barrier() (rank 1 never comes).
+--hold: every rank sleeps in its collective-free loop forever (for teardown tests).
+"""
+
+import argparse
+import os
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def work(rank: int, world: int, bug: bool, hold: bool) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    print(f"rank {rank} up", flush=True)
+    while hold:
+        time.sleep(0.1)
+    if rank == 0 or not bug:
+        dist.barrier()   # the barrier
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", default="29511")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--bug", action="store_true")
+    p.add_argument("--hold", action="store_true")
+    args = p.parse_args()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = args.port
+    mp.spawn(work, args=(args.world, args.bug, args.hold), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Issue 16: `distcheck run -- CMD` traces every rank the user's own launch command starts
+(mp.spawn, torchrun, Lightning's subprocess launcher), on real gloo process groups.
+
+Every run has a hard timeout (the ``distcheck`` fixture kills the whole tree on expiry), and
+every test proves that no process the command started survived: those processes do not
+mention the run dir on their command line, so they are found by the environment the
+injection gave them (DISTCHECK_LAUNCH_DIR under this test's tmp_path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import free_port, kill_tree, process_groups_initialized, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SPAWN = SCRIPTS / "spawn_barrier.py"
+RANK0_COMPUTE = SCRIPTS / "rank0_compute.py"
+LIGHTNING_VAL = SCRIPTS / "lightning_val.py"
+FAST = ("--stall-timeout", "3")
+
+
+def injected(under: Path) -> list[psutil.Process]:
+    """Live processes whose DISTCHECK_LAUNCH_DIR lies under ``under``: what the command started."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            launch_dir = p.environ().get("DISTCHECK_LAUNCH_DIR", "")
+            alive = p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            continue
+        if alive and launch_dir.startswith(str(under)) and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def no_survivors(tmp_path):
+    """After the test: nothing the command started is left (killed here, and the test fails)."""
+    yield
+    left = injected(tmp_path) if not wait_for(lambda: not injected(tmp_path), timeout=10) else []
+    for p in left:
+        p.kill()
+    assert not left, f"the command's processes survived: {[p.pid for p in left]}"
+
+
+def _only(report: dict) -> dict:
+    [s] = report["scenarios"]
+    return s
+
+
+def _line_of(script: Path, text: str) -> int:
+    return next(i for i, line in enumerate(script.read_text().splitlines(), 1) if text in line)
+
+
+def _hang(s: dict) -> dict:
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    return hang
+
+
+def test_mp_spawn_rank0_only_barrier_is_a_hang_at_its_line(distcheck, no_survivors):
+    r = distcheck("run", *FAST, "--", sys.executable, str(SPAWN), "--bug", "--port", str(free_port()))
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["name"] == "spawn_barrier" and str(SPAWN) in s["source"]   # the report names the command
+    hang = _hang(s)
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
+    file, line, function = hang["callsite"].split(":")
+    assert (file, int(line), function) == (str(SPAWN), _line_of(SPAWN, "# the barrier"), "work")
+    assert r.report["run"]["world_size"] == 2 and "crash" not in s["observed"]
+    launch = Path(s["launch_dir"])
+    assert "spawn_barrier.py" in (launch / "stacks" / "rank0.txt").read_text()   # a rank distcheck did not start
+    assert "rank 1 up" in (launch / "logs" / "rank1.log").read_text()
+
+
+def test_healthy_mp_spawn_runs_clean(distcheck, no_survivors):
+    r = distcheck("run", *FAST, "--", sys.executable, str(SPAWN), "--port", str(free_port()))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["ok"] and s["findings"] == [] and s["end_reason"] == "completed"
+    assert s["collectives_compared"] == 1 and [x["state"] for x in s["ranks"]] == ["finished", "finished"]
+
+
+def _torchrun(*args: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", *args)
+
+
+def test_torchrun_command_gives_the_same_diagnosis_as_a_distcheck_launch(distcheck, tmp_path, no_survivors):
+    steps = ("--steps", "12")
+    own = distcheck("run", *FAST, "--", *_torchrun("--nproc-per-node", "4", str(RANK0_COMPUTE)), *steps)
+    ours = distcheck("run", str(RANK0_COMPUTE), "--nproc-per-node", "4", *FAST, "--run-dir", str(tmp_path / "ours"),
+                     "--json", str(tmp_path / "ours.json"), "--", *steps)
+    assert own.returncode == ours.returncode == 1, own.stderr[-2000:] + ours.stderr[-2000:]
+    a, b = _hang(_only(own.report)), _hang(_only(ours.report))
+    same = ("op", "seq", "label", "callsite", "waiting_ranks", "absent_ranks")
+    assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    assert a["waiting_ranks"] == [0] and a["absent_ranks"] == [1, 2, 3] and a["label"] == "BinaryAUROC.compute"
+    assert _only(own.report)["observed"] == _only(ours.report)["observed"] == ["hang"]
+
+
+def test_healthy_torchrun_command_runs_clean(distcheck, no_survivors):
+    r = distcheck("run", *FAST, "--", *_torchrun("--nproc-per-node", "2", str(RANK0_COMPUTE)), "--fixed", "--steps", "6")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["ok"] and s["collectives_compared"] > 0 and r.report["run"]["world_size"] == 2
+
+
+def test_lightning_own_launcher_is_clean_when_healthy(distcheck, no_survivors):
+    r = distcheck("run", *FAST, "--", sys.executable, str(LIGHTNING_VAL))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["ok"] and s["findings"] == [] and s["collectives_compared"] > 0
+    assert r.report["run"]["world_size"] == 2   # rank 1 was started by Lightning, not by distcheck
+
+
+def test_lightning_rank0_only_self_log_is_a_hang_on_its_line(distcheck, no_survivors):
+    r = distcheck("run", *FAST, "--", sys.executable, str(LIGHTNING_VAL), "--rank0-log")
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    hang = _hang(_only(r.report))
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
+    file, line, _ = hang["callsite"].split(":")
+    assert (file, int(line)) == (str(LIGHTNING_VAL), _line_of(LIGHTNING_VAL, 'self.log("rank0_loss"'))
+
+
+def test_a_script_that_spawns_its_own_ranks_is_refused_with_the_command_form(distcheck):
+    r = distcheck("run", str(SPAWN), "--", "--bug", json=False, timeout=60)
+    assert r.returncode == 2
+    [line] = r.stderr.strip().splitlines()
+    assert f"distcheck run -- python {SPAWN} --bug" in line and "crash" not in line
+
+
+def test_a_command_that_never_initializes_a_process_group_is_a_usage_error(distcheck):
+    r = distcheck("run", "--", sys.executable, "-c", "print('hello')", json=False, timeout=60)
+    assert r.returncode == 2 and "init_process_group" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_distcheck_ends_every_process_the_command_started(tmp_path, sig, no_survivors):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distcheck", "run", "--run-dir", str(run_dir), "--json", str(tmp_path / "r.json"),
+         "--", sys.executable, str(SPAWN), "--hold", "--port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        status = [run_dir / "spawn_barrier" / "status" / f"rank{r}.json" for r in (0, 1)]
+        assert wait_for(lambda: process_groups_initialized(status), timeout=120), proc.stderr
+        ranks = [json.loads(p.read_text())["pid"] for p in status]
+        assert all(psutil.pid_exists(pid) for pid in ranks)
+        os.kill(proc.pid, sig)   # distcheck alone: not its process group
+        proc.wait(timeout=60)
+        # The mp.spawn children are grandchildren of the command: gone, even after a SIGKILL.
+        assert wait_for(lambda: not injected(tmp_path), timeout=15), [p.pid for p in injected(tmp_path)]
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 130
+    finally:
+        kill_tree(proc)
+        proc.communicate()

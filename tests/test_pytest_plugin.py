@@ -1,0 +1,153 @@
+"""The pytest plugin, through pytester: marked tests run on real gloo ranks under distcheck.
+
+Each test runs pytest in a subprocess (the plugin loads from its ``pytest11`` entry point)
+with a hard timeout, and checks afterwards that no rank outlived it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import survivors
+
+pytest_plugins = ("pytester",)
+
+MODULE = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(nproc=2)
+def test_healthy(dist_ctx):
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert t.tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.distributed(nproc=2)
+def test_hangs(dist_ctx):
+    from torchmetrics.classification import BinaryAUROC
+
+    metric = BinaryAUROC()
+    metric.update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
+    if dist_ctx.rank == 0:
+        metric.compute()   # HANG LINE
+
+
+@pytest.mark.distributed(nproc=2)
+def test_mismatch(dist_ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if dist_ctx.rank == 0 else dist.ReduceOp.MAX)
+
+
+@pytest.mark.distributed(nproc=2)
+def test_rank_assert(dist_ctx):
+    assert dist_ctx.rank == 0, f"rank {dist_ctx.rank} disagrees"
+
+
+@pytest.mark.distributed(nproc=2)
+def test_wants_a_fixture(dist_ctx, tmp_path):
+    pass
+'''
+
+
+def run_pytest(pytester: pytest.Pytester, *args: str, timeout: float = 240) -> pytest.RunResult:
+    run_dir = pytester.path / "runs"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--distcheck-run-dir", str(run_dir),
+                                           *args, timeout=timeout)
+    left = survivors(str(run_dir))
+    for p in left:
+        p.kill()
+    assert not left, f"ranks survived pytest: {[p.info['cmdline'] for p in left]}"
+    return result
+
+
+def failures(junit: str) -> dict[str, str | None]:
+    """testcase name -> its failure text (None: it passed)."""
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        failure = case.find("failure")
+        out[case.get("name")] = None if failure is None else (failure.get("message", "") + (failure.text or ""))
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(270)
+def test_a_hang_fails_with_the_diagnosis_and_the_other_tests_still_run(pytester):
+    path = pytester.makepyfile(test_dist=MODULE)
+    hang_line = path.read_text().splitlines().index("        metric.compute()   # HANG LINE") + 1
+    junit = str(pytester.path / "junit.xml")
+    started = time.monotonic()
+    result = run_pytest(pytester, str(path), "--distcheck-stall-timeout", "3", f"--junitxml={junit}")
+    took = time.monotonic() - started
+    result.assert_outcomes(passed=1, failed=4)
+    text = failures(junit)
+    assert text["test_healthy"] is None
+    hang = " ".join(text["test_hangs"].split())   # the diagnosis is wrapped at 120 columns
+    assert "observed hang" in hang and "Rank 0 is waiting in" in hang
+    assert f"BinaryAUROC.compute at test_dist.py:{hang_line}" in hang and "rank 1 never entered it" in hang
+    assert "reduce_op SUM on rank 0 vs MAX on rank 1" in text["test_mismatch"]
+    # The assert of the next test in the same launch is that test's, not the mismatch's.
+    assert "AssertionError" not in text["test_mismatch"]
+    rank_assert = text["test_rank_assert"]
+    assert rank_assert.startswith("Failed: rank 1: AssertionError: rank 1 disagrees")
+    assert 'test_dist.py", line' in rank_assert and "/shims/" not in rank_assert.split("\n\n")[0]
+    assert "tmp_path would be a fixture of the pytest process" in text["test_wants_a_fixture"]
+    # Every test names its run dir (a JUnit property, for CI artifacts).
+    props = [p.get("value") for p in ET.parse(junit).getroot().iter("property") if p.get("name") == "distcheck_run_dir"]
+    assert len(props) == 4 and all("/runs/" in p for p in props)
+    # The shared launch is ended by the hang; the two tests after it run again, in one launch.
+    summary = [line for line in result.outlines if line.startswith("distcheck: ")]
+    assert summary and "5 distributed test(s) in 2 launch(es)" in summary[0], result.outlines[-10:]
+    print(f"\n{summary[0]}; pytest took {took:.1f} s")
+
+
+SMALL = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+{tests}
+
+@pytest.mark.distributed(nproc=[2, 4])
+def test_both_sizes(dist_ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist_ctx.world_size
+'''
+
+ONE = '''
+@pytest.mark.distributed(nproc=4)
+def test_small_{i}(dist_ctx):
+    t = torch.full((2,), float(dist_ctx.rank))
+    dist.all_reduce(t)
+    assert t.tolist() == [6.0, 6.0]
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(270)
+def test_twenty_small_tests_at_four_ranks_share_one_launch(pytester):
+    path = pytester.makepyfile(test_small=SMALL.format(tests="".join(ONE.format(i=i) for i in range(20))))
+    started = time.monotonic()
+    result = run_pytest(pytester, str(path), "-v")
+    took = time.monotonic() - started
+    result.assert_outcomes(passed=22)
+    assert "test_small.py::test_both_sizes[nproc2] PASSED" in result.outlines[-30:] or \
+        any("test_both_sizes[nproc2] PASSED" in line for line in result.outlines)
+    [summary] = [line for line in result.outlines if line.startswith("distcheck: ")]
+    launches = int(re.search(r"in (\d+) launch", summary).group(1))
+    assert launches == 2, summary   # the 21 four-rank tests in one launch, the two-rank variant in another
+    print(f"\n{summary}; pytest took {took:.1f} s")
+
+
+def test_dist_ctx_outside_a_distributed_test_is_a_clear_failure(pytester):
+    pytester.makepyfile(test_plain="def test_plain(dist_ctx):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*dist_ctx exists only in @pytest.mark.distributed tests*"])
