@@ -25,118 +25,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections import deque
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from collections import deque
 from time import time_ns
 from typing import Any, Callable
 
-from distcheck.rank.callsite import CallsiteResolver
 from distcheck.files.trace import (CALL_KEY, ENTER, EXIT_OK, NONE, TraceWriter, clean, encode_shapes,
                                    exit_record, fingerprint_record, group_record, segment_record, site_record)
-
-
-@dataclass(frozen=True)
-class OpSpec:
-    tensors: tuple[str, ...] = ()        # parameters holding one tensor
-    tensor_lists: tuple[str, ...] = ()   # parameters holding a list of tensors
-    reduce_op: str | None = None         # parameter holding the ReduceOp
-    root: str | None = None              # src/dst parameter (global rank)
-    group_root: str | None = None        # group_src/group_dst parameter (group rank)
-    p2p: str | None = None               # "send" or "recv": the root is the peer
-    shape_unless: str | None = None      # skip shapes when this parameter is set (uneven splits)
-    object_list: str | None = None       # parameter holding a list of objects: its length is compared
-    # all_to_all(_single): (output, input[, output_split_sizes, input_split_sizes]); new_group: (ranks,).
-    # Read on the slow path only: rank i's sends to j must equal what j expects from i.
-    extra: tuple[str, ...] = ()
-
-
-OPS: dict[str, OpSpec] = {
-    "all_reduce": OpSpec(tensors=("tensor",), reduce_op="op"),
-    "all_reduce_coalesced": OpSpec(tensor_lists=("tensors",), reduce_op="op"),
-    "all_gather": OpSpec(tensors=("tensor",)),
-    "all_gather_into_tensor": OpSpec(tensors=("input_tensor",)),
-    "all_gather_object": OpSpec(object_list="object_list"),
-    "all_gather_coalesced": OpSpec(tensor_lists=("input_tensor_list",)),
-    "reduce_scatter": OpSpec(tensor_lists=("input_list",), reduce_op="op"),
-    "reduce_scatter_tensor": OpSpec(tensors=("input",), reduce_op="op"),
-    "reduce": OpSpec(tensors=("tensor",), reduce_op="op", root="dst", group_root="group_dst"),
-    "broadcast": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
-    "broadcast_object_list": OpSpec(root="src", group_root="group_src", object_list="object_list"),
-    "gather": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst"),
-    "gather_object": OpSpec(root="dst", group_root="group_dst"),
-    "scatter": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
-    "scatter_object_list": OpSpec(root="src", group_root="group_src", object_list="scatter_object_output_list"),
-    "all_to_all": OpSpec(tensor_lists=("input_tensor_list",), extra=("output_tensor_list", "input_tensor_list")),
-    "all_to_all_single": OpSpec(tensors=("input",), shape_unless="input_split_sizes",
-                                extra=("output", "input", "output_split_sizes", "input_split_sizes")),
-    "barrier": OpSpec(),
-    "monitored_barrier": OpSpec(),
-    "new_group": OpSpec(extra=("ranks",)),
-    "send": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
-    "isend": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
-    "recv": OpSpec(tensors=("tensor",), root="src", group_root="group_src", p2p="recv"),
-    "irecv": OpSpec(tensors=("tensor",), root="src", group_root="group_src", p2p="recv"),
-    "send_object_list": OpSpec(root="dst", group_root="group_dst", p2p="send"),
-    "recv_object_list": OpSpec(root="src", group_root="group_src", p2p="recv"),
-}
-ASYNC_BY_NATURE = {"isend", "irecv"}
-# Calls numbered by the group's own collective counter advance it by one, except these:
-MULTI_SEQ = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-             "monitored_barrier"}          # several collectives inside (sizes, then data)
-UNCOUNTED = {"new_group"}                  # no collective at all: numbered in a sequence of their own
-NEW_GROUP_KEY = "new_group"
-
-
-def _reduce_op_name(op: Any) -> str:
-    name = getattr(op, "name", None)
-    if name:
-        return name
-    text = str(op)
-    return text.rsplit(".", 1)[-1] if "." in text else text
-
-
-# -- argument extraction ------------------------------------------------------
-
-# What an extractor returns, in this order.
-_SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless",
-          "object_list", "extra")
-
-
-def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], tuple]:
-    """A function ``(args, kwargs) -> (group, tensors, tensor_lists, reduce_op, root,
-    group_root, async_op, shape_unless, object_list, extra)`` specialised to one op's signature.
-
-    Generated once per op (like ``collections.namedtuple``), so a call reads
-    each argument by position or keyword without binding the whole signature.
-    """
-    index = {p.name: i for i, p in enumerate(params)
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    defaults = {p.name: (None if p.default is p.empty else p.default) for p in params}
-    namespace: dict[str, Any] = {}
-    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)"]
-
-    def read(param: str | None) -> str:
-        if param is None or param not in defaults:
-            return "None"
-        var = f"d_{len(namespace)}"
-        namespace[var] = defaults[param]
-        if param in index:
-            i = index[param]
-            return f"(args[{i}] if n > {i} else kwargs.get({param!r}, {var}))"
-        return f"kwargs.get({param!r}, {var})"
-
-    group = "None" if name == "new_group" else read("group")
-    tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
-    lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
-    values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
-              read("async_op"), read(spec.shape_unless), read(spec.object_list),
-              "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None")
-    lines.append(f"    return ({', '.join(values)})")
-    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
-    return namespace[f"extract_{name}"]
+from distcheck.rank.callsite import CallsiteResolver
+from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
+from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, NEW_GROUP_KEY, OPS, UNCOUNTED, OpSpec, extra_fields,
+                                make_extractor, reduce_op_name)
 
 
 class _Local(threading.local):
@@ -160,8 +61,8 @@ class Tracer:
         self.rank = rank
         self.writer = TraceWriter(Path(path))
         self.resolver = CallsiteResolver()
-        self._resolve_group = group_resolver or _c10d_group
-        self._default_group = default_group or _c10d_default_group()
+        self._resolve_group = group_resolver or c10d_group
+        self._default_group = default_group or c10d_default_group()
         # group -> the newest number this tracer wrote (the group's own counter where it has one)
         self._seq: dict[str, int] = {}
         # id(pg) -> (key, pg, key as bytes, the group's collective counter or None, its value at the
@@ -170,7 +71,7 @@ class Tracer:
         self._groups: dict[int, tuple[str, Any, bytes, Callable[[], int] | None, int, deque]] = {}
         self._written: dict[str, deque] = {}
         # Numbers count from each group's counter when tracing started (0 for groups made later).
-        self._bases: dict[str, int] = {key: counter() for key, counter in _c10d_counters()}
+        self._bases: dict[str, int] = {key: counter() for key, counter in group_counters()}
         self._multi: tuple[str, Callable[[], int], int] | None = None
         # Shared with the sidecar that finds C++-issued calls (rank.native): the group a Python call
         # is in right now (its numbers are its own), and a lock held while a new segment starts.
@@ -194,7 +95,7 @@ class Tracer:
         with self.lock:
             for listener in self.segment_listeners:
                 listener.end_segment()
-            self._bases = {key: counter() for key, counter in _c10d_counters()}
+            self._bases = {key: counter() for key, counter in group_counters()}
             self._seq.clear()
             self._groups.clear()
             self._written.clear()
@@ -404,7 +305,7 @@ class Tracer:
         key, ranks = self._resolve_group(pg)
         key = clean(key or str(len(self._groups)))
         written = self._written.setdefault(key, deque())
-        entry = self._groups[id(pg)] = (key, pg, key.encode(), _counter(pg), self._bases.get(key, 0), written)
+        entry = self._groups[id(pg)] = (key, pg, key.encode(), counter_of(pg), self._bases.get(key, 0), written)
         self._seq.setdefault(key, 0)
         out.append(group_record(key, ranks))
         return entry
@@ -414,7 +315,7 @@ class Tracer:
         key, _, _, counter, base, written = entry
         if name in UNCOUNTED:
             if NEW_GROUP_KEY not in self._seq:
-                out.append(group_record(NEW_GROUP_KEY, _members(entry[1])))
+                out.append(group_record(NEW_GROUP_KEY, members_of(entry[1])))
             key, counter = NEW_GROUP_KEY, None
         seq = (self._seq.get(key, 0) if counter is None else counter() - base) + 1
         if counter is not None:
@@ -469,7 +370,7 @@ class Tracer:
         if objects is not None:   # the list's length must agree (a sender with 2 objects, receivers with 1)
             described = (((len(objects),), "object", None),)
         is_async = name in ASYNC_BY_NATURE or bool(async_op)
-        splits, members = _extra(name, extra, pg if pg is not None else self._default_group())
+        splits, members = extra_fields(name, extra, pg if pg is not None else self._default_group())
         # Uneven all_to_all lists differ in shape on purpose: the splits say what must agree.
         skip_shapes = (spec.shape_unless is not None and shape_unless is not None) or (splits is not None and tensor_lists)
         fp_key = (name, op, root, is_async, skip_shapes, described, self.resolver.key(frame), splits, members)
@@ -486,7 +387,7 @@ class Tracer:
         return key
 
     def _op_name(self, op: Any) -> str:
-        text = _reduce_op_name(op)
+        text = reduce_op_name(op)
         try:
             self._op_names[op] = text
         except TypeError:   # an unhashable ReduceOp (e.g. premul_sum): name it every time
@@ -516,82 +417,6 @@ class Tracer:
 
     def _exit(self, key: bytes, exc: BaseException | None) -> None:
         os.write(self.writer.fd, exit_record(key, time_ns() // 1000, exc))
-
-
-def _extra(name: str, extra: tuple | None, pg: Any) -> tuple[tuple | None, tuple[int, ...] | None]:
-    """(splits, members) of an all_to_all(_single) or new_group call; (None, None) for any other."""
-    if not extra:
-        return None, None
-    try:
-        if name == "new_group":
-            ranks = extra[0]
-            return None, tuple(sorted(int(r) for r in ranks)) if ranks is not None else tuple(range(pg.size()))
-        if name == "all_to_all":
-            out, inp = extra
-            return (tuple(t.numel() for t in inp), tuple(t.numel() for t in out)), None
-        out, inp, out_splits, in_splits = extra
-        n = pg.size()
-        return (_elements(inp, in_splits, n), _elements(out, out_splits, n)), None
-    except Exception:   # an argument the call itself will reject: record nothing extra
-        return None, None
-
-
-def _elements(t: Any, split_sizes: Any, n: int) -> tuple[int, ...]:
-    """Elements per group rank of an all_to_all_single buffer: rows of dim 0 times the row's size."""
-    row = 1
-    for d in tuple(t.shape)[1:]:
-        row *= int(d)
-    rows = [int(s) for s in split_sizes] if split_sizes is not None and len(split_sizes) else [t.shape[0] // n] * n
-    return tuple(r * row for r in rows)
-
-
-def _c10d_default_group() -> Callable[[], Any]:
-    """Returns the current default group, or None before init_process_group (cheap: one property)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    world = c10d._world
-    return lambda: world.default_pg
-
-
-def _counter(pg: Any) -> Callable[[], int] | None:
-    """The group's collective counter: it counts C++-issued calls too, so Python and C++ calls share
-    one numbering that matches the Flight Recorder's. None for a backend without one."""
-    counter = getattr(pg, "_get_sequence_number_for_group", None)
-    try:
-        counter()
-    except Exception:   # a stand-in group, or a backend that does not count
-        return None
-    return counter
-
-
-def _members(pg: Any) -> tuple[int, ...]:
-    try:
-        import torch.distributed.distributed_c10d as c10d
-        return tuple(c10d.get_process_group_ranks(pg))
-    except Exception:
-        return ()
-
-
-def _c10d_counters() -> list[tuple[str, Callable[[], int]]]:
-    """(name, counter) of every process group of this rank that counts its collectives."""
-    try:
-        import torch.distributed.distributed_c10d as c10d
-        groups = list(c10d._world.pg_names.items())
-    except Exception:
-        return []
-    out = []
-    for pg, name in groups:
-        counter = _counter(pg)
-        if counter is not None:
-            out.append((name, counter))
-    return out
-
-
-def _c10d_group(pg: Any) -> tuple[str | None, tuple[int, ...]]:
-    import torch.distributed.distributed_c10d as c10d
-
-    key = c10d._world.pg_names.get(pg) or getattr(pg, "group_name", None)
-    return key, tuple(c10d.get_process_group_ranks(pg))
 
 
 def install(path: Any, rank: int) -> Tracer:

@@ -1,0 +1,54 @@
+"""Process groups as the tracer sees them: name, members, and the group's collective counter."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def c10d_default_group() -> Callable[[], Any]:
+    """Returns the current default group, or None before init_process_group (cheap: one property)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._world
+    return lambda: world.default_pg
+
+
+def counter_of(pg: Any) -> Callable[[], int] | None:
+    """The group's collective counter: it counts C++-issued calls too, so Python and C++ calls share
+    one numbering that matches the Flight Recorder's. None for a backend without one."""
+    counter = getattr(pg, "_get_sequence_number_for_group", None)
+    try:
+        counter()
+    except Exception:   # a stand-in group, or a backend that does not count
+        return None
+    return counter
+
+
+def members_of(pg: Any) -> tuple[int, ...]:
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        return tuple(c10d.get_process_group_ranks(pg))
+    except Exception:
+        return ()
+
+
+def group_counters() -> list[tuple[str, Callable[[], int]]]:
+    """(name, counter) of every process group of this rank that counts its collectives."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        groups = list(c10d._world.pg_names.items())
+    except Exception:
+        return []
+    out = []
+    for pg, name in groups:
+        counter = counter_of(pg)
+        if counter is not None:
+            out.append((name, counter))
+    return out
+
+
+def c10d_group(pg: Any) -> tuple[str | None, tuple[int, ...]]:
+    import torch.distributed.distributed_c10d as c10d
+
+    key = c10d._world.pg_names.get(pg) or getattr(pg, "group_name", None)
+    return key, tuple(c10d.get_process_group_ranks(pg))

@@ -1,0 +1,141 @@
+"""What the tracer records of each collective, and how it reads the arguments.
+
+``OPS`` names the parameters that matter for each public collective and p2p call
+of ``torch.distributed``; ``make_extractor`` turns that into a small function per
+op, generated once from the op's own signature, that reads them by position or
+keyword (no ``inspect.signature(...).bind`` on the hot path).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    tensors: tuple[str, ...] = ()        # parameters holding one tensor
+    tensor_lists: tuple[str, ...] = ()   # parameters holding a list of tensors
+    reduce_op: str | None = None         # parameter holding the ReduceOp
+    root: str | None = None              # src/dst parameter (global rank)
+    group_root: str | None = None        # group_src/group_dst parameter (group rank)
+    p2p: str | None = None               # "send" or "recv": the root is the peer
+    shape_unless: str | None = None      # skip shapes when this parameter is set (uneven splits)
+    object_list: str | None = None       # parameter holding a list of objects: its length is compared
+    # all_to_all(_single): (output, input[, output_split_sizes, input_split_sizes]); new_group: (ranks,).
+    # Read on the slow path only: rank i's sends to j must equal what j expects from i.
+    extra: tuple[str, ...] = ()
+
+
+OPS: dict[str, OpSpec] = {
+    "all_reduce": OpSpec(tensors=("tensor",), reduce_op="op"),
+    "all_reduce_coalesced": OpSpec(tensor_lists=("tensors",), reduce_op="op"),
+    "all_gather": OpSpec(tensors=("tensor",)),
+    "all_gather_into_tensor": OpSpec(tensors=("input_tensor",)),
+    "all_gather_object": OpSpec(object_list="object_list"),
+    "all_gather_coalesced": OpSpec(tensor_lists=("input_tensor_list",)),
+    "reduce_scatter": OpSpec(tensor_lists=("input_list",), reduce_op="op"),
+    "reduce_scatter_tensor": OpSpec(tensors=("input",), reduce_op="op"),
+    "reduce": OpSpec(tensors=("tensor",), reduce_op="op", root="dst", group_root="group_dst"),
+    "broadcast": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
+    "broadcast_object_list": OpSpec(root="src", group_root="group_src", object_list="object_list"),
+    "gather": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst"),
+    "gather_object": OpSpec(root="dst", group_root="group_dst"),
+    "scatter": OpSpec(tensors=("tensor",), root="src", group_root="group_src"),
+    "scatter_object_list": OpSpec(root="src", group_root="group_src", object_list="scatter_object_output_list"),
+    "all_to_all": OpSpec(tensor_lists=("input_tensor_list",), extra=("output_tensor_list", "input_tensor_list")),
+    "all_to_all_single": OpSpec(tensors=("input",), shape_unless="input_split_sizes",
+                                extra=("output", "input", "output_split_sizes", "input_split_sizes")),
+    "barrier": OpSpec(),
+    "monitored_barrier": OpSpec(),
+    "new_group": OpSpec(extra=("ranks",)),
+    "send": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
+    "isend": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
+    "recv": OpSpec(tensors=("tensor",), root="src", group_root="group_src", p2p="recv"),
+    "irecv": OpSpec(tensors=("tensor",), root="src", group_root="group_src", p2p="recv"),
+    "send_object_list": OpSpec(root="dst", group_root="group_dst", p2p="send"),
+    "recv_object_list": OpSpec(root="src", group_root="group_src", p2p="recv"),
+}
+ASYNC_BY_NATURE = {"isend", "irecv"}
+# Calls numbered by the group's own collective counter advance it by one, except these:
+MULTI_SEQ = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+             "monitored_barrier"}          # several collectives inside (sizes, then data)
+UNCOUNTED = {"new_group"}                  # no collective at all: numbered in a sequence of their own
+NEW_GROUP_KEY = "new_group"
+
+
+def reduce_op_name(op: Any) -> str:
+    name = getattr(op, "name", None)
+    if name:
+        return name
+    text = str(op)
+    return text.rsplit(".", 1)[-1] if "." in text else text
+
+
+# -- argument extraction ------------------------------------------------------
+
+# What an extractor returns, in this order.
+_SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless",
+          "object_list", "extra")
+
+
+def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], tuple]:
+    """A function ``(args, kwargs) -> (group, tensors, tensor_lists, reduce_op, root,
+    group_root, async_op, shape_unless, object_list, extra)`` specialised to one op's signature.
+
+    Generated once per op (like ``collections.namedtuple``), so a call reads
+    each argument by position or keyword without binding the whole signature.
+    """
+    index = {p.name: i for i, p in enumerate(params)
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    defaults = {p.name: (None if p.default is p.empty else p.default) for p in params}
+    namespace: dict[str, Any] = {}
+    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)"]
+
+    def read(param: str | None) -> str:
+        if param is None or param not in defaults:
+            return "None"
+        var = f"d_{len(namespace)}"
+        namespace[var] = defaults[param]
+        if param in index:
+            i = index[param]
+            return f"(args[{i}] if n > {i} else kwargs.get({param!r}, {var}))"
+        return f"kwargs.get({param!r}, {var})"
+
+    group = "None" if name == "new_group" else read("group")
+    tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
+    lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
+    values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
+              read("async_op"), read(spec.shape_unless), read(spec.object_list),
+              "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None")
+    lines.append(f"    return ({', '.join(values)})")
+    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
+    return namespace[f"extract_{name}"]
+
+
+def extra_fields(name: str, extra: tuple | None, pg: Any) -> tuple[tuple | None, tuple[int, ...] | None]:
+    """(splits, members) of an all_to_all(_single) or new_group call; (None, None) for any other."""
+    if not extra:
+        return None, None
+    try:
+        if name == "new_group":
+            ranks = extra[0]
+            return None, tuple(sorted(int(r) for r in ranks)) if ranks is not None else tuple(range(pg.size()))
+        if name == "all_to_all":
+            out, inp = extra
+            return (tuple(t.numel() for t in inp), tuple(t.numel() for t in out)), None
+        out, inp, out_splits, in_splits = extra
+        n = pg.size()
+        return (_elements(inp, in_splits, n), _elements(out, out_splits, n)), None
+    except Exception:   # an argument the call itself will reject: record nothing extra
+        return None, None
+
+
+def _elements(t: Any, split_sizes: Any, n: int) -> tuple[int, ...]:
+    """Elements per group rank of an all_to_all_single buffer: rows of dim 0 times the row's size."""
+    row = 1
+    for d in tuple(t.shape)[1:]:
+        row *= int(d)
+    rows = [int(s) for s in split_sizes] if split_sizes is not None and len(split_sizes) else [t.shape[0] // n] * n
+    return tuple(r * row for r in rows)
