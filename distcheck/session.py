@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from distcheck import __version__
 from distcheck.launch import batch
 from distcheck.files import run_dir as rundir
 from distcheck.diagnose.analyze import RunFacts
