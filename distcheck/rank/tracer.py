@@ -84,6 +84,7 @@ class Tracer:
         self._local = _Local()
         self._originals: dict[str, Callable] = {}
         self.count = 0
+        self.slow_calls = 0   # calls that took ``_enter`` (first of their kind, p2p, lists...): a cost to watch
 
     def begin_segment(self, name: str) -> None:
         """Start a self-contained part of the trace (the next scenario of a batched launch).
@@ -277,8 +278,9 @@ class Tracer:
                 except (KeyError, TypeError):
                     return slow(values, frame)
             t = tensors[0] if tensors else None
+            # the same key as ``_enter``'s (an op on this path has no splits or members)
             fp = fps.get((name, op, root, by_nature or bool(async_op), has_unless and shape_unless is not None,
-                          () if t is None else ((t.shape, t.dtype, t.device),), site_key(frame)))
+                          () if t is None else ((t.shape, t.dtype, t.device),), site_key(frame), None, None))
             if fp is None:
                 return slow(values, frame)
             group, counter = entry[0], entry[3]
@@ -379,6 +381,7 @@ class Tracer:
             fp = self._define(fp_key, defs)
         self._seq[group] = seq
         self.count += 1
+        self.slow_calls += 1
         key = CALL_KEY % (group.encode(), seq)
         record = ENTER % (key, fp, time_ns() // 1000)
         if defs:   # definitions go in the same write as, and before, their first use
