@@ -87,6 +87,7 @@ def run(
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
     flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
     isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
+    metric_memory_mb: Optional[float] = typer.Option(None, "--metric-memory-mb", help="Per-rank cap on the torchmetrics update() inputs recorded for the single-process reference (default 256); past it the check is skipped with a note."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 

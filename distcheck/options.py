@@ -39,6 +39,7 @@ class RunOptions:
     command: str = ""
     nodes: NodeConfig = NodeConfig()
     batching: bool = True            # all but expected hangs/crashes share a launch (see batch.plan)
+    metric_memory_mb: float | None = None   # per-rank cap on recorded torchmetrics inputs (None: the default)
     scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
     flight_recorder: bool | None = None   # None: on (C++-issued collectives; GPU-side state on NCCL)
 
@@ -74,6 +75,7 @@ class RunFlags:
     option: tuple[str, ...] = ()     # KEY=VALUE
     flight_recorder: bool | None = None
     isolate: bool = False
+    metric_memory_mb: float | None = None
     command: str = ""
 
     @classmethod
@@ -95,6 +97,7 @@ def check_flags(flags: RunFlags) -> NodeConfig:
     if flags.device not in DEVICE_CHOICES:
         raise UsageError(f"unknown device {flags.device!r}", "use auto, cpu or cuda")
     positive("--stall-timeout", flags.stall_timeout)
+    positive("--metric-memory-mb", flags.metric_memory_mb)
     positive("--busy-timeout", flags.busy_timeout)
     positive("--timeout", flags.timeout)
     if flags.nproc_per_node is not None and flags.nproc_per_node < 1:
@@ -120,6 +123,7 @@ def run_options(flags: RunFlags, nodes: NodeConfig) -> RunOptions:
         timeout=flags.timeout, max_duration=flags.max_duration, seed=flags.seed, nodes=nodes,
         scenario_options=scenario_options(flags.option, flags.min_busbw), flight_recorder=flags.flight_recorder,
         batching=not flags.isolate, run_dir=flags.run_dir, command=flags.command,
+        metric_memory_mb=flags.metric_memory_mb,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
+import os
 import secrets
 import shlex
 import sys
@@ -30,6 +31,7 @@ from distcheck.launch.launcher import (LaunchOutcome, LaunchSpec, launch, merge_
                                       quiet_native_warnings)
 from distcheck.launch.worker_args import worker_args
 from distcheck.launch.replay import with_metric_reference
+from distcheck.rank import metrics as metric_recording
 from distcheck.models import EndReason, RankState, Report, RunInfo, ScenarioResult
 from distcheck.discovery import ScriptSpec, Target
 from distcheck.diagnose.collect import CollectedRun, collect
@@ -179,6 +181,8 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     hooks = hooks or RunHooks()
     if not specs:
         raise UsageError("nothing to run: no scenarios selected")
+    if options.metric_memory_mb is not None:   # the ranks inherit it, however they are launched
+        os.environ[metric_recording.MEMORY_ENV] = f"{options.metric_memory_mb:g}"
     run_id = new_run_id()
     run_dir = make_run_dir(options.run_dir, run_id)
     # Every node must name its launches alike for torch's rendezvous to pair them.

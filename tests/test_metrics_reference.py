@@ -159,8 +159,8 @@ def test_sync_on_compute_false_gives_the_cross_rank_finding(distcheck):
 @pytest.mark.e2e
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_past_the_memory_cap_the_check_is_skipped_with_a_note(distcheck):
-    r = distcheck("run", str(SCRIPTS / "metric_sync.py"), "--nproc-per-node", "2", "--", "--wrong-reduce",
-                  timeout=E2E_TIMEOUT, env={"DISTCHECK_METRIC_MEMORY_MB": "0.00001"})
+    r = distcheck("run", str(SCRIPTS / "metric_sync.py"), "--nproc-per-node", "2", "--metric-memory-mb", "0.00001",
+                  "--", "--wrong-reduce", timeout=E2E_TIMEOUT)
     assert r.returncode == 0, r.stdout[-3000:]
     [note] = _findings(r, "numeric", "info")
     assert "cap" in note["data"]["skipped"] and "not checked against a single process" in note["summary"]
