@@ -79,10 +79,28 @@ def verify(run, world: int, names: tuple[str, ...]) -> None:
         try:
             assert s["ok"], f"expected {s['expected']}, observed {s['observed']}"
             CHECKS.get(name, _behaved)(s, world)   # scenarios added by others: their expectation only
+            _findings_agree_on_where_each_rank_was(s)
         except AssertionError as exc:
             summaries = "\n".join(f"    {f['kind']}: {f['summary']}" for f in s["findings"])
             failures.append(f"{name} at {world} ranks: {exc}\n{summaries}")
     assert not failures, "\n\n".join(failures)
+
+
+def _findings_agree_on_where_each_rank_was(s: dict) -> None:
+    """No finding puts a rank somewhere its final state contradicts: a rank a finding says is waiting
+    is stuck (in that very call, when the finding names one), and a rank said to be absent is not
+    stuck in that call."""
+    ranks = {r["rank"]: r for r in s["ranks"]}
+    for f in s["findings"]:
+        for r in f["waiting_ranks"]:
+            assert ranks[r]["state"] in ("stuck", "crashed"), (f["kind"], r, ranks[r]["state"], f["summary"])
+            last = ranks[r]["last_event"]
+            if f["kind"] == "hang" and f["seq"] is not None and ranks[r]["state"] == "stuck":
+                assert (last["group"], last["seq"]) == (f["group"], f["seq"]), (r, last, f["summary"])
+        for r in f["absent_ranks"]:
+            last = ranks[r]["last_event"]
+            in_it = last and (last["group"], last["seq"]) == (f["group"], f["seq"]) and last["t_exit"] is None
+            assert not (ranks[r]["state"] == "stuck" and in_it), (r, f["summary"])
 
 
 # -- structural mismatches ---------------------------------------------------------
