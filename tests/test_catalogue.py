@@ -286,6 +286,15 @@ def _fsdp2(s: dict, world: int) -> None:
     _hang_in_cpp(s, [0], list(range(1, world)), "all_gather", "FSDP all_gather")
 
 
+@check("ddp_extra_step_then_barrier")
+def _ddp_then_barrier(s: dict, world: int) -> None:
+    # the cause only: no second finding puts rank 0 (in its all_reduce) in the others' barrier
+    [m] = s["findings"]
+    assert (m["kind"], m["op"], m["seq"], m["odd_ranks"]) == ("mismatch", "barrier", 8, [0])
+    assert "op" in m["fields"]
+    assert {r["rank"]: r["state"] for r in s["ranks"]} == {r: "stuck" for r in range(world)}
+
+
 @check("rank0_slow_then_barrier")
 def _late(s: dict, world: int) -> None:
     assert s["observed"] == ["straggler"] and s["end_reason"] == "completed"
@@ -346,7 +355,7 @@ def _passes(s: dict, world: int) -> None:
 
 for _name in ("weighted_mean", "unrepeated_sharding_confmat", "collectives_sanity", "auroc_all_ranks_compute",
               "ddp_uneven_inputs_join", "ddp_no_sync_all_ranks", "functional_collective_all_ranks", "fsdp2_same_steps",
-              "moe_all_to_all_splits_exchanged", "subgroups_created_in_same_order", "recv_sized_per_worker"):
+              "moe_all_to_all_splits_exchanged", "ddp_extra_step_then_barrier_join", "subgroups_created_in_same_order", "recv_sized_per_worker"):
     check(_name)(_passes)
 
 

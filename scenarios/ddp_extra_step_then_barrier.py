@@ -1,0 +1,19 @@
+"""DDP with uneven inputs, then a barrier: rank 0's extra gradient all_reduce (issued from C++)
+meets the other ranks' barrier at the same number. Every rank waits, each in a different call: the
+mismatch is the cause, and no second finding may put rank 0 in the others' barrier."""
+
+from distcheck import scenario
+
+STEPS = 2
+
+
+@scenario(expect="mismatch")
+def ddp_extra_step_then_barrier(ctx):
+    """Rank 0 trains 3 DDP steps, the others 2; then every rank calls dist.barrier()."""
+    import torch.distributed as dist
+
+    from _catalogue import ddp_model, train_steps
+
+    model = ddp_model(ctx)
+    train_steps(ctx, model, STEPS + 1 if ctx.rank == 0 else STEPS)
+    dist.barrier()
