@@ -132,6 +132,21 @@ def test_lightning_rank0_only_self_log_is_a_hang_on_its_line(distcheck, no_survi
     assert (file, int(line)) == (str(LIGHTNING_VAL), _line_of(LIGHTNING_VAL, 'self.log("rank0_loss"'))
 
 
+@pytest.mark.parametrize("sig, says", [("KILL", "died in the middle of its work without a Python exception"),
+                                       ("SEGV", "was killed by SIGSEGV")])
+def test_a_rank_of_the_command_killed_by_a_signal_is_the_crash(distcheck, no_survivors, sig, says):
+    """No launcher of ours sees the exit status: faulthandler's dump names a fatal signal, a SIGKILL leaves
+    none; the peer that mp.spawn then terminates is a consequence, not the cause."""
+    script = SCRIPTS / "spawn_dies.py"
+    r = distcheck("run", *FAST, "--", sys.executable, str(script), "--signal", sig, "--port", str(free_port()))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert s["end_reason"] == "crash"
+    [crash] = [f for f in s["findings"] if f["kind"] == "crash"]
+    assert crash["data"]["root_rank"] == 1 and says in crash["summary"]
+    assert {x["rank"]: x["state"] for x in s["ranks"]}[1] == "crashed"
+
+
 def test_a_script_that_spawns_its_own_ranks_is_refused_with_the_command_form(distcheck):
     r = distcheck("run", str(SPAWN), "--", "--bug", json=False, timeout=60)
     assert r.returncode == 2

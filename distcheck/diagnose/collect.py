@@ -123,9 +123,11 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
                       and launch.end_reason in _CUT_SHORT)
         if left_early:
             exit_code = 0
+        # A rank of the user's own command that vanished mid-work: it failed, how is not known.
+        vanished = failure is not None and failure.exit_code is None and failure.signal is None
         f = _RankFacts(rank, status, traces.get(rank) or RankTrace(rank=rank), exit_code,
                        failure.signal if failure else None, read_stack_dump(files, rank),
-                       read_flight_recorder_status(files.flight_recorder(rank)), left_early=left_early)
+                       read_flight_recorder_status(files.flight_recorder(rank)), left_early=left_early or vanished)
         if f.signal == "SIGABRT" and not status.exception:
             f.abort = _abort_in_log(files.log(rank))
         facts.append(f)

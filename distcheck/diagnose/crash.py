@@ -20,6 +20,9 @@ def _cause_text(o: RankOutcome) -> str:
         return f"raised {o.exception}"
     if o.signal:
         return f"was killed by {o.signal}"
+    if o.exit_code is None:   # a rank of the user's own launch command: no exit status reaches distcheck
+        return ("died in the middle of its work without a Python exception (killed by a signal such as "
+                "SIGKILL, or os._exit; its exit status is not known: the user's command started it)")
     return f"exited with code {o.exit_code}"
 
 

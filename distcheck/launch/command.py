@@ -204,10 +204,32 @@ def _stop(guard: subprocess.Popen, watchdog: Watchdog | None) -> None:
     guard.wait()
 
 
-def rank_failures(files: LaunchFiles) -> dict[int, RankFailure]:
-    """Ranks that recorded their own failure (no launcher of ours saw their exit codes)."""
-    return {r: RankFailure(exit_code=s.exit_code if s.exit_code is not None else 1, signal=None, pid=s.pid)
-            for r, s in statuses(files).items() if s.phase == Phase.ERROR}
+def rank_failures(files: LaunchFiles, killed_by_us: tuple[int, ...] = ()) -> dict[int, RankFailure]:
+    """Ranks that recorded their own failure, and ranks that vanished mid-work (a signal, os._exit):
+    no launcher of ours saw their exit codes, so a fatal signal is read from faulthandler's dump."""
+    failures = {}
+    for r, s in statuses(files).items():
+        if s.phase == Phase.ERROR:
+            failures[r] = RankFailure(exit_code=s.exit_code if s.exit_code is not None else 1, signal=None, pid=s.pid)
+        elif s.phase in (Phase.STARTING, Phase.RUNNING) and r not in killed_by_us and not procs.is_alive(s.pid):
+            failures[r] = RankFailure(exit_code=None, signal=fatal_signal(files.stacks(r)), pid=s.pid)
+    return failures
+
+
+# faulthandler's words for the fatal signals it catches
+_FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
+          "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
+
+
+def fatal_signal(stacks: Path) -> str | None:
+    """The signal faulthandler reported in a rank's stack file: a fatal one by name, else SIGTERM for a
+    plain dump (the only other signal that writes there without distcheck asking: the user's launcher
+    terminating its ranks after another one died), else None (SIGKILL, os._exit: no word)."""
+    text = _read(stacks)
+    fatal = next((sig for words, sig in _FATAL.items() if f"Fatal Python error: {words}" in text), None)
+    if fatal is None and ("Current thread 0x" in text or "Thread 0x" in text):
+        return "SIGTERM"
+    return fatal
 
 
 def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, RankFailure]) -> EndReason:
@@ -263,7 +285,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
         raise _no_rank_error(spec, guard.returncode, files, guard.returncode is None or
                              (limits.timeout is not None and time.monotonic() - clock >= limits.timeout))
     result = watchdog.result if watchdog is not None else WatchdogResult()
-    failures = rank_failures(files)
+    failures = rank_failures(files, result.killed_ranks)
     return LaunchOutcome(_end_reason(result, interrupted, failures), started, time.time(), result, failures,
                          world_size=world or 0)
 

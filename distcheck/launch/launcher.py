@@ -54,7 +54,7 @@ class LaunchSpec:
 
 @dataclass(frozen=True)
 class RankFailure:
-    exit_code: int
+    exit_code: int | None            # None: not known (a rank of the user's own launch command)
     signal: str | None
     pid: int | None
 
