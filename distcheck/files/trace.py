@@ -240,17 +240,8 @@ def _parse_clean(rank: int, body: str) -> RankTrace | None:
     sites: dict[str, tuple[str | None, str | None, str | None]] = {}
     fps: dict[str, tuple] = {}
     try:
-        for line in defs:
-            parts = line.split("\t")
-            tag, n = parts[0], len(parts)
-            if tag == "F" and n == F_FIELDS:
-                fps[parts[1]] = _fingerprint(parts, sites)
-            elif tag == "S" and n == 5:
-                sites[parts[1]] = _site(parts)
-            elif tag == "G" and n == 3:
-                groups[parts[1]] = _ranks(parts)
-            else:
-                return None
+        if not all(_definition(line.split("\t"), groups, sites, fps) for line in defs):
+            return None
     except ValueError:
         return None
     exits = {(g, s): (t, err) for g, s, t, err in exit_rows}
@@ -280,6 +271,20 @@ def _in_call_order(trace: RankTrace, fps: dict[str, tuple]) -> None:
         trace.events.sort(key=_T_ENTER)
 
 
+def _definition(parts: list[str], groups: dict, sites: dict, fps: dict) -> bool:
+    """Take a G, S or F record into its table; False for anything else (ValueError: a bad field)."""
+    tag, n = parts[0], len(parts)
+    if tag == "F" and n == F_FIELDS:
+        fps[parts[1]] = _fingerprint(parts, sites)
+    elif tag == "S" and n == 5:
+        sites[parts[1]] = _site(parts)
+    elif tag == "G" and n == 3:
+        groups[parts[1]] = _ranks(parts)
+    else:
+        return False
+    return True
+
+
 def _parse_lines(rank: int, body: str) -> RankTrace:
     """The careful path: line by line, every bad line counted."""
     lines = body.split("\n")
@@ -298,13 +303,7 @@ def _parse_lines(rank: int, body: str) -> RankTrace:
                 enters.append(parts)
             elif tag == "X" and n == 5:
                 exits[(parts[1], parts[2])] = (int(parts[3]) / 1e6, _opt(parts[4]))
-            elif tag == "F" and n == F_FIELDS:
-                fps[parts[1]] = _fingerprint(parts, sites)
-            elif tag == "S" and n == 5:
-                sites[parts[1]] = _site(parts)
-            elif tag == "G" and n == 3:
-                groups[parts[1]] = _ranks(parts)
-            else:
+            elif not _definition(parts, groups, sites, fps):
                 corrupt += 1
         except ValueError:
             corrupt += 1
