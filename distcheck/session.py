@@ -159,7 +159,8 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
     check_script_was_distributed(spec, run, outcome.end_reason)
     facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
-                     timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills)
+                     timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills,
+                     command_exit=outcome.command_exit)
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
                         # the replay (a subprocess) only where every compute() could finish
                         results=with_metric_reference(run.results, launch_dir)

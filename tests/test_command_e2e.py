@@ -147,6 +147,16 @@ def test_a_rank_of_the_command_killed_by_a_signal_is_the_crash(distcheck, no_sur
     assert {x["rank"]: x["state"] for x in s["ranks"]}[1] == "crashed"
 
 
+def test_a_command_that_fails_after_its_ranks_finished_is_a_crash(distcheck, no_survivors):
+    r = distcheck("run", *FAST, "--", sys.executable, str(SPAWN), "--exit", "3", "--port", str(free_port()))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    [crash] = s["findings"]
+    assert crash["kind"] == "crash" and crash["data"]["command_exit"] == 3
+    assert "the command itself exited with code 3" in crash["summary"]
+    assert all(x["state"] == "finished" for x in s["ranks"])
+
+
 def test_a_script_that_spawns_its_own_ranks_is_refused_with_the_command_form(distcheck):
     r = distcheck("run", str(SPAWN), "--", "--bug", json=False, timeout=60)
     assert r.returncode == 2

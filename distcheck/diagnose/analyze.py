@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from distcheck.diagnose.backend_error import find_backend_mismatches
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, agreeing, group_table, majority
 from distcheck.diagnose.count import find_count_differences
-from distcheck.diagnose.crash import find_crashes
+from distcheck.diagnose.crash import find_command_failure, find_crashes
 from distcheck.diagnose.duplicates import find_duplicates, find_partial_coverage
 from distcheck.diagnose.metrics import find_metric_results
 from distcheck.diagnose.hang import find_hangs, find_startup_hang, find_timeout
@@ -40,7 +40,7 @@ def analyze(
     table = group_table(traces)
     mismatches = find_mismatches(table)
     mismatches += find_backend_mismatches(outcomes, traces, mismatches)   # gloo's words, where fingerprints say nothing
-    crashes = find_crashes(outcomes, facts, mismatches)
+    crashes = find_crashes(outcomes, facts, mismatches) or find_command_failure(facts)
     hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
     hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
     counts = find_count_differences(table, facts, explained=bool(crashes or hangs or facts.end_reason in ABNORMAL_ENDS))

@@ -35,6 +35,7 @@ class RunFacts:
     stall_timeout_s: float | None = None  # a wait this long for a late rank is reported (None: not known)
     straggler_min_lag_s: float = 0.1
     oom_kills: int | None = None         # OOM kills counted in distcheck's memory cgroup (None: no counter)
+    command_exit: int | None = None      # ``run -- CMD``: the command's own exit status
 
 
 

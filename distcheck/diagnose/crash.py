@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Mapping, Sequence
 
 from distcheck.diagnose.common import RunFacts, call, whereabouts
-from distcheck.models import Event, Finding, RankDetail, RankOutcome, RankState
+from distcheck.models import EndReason, Event, Finding, RankDetail, RankOutcome, RankState
 from distcheck.text import gib, plural, rank_list, site
 
 
@@ -106,3 +106,14 @@ def _sigkill_note(o: RankOutcome, facts: RunFacts) -> str:
         return (f" distcheck did not send that SIGKILL, and the memory cgroup it runs in counted no OOM kill during "
                 f"the run: it came from elsewhere (a scheduler, an operator, another cgroup's OOM killer){used}.")
     return f" distcheck did not send that SIGKILL; the kernel's OOM killer is the usual sender (see dmesg){used}."
+
+
+def find_command_failure(facts: RunFacts) -> list[Finding]:
+    """``run -- CMD``: every rank finished, yet the command itself failed (its launcher, or code it ran
+    before or after the ranks): a crash no rank explains."""
+    if facts.end_reason != EndReason.COMPLETED or facts.command_exit in (None, 0):
+        return []
+    return [Finding(kind="crash", severity="error", data={"command_exit": facts.command_exit},
+                    summary=(f"Every rank finished, but the command itself exited with code {facts.command_exit}: "
+                             f"something outside the ranks failed (its launcher, or code before or after them). "
+                             f"Its own output is in logs/command.log in the launch dir."))]

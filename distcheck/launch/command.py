@@ -287,7 +287,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     result = watchdog.result if watchdog is not None else WatchdogResult()
     failures = rank_failures(files, result.killed_ranks)
     return LaunchOutcome(_end_reason(result, interrupted, failures), started, time.time(), result, failures,
-                         world_size=world or 0)
+                         world_size=world or 0, command_exit=guard.returncode)
 
 
 def command_options(options: Any, launch_dir: Path) -> Any:

@@ -2,6 +2,7 @@
 
 --bug: only rank 0 calls dist.barrier() (rank 1 never comes).
 --hold: every rank sleeps in its collective-free loop forever (for teardown tests).
+--exit N: after the ranks finished, the script itself exits with code N (a failing step after training).
 """
 
 import argparse
@@ -27,10 +28,12 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--bug", action="store_true")
     p.add_argument("--hold", action="store_true")
+    p.add_argument("--exit", type=int, default=0)
     args = p.parse_args()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = args.port
     mp.spawn(work, args=(args.world, args.bug, args.hold), nprocs=args.world)
+    raise SystemExit(args.exit)
 
 
 if __name__ == "__main__":
