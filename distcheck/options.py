@@ -200,6 +200,5 @@ def check_command_flags(flags: RunFlags, nodes: NodeConfig) -> None:
     if flags.nproc_per_node is not None:
         raise UsageError("--nproc-per-node does not apply to a command: it starts its own ranks",
                          "give the rank count to your launcher (torchrun --nproc-per-node N, mp.spawn nprocs=N)")
-    if nodes.multi:
-        raise UsageError("a launch command is traced on one node only (multi-node flags or SLURM's environment "
-                         "were given)", "run 'distcheck run script.py --nnodes N ...' on each node instead")
+    # Multi-node: one ``distcheck run --nnodes N --node-rank K ... -- CMD`` per node, as for a script;
+    # the command's own launcher does its own rendezvous.

@@ -111,33 +111,44 @@ def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: st
 def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
                  on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
     if isinstance(spec, CommandSpec):
-        return run_command(spec, options, launch_dir, on_poll)
+        return run_command(spec, options, launch_dir, on_poll, cluster)
     reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options.backend, options.nproc_per_node)
     if reason:
         return skipped_result(spec, reason)
     rundir.prepare_launch_dir(launch_dir)   # a re-used --run-dir: nothing stale mixes into this launch
-    nodes = options.nodes
     channel = cluster.launch(launch_dir.name, options.world_size) if cluster is not None else None
     outcome = launch(launch_spec(options, launch_dir, worker_args(spec, options, launch_dir), run_id, channel),
                      on_poll=on_poll)
+    return judged_across_nodes(spec, options, launch_dir, outcome, channel)
+
+
+def judged_across_nodes(spec: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome,
+                        channel: NodeChannel | None) -> ScenarioResult:
+    """Node 0 gathers every node's files and judges the whole job; another node returns node 0's verdict."""
     files = LaunchFiles(launch_dir)
+    timeout_s = options.nodes.rdzv_timeout + 60
     if channel is not None:
         channel.upload(files, node_summary(outcome))
-        if not channel.is_leader:   # node 0 writes the report; this node returns its verdict
-            return ScenarioResult.from_dict(channel.result(timeout_s=nodes.rdzv_timeout + 60))
-        outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=nodes.rdzv_timeout + 60))
+        if not channel.is_leader:
+            return ScenarioResult.from_dict(channel.result(timeout_s=timeout_s))
+        outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=timeout_s))
     result = result_of_launch(spec, options, launch_dir, outcome)
     if channel is not None:
         channel.post_result(result.to_dict())
     return result
 
 
-def run_command(spec: CommandSpec, options: RunOptions, launch_dir: Path, on_poll: Callable | None) -> ScenarioResult:
-    """The user's own launch command: its ranks are found as they initialize (``launch.command``)."""
+def run_command(spec: CommandSpec, options: RunOptions, launch_dir: Path, on_poll: Callable | None,
+                cluster: ClusterStore | None = None) -> ScenarioResult:
+    """The user's own launch command: its ranks are found as they initialize (``launch.command``);
+    on several nodes, through the same channel as a script's launch once the world size is known."""
     rundir.prepare_launch_dir(launch_dir)
     limits = launch_spec(options, launch_dir, (), "").limits
-    outcome = launch_command(spec, launch_dir, limits, options.flight_recorder is not False, on_poll)
-    return result_of_launch(spec, command_options(options, launch_dir), launch_dir, outcome)
+    channel_for = (lambda world: cluster.launch(launch_dir.name, world)) if cluster is not None else None
+    outcome, channel = launch_command(spec, launch_dir, limits, options.flight_recorder is not False, on_poll,
+                                      channel_for)
+    options = command_options(options, launch_dir, outcome.world_size)
+    return judged_across_nodes(spec, options, launch_dir, outcome, channel)
 
 
 def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], run_id: str,

@@ -190,3 +190,36 @@ def test_killing_distcheck_ends_every_process_the_command_started(tmp_path, sig,
     finally:
         kill_tree(proc)
         proc.communicate()
+
+
+def _command_node(rank: int, port: int, master_port: int, tmp_path: Path, *script_args: str) -> subprocess.Popen:
+    """One "node": distcheck with torchrun's multi-node flags, running torchrun for that node."""
+    args = [sys.executable, "-m", "distcheck", "run", "--nnodes", "2", "--node-rank", str(rank),
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"c{port}", *FAST,
+            "--run-dir", str(tmp_path / f"node{rank}"), "--json", str(tmp_path / f"node{rank}.json"),
+            "--", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+            str(RANK0_COMPUTE), *script_args]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("script_args, verdict", [(("--steps", "12"), "hang"), (("--fixed", "--steps", "6"), "pass")])
+def test_a_command_on_two_nodes_is_judged_as_one_job(tmp_path, no_survivors, script_args, verdict):
+    """One `distcheck run -- torchrun ...` per node, as for a script: node 0 writes the merged report."""
+    port, master_port = free_port(), free_port()
+    procs = [_command_node(n, port, master_port, tmp_path, *script_args) for n in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p)
+    codes = [p.returncode for p in procs]
+    assert codes == ([1, 1] if verdict == "hang" else [0, 0]), [o[-2000:] for out in outs for o in out]
+    [s] = json.loads((tmp_path / "node0.json").read_text())["scenarios"]
+    assert {r["rank"]: r["node"] for r in s["ranks"]} == {0: 0, 1: 1}
+    if verdict == "pass":
+        assert s["ok"] and s["observed"] == ["pass"] and all(r["state"] == "finished" for r in s["ranks"])
+        return
+    [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
+    assert (hang["waiting_ranks"], hang["absent_ranks"], hang["label"]) == ([0], [1], "BinaryAUROC.compute")

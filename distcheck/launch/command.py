@@ -189,6 +189,14 @@ def _wait_for_end(guard: subprocess.Popen, watchdog: Watchdog) -> None:
         time.sleep(0.05)
 
 
+def _end_on_every_node(channel: Any, watchdog: Watchdog) -> None:
+    """Node 0's command ended by itself (its launcher gave up after a rank failed, or the job is done):
+    the other nodes' ranks may be waiting for ones that are gone, so node 0 tells every node to end too
+    (a non-leader's watchdog ends on any decision node 0 posts)."""
+    if channel is not None and channel.is_leader and watchdog.result.decision is Decision.CONTINUE:
+        channel.post_decision(Decision.RELEASE.value, None, time.time())
+
+
 def _stop(guard: subprocess.Popen, watchdog: Watchdog | None) -> None:
     """Nothing the command started survives: the guard ends its tree on end of file."""
     if watchdog is not None:
@@ -264,19 +272,26 @@ def _read(path: Path) -> str:
 
 
 def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_recorder: bool = True,
-                   on_poll: Callable[..., Any] | None = None) -> LaunchOutcome:
-    """Run the command to its end under the watchdog. Never leaves a process behind."""
+                   on_poll: Callable[..., Any] | None = None,
+                   channel_for: Callable[[int], Any] | None = None) -> tuple[LaunchOutcome, Any]:
+    """Run the command to its end under the watchdog. Never leaves a process behind.
+
+    Multi-node: ``channel_for(world_size)`` opens this launch's channel to the other nodes once the
+    first rank told the world size; the outcome comes back with it (None on one node)."""
     files = LaunchFiles(launch_dir)
     files.make()
     started, clock = time.time(), time.monotonic()
     guard = start_guard(spec, files, flight_recorder)
-    watchdog, interrupted, world = None, False, None
+    watchdog, interrupted, world, channel = None, False, None, None
     try:
         world = _wait_for_first_rank(files, guard, limits, clock)
         if world:
-            watchdog = Watchdog(files, world, _remaining(limits, time.monotonic() - clock), on_poll=on_poll)
+            channel = channel_for(world) if channel_for is not None else None
+            watchdog = Watchdog(files, world, _remaining(limits, time.monotonic() - clock), on_poll=on_poll,
+                                channel=channel)
             watchdog.start()
             _wait_for_end(guard, watchdog)
+            _end_on_every_node(channel, watchdog)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -287,12 +302,15 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     result = watchdog.result if watchdog is not None else WatchdogResult()
     failures = rank_failures(files, result.killed_ranks)
     return LaunchOutcome(_end_reason(result, interrupted, failures), started, time.time(), result, failures,
-                         world_size=world or 0, command_exit=guard.returncode)
+                         world_size=world or 0, command_exit=guard.returncode), channel
 
 
-def command_options(options: Any, launch_dir: Path) -> Any:
-    """``RunOptions`` as the command's ranks turned out: their world size and backend."""
-    world, backend = discovered_world(LaunchFiles(launch_dir))
+def command_options(options: Any, launch_dir: Path, world: int | None = None) -> Any:
+    """``RunOptions`` as the command's ranks turned out: their world size (spread over the nodes)
+    and backend."""
+    found, backend = discovered_world(LaunchFiles(launch_dir))
+    world = world or found
     if not world:
         return options
-    return dataclasses.replace(options, nproc_per_node=world, backend=backend or options.backend)
+    return dataclasses.replace(options, nproc_per_node=max(1, world // options.nodes.nnodes),
+                               backend=backend or options.backend)
