@@ -83,7 +83,7 @@ class LaunchFiles:
     """Paths of one launch (one scenario or script run)."""
 
     # Per-rank folders, each holding rank<N>.<ext>.
-    RANK_FOLDERS = ("traces", "status", "stacks", "logs", "samples", "flight_recorder")
+    RANK_FOLDERS = ("traces", "status", "stacks", "logs", "samples", "flight_recorder", "metrics")
     # Everything a launch dir can hold: its signature (the agent's logs and two flag files besides).
     ENTRIES = RANK_FOLDERS + ("agent", "release", "flight_recorder_request")
     # What ``make`` creates before the ranks start.
@@ -127,6 +127,14 @@ class LaunchFiles:
     def flight_recorder_request(self) -> Path:
         return self.root / "flight_recorder_request"
 
+    @property
+    def metrics_dir(self) -> Path:
+        """Recorded torchmetrics inputs (one folder per rank) and the replay's files."""
+        return self.root / "metrics"
+
+    def metrics(self, rank: int) -> Path:
+        return self.metrics_dir / f"rank{rank}"
+
     def samples(self, rank: int) -> Path:
         return self.root / "samples" / f"rank{rank}.jsonl"
 
@@ -157,12 +165,19 @@ class LaunchFiles:
 
     def ranks_on_disk(self) -> set[int]:
         """Ranks that left a status, stack dump or log here."""
+        return {r for sub in ("status", "stacks", "logs") for r in self._ranks_in(sub)}
+
+    def read_statuses(self) -> dict[int, RankStatus]:
+        """Every rank that has written a status so far (a command's ranks are found here)."""
+        found = (self.read_status(r) for r in self._ranks_in("status"))
+        return {s.rank: s for s in found if s is not None}
+
+    def _ranks_in(self, sub: str) -> set[int]:
         ranks = set()
-        for sub in ("status", "stacks", "logs"):
-            for p in (self.root / sub).glob("rank*.*"):
-                r = p.stem.removeprefix("rank")
-                if r.isdigit():
-                    ranks.add(int(r))
+        for p in (self.root / sub).glob("rank*.*"):
+            r = p.stem.removeprefix("rank")
+            if r.isdigit():
+                ranks.add(int(r))
         return ranks
 
     def read_status(self, rank: int) -> RankStatus | None:

@@ -83,6 +83,19 @@ class StackDump:
         return None
 
 
+# faulthandler's words for the fatal signals it catches
+FATAL_SIGNALS = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
+                 "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
+
+
+def signal_of(dumps: list[StackDump]) -> str | None:
+    """The signal a process's dumps say ended it: a fatal one by name, else SIGTERM for a plain dump
+    (a rank dumps on SIGTERM; distcheck's own requests go to other files or precede its teardown),
+    else None (SIGKILL, os._exit: no word)."""
+    fatal = next((FATAL_SIGNALS.get(d.fatal) for d in dumps if d.fatal in FATAL_SIGNALS), None)
+    return fatal or ("SIGTERM" if any(d.threads for d in dumps) else None)
+
+
 def parse_dumps(text: str) -> list[StackDump]:
     """Split a file of appended faulthandler dumps into dumps."""
     dumps: list[StackDump] = []

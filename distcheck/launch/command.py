@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.errors import LaunchError, UsageError
-from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.stacks import parse_dumps, signal_of
 from distcheck.launch import launcher, procs
 from distcheck.launch.launcher import LaunchOutcome, RankFailure
 from distcheck.launch.watchdog import Decision, Limits, Watchdog, WatchdogResult
@@ -145,20 +146,9 @@ def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool) ->
         )
 
 
-def statuses(files: LaunchFiles) -> dict[int, RankStatus]:
-    """Every rank that has written a status so far (ranks are found here, not among processes)."""
-    out = {}
-    for path in (files.root / "status").glob("rank*.json"):
-        rank = path.stem.removeprefix("rank")
-        status = files.read_status(int(rank)) if rank.isdigit() else None
-        if status is not None:
-            out[status.rank] = status
-    return out
-
-
 def discovered_world(files: LaunchFiles) -> tuple[int | None, str | None]:
     """(world size, backend) as the ranks report them; None before the first rank."""
-    found = [s for s in statuses(files).values() if s.world_size]
+    found = [s for s in files.read_statuses().values() if s.world_size]
     return (found[0].world_size, found[0].backend) if found else (None, None)
 
 
@@ -216,7 +206,7 @@ def rank_failures(files: LaunchFiles, killed_by_us: tuple[int, ...] = ()) -> dic
     """Ranks that recorded their own failure, and ranks that vanished mid-work (a signal, os._exit):
     no launcher of ours saw their exit codes, so a fatal signal is read from faulthandler's dump."""
     failures = {}
-    for r, s in statuses(files).items():
+    for r, s in files.read_statuses().items():
         if s.phase == Phase.ERROR:
             failures[r] = RankFailure(exit_code=s.exit_code if s.exit_code is not None else 1, signal=None, pid=s.pid)
         elif s.phase in (Phase.STARTING, Phase.RUNNING) and r not in killed_by_us and not procs.is_alive(s.pid):
@@ -224,20 +214,10 @@ def rank_failures(files: LaunchFiles, killed_by_us: tuple[int, ...] = ()) -> dic
     return failures
 
 
-# faulthandler's words for the fatal signals it catches
-_FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
-          "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
-
-
 def fatal_signal(stacks: Path) -> str | None:
-    """The signal faulthandler reported in a rank's stack file: a fatal one by name, else SIGTERM for a
-    plain dump (the only other signal that writes there without distcheck asking: the user's launcher
-    terminating its ranks after another one died), else None (SIGKILL, os._exit: no word)."""
-    text = _read(stacks)
-    fatal = next((sig for words, sig in _FATAL.items() if f"Fatal Python error: {words}" in text), None)
-    if fatal is None and ("Current thread 0x" in text or "Thread 0x" in text):
-        return "SIGTERM"
-    return fatal
+    """What faulthandler's dump says ended a rank of the user's command (a peer the user's launcher
+    terminated after another one died shows SIGTERM: a consequence, not the cause)."""
+    return signal_of(parse_dumps(_read(stacks)))
 
 
 def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, RankFailure]) -> EndReason:

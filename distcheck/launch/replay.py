@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from distcheck.files.launch_dir import LaunchFiles
+
 REPLAY_TIMEOUT_S = 120.0
 MAX_COMPUTES = 50          # per metric: later compute() calls are not replayed
 # The launch's rendezvous: a user's module that initializes a process group on import must not find one.
@@ -33,7 +35,8 @@ def with_metric_reference(results: Mapping[int, Mapping[str, Any]], launch_dir: 
     if not recorded:
         return out
     sys_path = next(res.get("metrics_sys_path") or [] for res in results.values() if res.get("metrics"))
-    src, dst = launch_dir / "metrics" / "replay-in.json", launch_dir / "metrics" / "replay-out.json"
+    folder = LaunchFiles(launch_dir).metrics_dir
+    src, dst = folder / "replay-in.json", folder / "replay-out.json"
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(json.dumps({"ranks": {str(r): m for r, m in recorded.items()}, "sys_path": sys_path}))
     out[min(recorded)]["metric_reference"] = _run(src, dst, timeout_s)

@@ -32,15 +32,22 @@ def members_of(pg: Any) -> tuple[int, ...]:
         return ()
 
 
-def group_counters() -> list[tuple[str, Callable[[], int]]]:
-    """(name, counter) of every process group of this rank that counts its collectives."""
+def process_groups() -> list[tuple[str, Any]]:
+    """(name, process group) of every group this rank belongs to (none before init)."""
     try:
         import torch.distributed.distributed_c10d as c10d
-        groups = list(c10d._world.pg_names.items())
+        world = c10d._world
     except Exception:
         return []
+    if world.default_pg is None:
+        return []
+    return [(name, pg) for pg, name in list(world.pg_names.items()) if pg is not None]
+
+
+def group_counters() -> list[tuple[str, Callable[[], int]]]:
+    """(name, counter) of every process group of this rank that counts its collectives."""
     out = []
-    for pg, name in groups:
+    for name, pg in process_groups():
         counter = counter_of(pg)
         if counter is not None:
             out.append((name, counter))

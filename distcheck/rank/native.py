@@ -36,6 +36,7 @@ from distcheck.files import trace as records
 from distcheck.files.flight_recorder import DTYPES, op_name
 from distcheck.files.stacks import USER, classify_file, torch_dir
 from distcheck.models import UNKNOWN_OP
+from distcheck.rank.groups import members_of, process_groups
 
 # Ring size distcheck asks of the Flight Recorder when the user set none: a dump
 # costs ~2 ms at 256 entries and ~80 ms at 2000 (torch 2.13, measured).
@@ -151,16 +152,6 @@ def _counter_value(entry: dict, backend: str | None) -> int:
     NCCL's counter is its collective count."""
     key = "op_id" if backend == "gloo" else "collective_seq_id"
     return int(entry.get(key, entry.get("collective_seq_id", -1)))
-
-
-def process_groups() -> list[tuple[str, Any]]:
-    """(name, process group) of every group this rank belongs to."""
-    import torch.distributed.distributed_c10d as c10d
-
-    world = c10d._world
-    if world.default_pg is None:
-        return []
-    return [(name, pg) for pg, name in list(world.pg_names.items()) if pg is not None]
 
 
 @dataclass
@@ -318,12 +309,7 @@ class NativeWatcher:
         if key in self.defined:
             return
         self.defined.add(key)
-        try:
-            import torch.distributed as dist
-            ranks = tuple(dist.get_process_group_ranks(pg))
-        except Exception:
-            ranks = ()
-        out.append(records.group_record(key, ranks))
+        out.append(records.group_record(key, members_of(pg)))
 
     def _fingerprint(self, call: NativeCall | None, frames: list, out: list[bytes]) -> bytes:
         op = call.op if call else UNKNOWN_OP

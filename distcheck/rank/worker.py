@@ -298,7 +298,7 @@ def trace_rank(files: LaunchFiles, rank: int, *, script: bool, main_thread: int 
         integrations.install()
     # Scripts write their passes to a file; a scenario's go out with its results (scenario.results()).
     SampleRecorder(files.samples(rank) if script else None).install()   # no code change needed
-    metrics.install(files.root / "metrics" / f"rank{rank}")   # torchmetrics, once the job imports it
+    metrics.install(files.metrics(rank))   # torchmetrics, once the job imports it
     return RankRuntime(files, status, tracer, watcher)
 
 
