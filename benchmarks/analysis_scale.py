@@ -54,9 +54,11 @@ def synthetic(ranks: int, collectives: int) -> tuple[dict, dict]:
             site = SITES[s % 4]
             reduce_op = None if op == "barrier" else ("MAX" if (r == odd_rank and s == odd_seq) else "SUM")
             t = t0 + s * 0.01 + r * 1e-6
-            evs.append(Event(r, "0", s, op, reduce_op, () if op == "barrier" else shapes,
-                             () if op == "barrier" else dtypes, None if op == "barrier" else "cpu", None, members,
-                             False, t, None if s == collectives else t + 0.001, None, site[0], site[1], site[2]))
+            evs.append(Event(rank=r, group="0", seq=s, op=op, reduce_op=reduce_op,
+                             shapes=() if op == "barrier" else shapes, dtypes=() if op == "barrier" else dtypes,
+                             device=None if op == "barrier" else "cpu", group_ranks=members, t_enter=t,
+                             t_exit=None if s == collectives else t + 0.001, callsite=site[0],
+                             library_callsite=site[1], label=site[2]))
         traces[r] = evs
     outcomes = {r: RankOutcome(rank=r, state="stuck" if r == 0 else "finished", collectives=len(traces[r]),
                                last_event=traces[r][-1]) for r in range(ranks)}
@@ -116,11 +118,11 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
 
     tmp = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
     real_trace_file(tmp / "one.trace", calls)
-    v2 = (tmp / "one.trace").read_bytes()
-    n = len(parse_trace(0, v2).events)
+    whole = (tmp / "one.trace").read_bytes()
+    n = len(parse_trace(0, whole).events)
     assert n == calls
-    proto = parse_trace(0, v2).events[0]
-    args = tuple(getattr(proto, f) for f in Event.__slots__)
+    proto = parse_trace(0, whole).events[0]
+    args = tuple(proto)
     res: dict[str, list[float]] = {"trace file": [], "Event objects only": []}
     for r in range(rounds + 1):
         for name in (list(res) if r % 2 else list(res)[::-1]):
@@ -129,16 +131,14 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
             if name == "Event objects only":
                 [Event(*args) for _ in range(n)]
             else:
-                parse_trace(0, v2)
+                parse_trace(0, whole)
             if r:
                 res[name].append(n / (time.perf_counter() - t0))
-    rows = [[name, f"{n:,}", f"{median(v) / 1e6:.2f} M/s", f"{len(v2) / n:.0f}" if name == "trace file" else ""]
+    rows = [[name, f"{n:,}", f"{median(v) / 1e6:.2f} M/s", f"{len(whole) / n:.0f}" if name == "trace file" else ""]
             for name, v in res.items()]
-    # a run dir of `files` ranks, each with `per_file` events (the first calls of the same file)
-    cut = 0
-    for _ in range(per_file * 2 + v2.count(b"\nF\t") + v2.count(b"\nS\t") + 1):   # E + X lines, definitions
-        cut = v2.index(b"\n", cut) + 1
-    one = v2[:cut]
+    # a run dir of `files` ranks, each with `per_file` calls written by the real tracer
+    real_trace_file(tmp / "small.trace", per_file)
+    one = (tmp / "small.trace").read_bytes()
     trace_dir = tmp / "traces"
     trace_dir.mkdir()
     for rank in range(files):

@@ -1,13 +1,14 @@
 """Plain result objects: what the tracer records, what the watchdog observes,
-what analysis concludes. Frozen dataclasses that round-trip through JSON, so a
-saved run can be re-rendered without re-running it."""
+what analysis concludes. Frozen dataclasses (``Event``, of which there are
+millions, is a NamedTuple) that round-trip through JSON, so a saved run can be
+re-rendered without re-running it."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 REPORT_SCHEMA = "distcheck.report/1"
 UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
@@ -71,14 +72,24 @@ SEVERITIES = ("error", "warning", "info")
 
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One collective or p2p call on one rank, as the tracer recorded it."""
+class Event(NamedTuple):
+    """One collective or p2p call on one rank, as the tracer recorded it.
+
+    Immutable like the other results, but a NamedTuple rather than a frozen
+    dataclass: a run of 1,024 ranks holds a million of these, and building one
+    is a ``tuple.__new__`` (measured 4× faster than the frozen dataclass's
+    ``__init__``; see benchmarks/analysis_scale.py). The field order puts what
+    differs per call first, so the trace reader builds an event from one
+    tuple of per-call values and one shared tuple per fingerprint.
+    """
 
     rank: int
     group: str
     seq: int
     op: str
+    t_enter: float = 0.0
+    t_exit: float | None = None
+    error: str | None = None
     reduce_op: str | None = None
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
@@ -86,9 +97,6 @@ class Event:
     root: int | None = None
     group_ranks: tuple[int, ...] = ()
     async_op: bool = False
-    t_enter: float = 0.0
-    t_exit: float | None = None
-    error: str | None = None
     callsite: str | None = None
     library_callsite: str | None = None
     label: str | None = None
@@ -119,7 +127,7 @@ class Event:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = self._asdict()
         d["shapes"] = [list(s) for s in self.shapes]
         d["dtypes"] = list(self.dtypes)
         d["group_ranks"] = list(self.group_ranks)
@@ -138,7 +146,7 @@ class Event:
         return cls(**{k: v for k, v in d.items() if k in _EVENT_FIELDS})
 
 
-_EVENT_FIELDS = {f.name for f in dataclasses.fields(Event)}
+_EVENT_FIELDS = set(Event._fields)
 
 
 @dataclass(frozen=True)

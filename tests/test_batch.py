@@ -21,11 +21,19 @@ def test_plan_shares_a_launch_except_for_expected_hangs_and_crashes():
 
 
 def test_split_segments_cuts_at_B_records_and_keeps_a_torn_tail():
-    data = b"B\ta\nG\t0\t0,1\nE\t0\t1\t0\t5\nX\t0\t1\t6\t-\nB\tb\nG\t0\t0,1\nE\t0\t1\t0\t9"
-    parts = split_segments(data)
+    from distcheck.files.trace import (VERSION_LINE, enter_slot, exit_slot, call_key, fingerprint_record,
+                                       group_record, parse_trace, segment_record, text_slots)
+
+    defs = text_slots(group_record(0, "0", (0, 1)) + fingerprint_record(0, "barrier", None, "-", "-", "-", None,
+                                                                        False, "-"))
+    data = (text_slots(VERSION_LINE) + segment_record("a") + defs + enter_slot(0, 0, 1, 5) + exit_slot(call_key(0, 1), 6)
+            + segment_record("b") + defs + enter_slot(0, 0, 1, 9))
+    torn = data[:-5] + bytes(4096)          # killed in the middle of b's record, with the preallocated end
+    parts = split_segments(torn)
     assert list(parts) == ["a", "b"]
-    assert parts["a"].endswith(b"X\t0\t1\t6\t-\n")
-    assert parts["b"] == b"G\t0\t0,1\nE\t0\t1\t0\t9"
+    a, b = parse_trace(0, parts["a"]), parse_trace(0, parts["b"])
+    assert [(e.op, e.seq, e.t_exit) for e in a.events] == [("barrier", 1, 6e-6)] and not a.truncated
+    assert b.events == [] and b.truncated
     assert split_segments(b"") == {}
 
 

@@ -3,7 +3,6 @@ crashes, wrong numbers, duplicates and stragglers. No processes, milliseconds ea
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -604,7 +603,7 @@ def test_a_large_result_counts_every_differing_entry_but_lists_a_few():
 
 def _native(e: Event, **changes) -> Event:
     """``e`` as the rank's sidecar records a C++-issued call: no reduce op, device or root known."""
-    return dataclasses.replace(e, reduce_op=None, device=None, root=None, native=True, **changes)
+    return e._replace(reduce_op=None, device=None, root=None, native=True, **changes)
 
 
 def test_a_cpp_issued_call_matches_a_python_one_on_what_the_recorder_knows():
@@ -643,8 +642,8 @@ def test_joins_shadow_calls_match_any_label():
 
 
 def _a2a(rank: int, sent, received, seq: int = 1) -> Event:
-    return dataclasses.replace(ev(rank, seq, "all_to_all_single", reduce_op=None, shapes=()),
-                               splits=(tuple(sent), tuple(received)))
+    return ev(rank, seq, "all_to_all_single", reduce_op=None, shapes=())._replace(
+        splits=(tuple(sent), tuple(received)))
 
 
 def test_all_to_all_split_sizes_that_do_not_pair_up_name_each_pair_and_the_odd_rank():
@@ -665,14 +664,14 @@ def test_uneven_splits_that_pair_up_are_clean_and_two_ranks_are_a_tie():
     assert run(traces) == []
     two = traces_of(_a2a(0, [1, 2], [1, 5], ), _a2a(1, [3, 4], [2, 4]))
     for e in two.values():
-        e[0] = dataclasses.replace(e[0], group_ranks=(0, 1))
+        e[0] = e[0]._replace(group_ranks=(0, 1))
     [m] = run(two, world=2)
     assert m.fields == ("splits",) and m.tie and m.odd_ranks == ()
 
 
 def test_new_group_called_with_different_members_names_each_side_and_its_line():
-    traces = traces_of(*[dataclasses.replace(ev(r, 1, "new_group", group="new_group", reduce_op=None, shapes=(),
-                                                dtypes=(), line=10 if r < 3 else 13), members=(0, 1) if r < 3 else WORLD4)
+    traces = traces_of(*[ev(r, 1, "new_group", group="new_group", reduce_op=None, shapes=(), dtypes=(),
+                            line=10 if r < 3 else 13)._replace(members=(0, 1) if r < 3 else WORLD4)
                          for r in range(4)])
     [m] = run(traces)
     assert (m.fields, m.odd_ranks) == (("members",), (3,))

@@ -81,8 +81,7 @@ def test_same_line_in_a_loop_is_one_site_with_fresh_times(traced, tmp_path):
     assert [e.seq for e in ev] == list(range(1, 51))
     assert len({e.callsite for e in ev}) == 1
     assert all(e.t_enter <= e.t_exit for e in ev)
-    data = (tmp_path / "rank0.trace").read_text()
-    assert data.count("\nF\t") + data.startswith("F\t") == 1   # the fingerprint is written once
+    assert _text_records(tmp_path / "rank0.trace").count("\nF\t") == 1   # the fingerprint is written once
 
 
 def test_a_repeated_call_takes_the_fast_path(process_group, tmp_path):
@@ -251,34 +250,63 @@ def _sample_file(tmp_path: Path) -> bytes:
     traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
     for _ in range(3):
         traced(torch.ones(4))
+    tracer.close()    # trims the preallocated end
     return path.read_bytes()
 
 
-def test_parser_tolerates_a_torn_last_line(tmp_path):
-    data = _sample_file(tmp_path)
-    torn = data + b"E\tw\t4\t0\t17000"     # killed in the middle of a write
-    trace = parse_trace(0, torn)
-    assert trace.truncated and [e.seq for e in trace.events] == [1, 2, 3] and trace.corrupt_lines == 0
-    assert not parse_trace(0, data).truncated
+def _text_records(path: Path) -> str:
+    """Every text record of a trace file (definitions), one line each."""
+    from distcheck.files.trace import SLOT, TAG_C, TAG_T, used_bytes
+
+    data = path.read_bytes()
+    text = b""
+    for i in range(0, used_bytes(data), SLOT):
+        w0 = int.from_bytes(data[i:i + 8], "little")
+        if w0 & 0xFF in (TAG_T, TAG_C):
+            text += data[i + 8:i + 24]
+    return "\n" + text.replace(b"\0", b"").decode()
 
 
-def test_parser_counts_corrupt_lines_and_keeps_the_rest(tmp_path):
+@pytest.mark.parametrize("cut", [1, 8, 17, 31])
+def test_parser_tolerates_a_record_cut_anywhere(tmp_path, cut):
     data = _sample_file(tmp_path)
-    bad = (b"garbage\n" + data + b"E\tw\tnot-a-number\t0\t1\n" + b"E\tw\t9\t77\t1\n"   # unknown fingerprint
-           + b"X\tw\t2\t\xff\xfe\t-\n" + "E\tw\t4\t0\t1\u00e9\n".encode())
+    whole = parse_trace(0, data)
+    assert not whole.truncated and [e.seq for e in whole.events] == [1, 2, 3] and whole.corrupt_records == 0
+    trace = parse_trace(0, data[:len(data) - cut])     # killed in the middle of the last (exit) record
+    assert trace.truncated and trace.corrupt_records == 0
+    assert [(e.seq, e.completed) for e in trace.events] == [(1, True), (2, True), (3, False)]
+
+
+def test_parser_ignores_a_record_half_copied_and_the_preallocated_end(tmp_path):
+    from distcheck.files.trace import SLOT
+
+    data = _sample_file(tmp_path)
+    half = data[:-SLOT] + data[-SLOT:-SLOT // 2] + bytes(SLOT // 2)   # the last record's second half not yet there
+    trace = parse_trace(0, half + bytes(64 * SLOT))
+    assert trace.truncated and [(e.seq, e.completed) for e in trace.events] == [(1, True), (2, True), (3, False)]
+    trace = parse_trace(0, data + bytes(64 * SLOT))
+    assert not trace.truncated and len(trace.events) == 3
+
+
+def test_parser_counts_records_it_cannot_resolve_and_keeps_the_rest(tmp_path):
+    from distcheck.files.trace import enter_slot, slot, text_slots
+
+    data = _sample_file(tmp_path)
+    bad = (data + enter_slot(0, 77, 9, 1)          # an unknown fingerprint
+           + enter_slot(55, 0, 9, 1)                  # an unknown group
+           + slot(9, 1, 2)                            # an unknown tag
+           + text_slots(b"Q\tnot a record\n"))       # an unknown text record
     trace = parse_trace(0, bad)
     assert [e.seq for e in trace.events] == [1, 2, 3]
-    assert trace.corrupt_lines == 5
+    assert trace.corrupt_records == 4 and not trace.truncated
 
 
-def test_parser_counts_the_first_format_as_corrupt(tmp_path):
-    """The first format (fingerprint inline, float seconds) is no longer read: its E and X lines are corrupt."""
-    old = ("G\t0\t0,1\n"
-           "S\t0\t/u.py:3:main\t-\tBinaryAUROC.compute\n"
-           "E\t0\t1\tall_reduce\tSUM\t2x3\tfloat32\tcpu\t-\t0\t1700000000.250000\t0\n"
-           "X\t0\t1\t1700000000.500000\t-\n")
-    trace = parse_trace(1, old)
-    assert trace.events == [] and trace.corrupt_lines == 2
+def test_a_file_that_is_not_a_trace_is_one_corrupt_record():
+    old = b"G\t0\t0,1\nE\t0\t1\t0\t1700000000250000\nX\t0\t1\t1700000000500000\t-\n"   # the text format
+    for data in (old, b"\x00\xffgarbage" * 40):
+        trace = parse_trace(0, data)
+        assert trace.events == [] and trace.corrupt_records == 1
+    assert parse_trace(0, b"").corrupt_records == 0
 
 
 def test_watchdog_reads_open_collectives_incrementally(tmp_path):
@@ -295,7 +323,7 @@ def test_watchdog_reads_open_collectives_incrementally(tmp_path):
     tracer.wrap("barrier", barrier)()
     assert len(state["open"]) == 1
     (call,) = state["open"].values()
-    assert (call.op, call.seq, call.group) == ("barrier", "1", "w") and call.t_enter > 0
+    assert (call.op, call.seq, call.group) == ("barrier", 1, "w") and call.t_enter > 0
     assert state["progress"].current == "barrier #1 [group w]" and state["progress"].open_collectives == 1
     tail = monitor.tails[0].read()
     assert tail.records == 2 and not tail.open
@@ -322,4 +350,4 @@ def test_segments_parse_on_their_own(tmp_path):
     first, second = (parse_trace(0, segments[name]) for name in ("first", "second"))
     assert [(e.seq, e.shapes) for e in first.events] == [(1, ((2,),)), (2, ((2,),))]
     assert [(e.seq, e.shapes, e.group_ranks) for e in second.events] == [(1, ((2,),), (0, 1))]
-    assert first.corrupt_lines == second.corrupt_lines == 0
+    assert first.corrupt_records == second.corrupt_records == 0

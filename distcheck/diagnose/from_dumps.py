@@ -167,7 +167,7 @@ def _close_gaps(traces: dict[int, list[Event]], wrapped: set[int]) -> tuple[dict
             if not e.is_p2p and e.seq < low.get(e.group, 0):
                 continue
             if e.group in mapping:
-                e = dataclasses.replace(e, seq=mapping[e.group][e.seq])
+                e = e._replace(seq=mapping[e.group][e.seq])
             kept_events.append(e)
         out[rank] = kept_events
     return out, notes

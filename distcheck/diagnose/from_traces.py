@@ -67,7 +67,7 @@ def _outcomes(launch_dir: Path, files: LaunchFiles, traces: Mapping[int, RankTra
 
 def _notes(traces: Mapping[int, RankTrace], status: Mapping[int, Any]) -> list[str]:
     notes = []
-    torn = sorted(r for r, t in traces.items() if t.truncated or t.corrupt_lines)
+    torn = sorted(r for r, t in traces.items() if t.truncated or t.corrupt_records)
     if torn:
         notes.append(f"{rank_list(torn).capitalize()}: trace file ends in a torn or corrupt record; "
                      f"the complete records are used.")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from distcheck.files.trace import read_trace_bytes
 from distcheck.models import Phase
 
 # Status fields that describe a rank's failure: written together, even when None.
@@ -153,6 +154,15 @@ class LaunchFiles:
     def make(self) -> None:
         for sub in self.MADE:
             (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def shipped_contents(self) -> Iterator[tuple[str, bytes]]:
+        """(path relative to the launch dir, contents) of every file another node sends node 0;
+        a trace without its preallocated, unwritten end."""
+        for rel, path in self.shipped_files():
+            try:
+                yield rel, read_trace_bytes(path) if rel.startswith("traces/") else path.read_bytes()
+            except OSError:
+                continue
 
     def shipped_files(self) -> Iterator[tuple[str, Path]]:
         """(path relative to the launch dir, path) of every file another node sends node 0."""

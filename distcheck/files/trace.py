@@ -1,44 +1,60 @@
-"""The per-rank trace file: a compact, append-only, line-oriented format.
+"""The per-rank trace file: fixed 32-byte slots in a memory-mapped file.
 
-Each write is one ``os.write`` to an ``O_APPEND`` file, so a rank killed
-mid-collective still leaves every complete record it wrote. Everything that
-repeats — process-group members, call sites, whole call fingerprints — is
-written once and referenced by id, so a call costs one short line on the hot
-path and the parser decodes each fingerprint once, not once per call.
+The tracer writes every record straight into a shared memory mapping of the
+file (``TraceWriter``): no system call per record, and the page cache keeps
+what was written when the process is killed, so a rank SIGKILLed inside a
+collective still leaves its enter record. A slot is four little-endian
+64-bit words; the fourth is a check, ``w0 ^ w1 ^ w2 ^ CHECK``, so a reader
+that catches a record half-copied (or a file cut in the middle of one)
+knows it and waits or stops there:
 
-Records (tab separated, ``-`` for "none"):
+    E  w0 = 1 | group-id << 8 | fp-id << 32   w1 = call key   w2 = t_enter_us
+    X  w0 = 2 | error-id << 8 (0: none)        w1 = call key   w2 = t_exit_us
+    T  w0 = 3 | length << 8                    w1, w2 = the first 16 bytes of a text record
+    C  w0 = 4 | index << 8                     w1, w2 = its next 16 bytes
 
-    G  group  ranks(comma separated)
+call key = group-id << 40 | seq: the X record names its E record with it.
+The file is preallocated and grown in steps; its unwritten end is zero
+slots (a reader stops at the first), and ``close`` trims it.
+
+Text records carry everything that repeats, written once and referenced by
+id, one tab-separated line each (``-`` for "none"):
+
+    V  distcheck-trace  3     (the first record of every file)
+    G  group-id  group  ranks(comma separated)
     S  site-id  callsite  library-callsite  label
     F  fp-id  op  reduce_op  shapes  dtypes  device  root  kind  site-id  splits  members
-    E  group  seq  fp-id  t_enter_us
-    X  group  seq  t_exit_us  error
-
-    B  scenario-name   (a batched launch: the next scenario's own trace starts here)
+    R  error-id  "Type: message" (an error an X record names)
+    B  scenario-name          (a batched launch: the next scenario's own trace starts here)
 
 kind: ``0`` a blocking call, ``1`` an async one (``async_op=True``, isend:
 its wait happens elsewhere), ``n`` a call issued from C++ (DDP's reducer,
 FSDP2, functional collectives: ``rank.native``), which blocks like ``0``.
+Definitions go in the same write as, and before, the first record that uses
+them; one write is one ``mmap.write``, which no other thread interleaves.
+Times are integer microseconds since the epoch. shapes: tensors separated by
+``;``, dims by ``x``, a 0-d tensor as ``()``. splits (all_to_all,
+all_to_all_single): elements sent to each group rank, ``/``, elements
+received from each, comma separated. members (new_group): the ranks the call
+asked for, comma separated. Ids restart after a ``B`` record, so each
+scenario's part parses on its own.
 
-Definitions (G, S, F) are written in the same ``os.write`` as the first E
-record that uses them, and before it. Times are integer microseconds since the
-epoch. shapes: tensors separated by ``;``, dims by ``x``, a 0-d tensor as
-``()``. splits (all_to_all, all_to_all_single): elements sent to each group
-rank, ``/``, elements received from each, comma separated. members (new_group):
-the ranks the call asked for, comma separated.
-
-This module is the format's one owner: the tracer writes records through the
-templates and functions below, ``parse_trace`` reads a whole file and
-``TraceTail`` follows a file while its rank still writes it (the watchdog).
+This module is the format's one owner: the tracer and the C++-collective
+sidecar write through ``TraceWriter`` and the packing helpers below,
+``parse_trace`` reads a whole file and ``TraceTail`` follows a file while
+its rank still writes it (the watchdog).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import operator
+import errno
+import mmap
 import os
-import re
-import time
+import struct
+import sys
+import threading
+import weakref
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -46,32 +62,70 @@ from typing import Iterable, NamedTuple
 from distcheck.models import Event
 
 NONE = "-"
-SEGMENT_TAG = "B"   # "B<TAB>name": a batched launch's next scenario starts here
-
-# -- writing records --------------------------------------------------------------
-# The two records of every call are bytes templates the tracer fills with ``%``:
-# on bytes that costs what an f-string does, where ``str.format`` plus
-# ``.encode()`` would add ~0.1 µs per record to the hot path.
-CALL_KEY = b"%b\t%d"               # group, seq: how the X record names its E record
-ENTER = b"E\t%b\t%b\t%d\n"         # call key, fp-id, t_enter_us
-EXIT_OK = b"X\t%b\t%d\t-\n"        # call key, t_exit_us
-EXIT = b"X\t%b\t%d\t%b\n"          # call key, t_exit_us, error
-MAX_ERROR_CHARS = 300
+SLOT = 32
+SLOT_STRUCT = struct.Struct("<4Q")
+CHECK = 0x5D1C_7A3B_9E1F_4C65
+TAG_E, TAG_X, TAG_T, TAG_C = 1, 2, 3, 4
+X_OK = TAG_X                       # w0 of an X record without an error
+SEQ_BITS = 40
+SEQ_MASK = (1 << SEQ_BITS) - 1
+FP_SHIFT = 32
+NATIVE_GROUP_BASE = 1 << 23        # ids the C++-collective sidecar gives its own definitions
+NATIVE_FP_BASE = 1 << 30
 NATIVE = "n"                       # F's kind for a call issued from C++
 F_FIELDS = 12
+MAX_FIELD_CHARS = 1000
+MAX_ERROR_CHARS = 300
+VERSION_LINE = b"V\tdistcheck-trace\t3\n"
+# Only the last write can be torn (writes are sequential); it is at most this many slots.
+TAIL_CHECK_SLOTS = 1024
+_LITTLE = sys.byteorder == "little"
 
 
-def group_record(group: str, ranks: Iterable[int | None]) -> bytes:
-    """G: the members of a process group (or of a p2p pair); ``None`` members are left out."""
+# -- writing records --------------------------------------------------------------
+
+
+def call_key(group_id: int, seq: int) -> int:
+    return group_id << SEQ_BITS | seq
+
+
+def enter_word(group_id: int, fp_id: int) -> int:
+    """w0 of an E record."""
+    return TAG_E | group_id << 8 | fp_id << FP_SHIFT
+
+
+def slot(w0: int, w1: int, w2: int) -> bytes:
+    return SLOT_STRUCT.pack(w0, w1, w2, w0 ^ w1 ^ w2 ^ CHECK)
+
+
+def enter_slot(group_id: int, fp_id: int, seq: int, t_enter_us: int) -> bytes:
+    return slot(enter_word(group_id, fp_id), call_key(group_id, seq), t_enter_us)
+
+
+def exit_slot(key: int, t_exit_us: int, error_id: int = 0) -> bytes:
+    return slot(TAG_X | error_id << 8, key, t_exit_us)
+
+
+def text_slots(text: bytes) -> bytes:
+    """One or more text records (each a complete line) as T + C slots."""
+    padded = text + b"\0" * (-len(text) % 16)
+    words = [int.from_bytes(padded[i:i + 8], "little") for i in range(0, len(padded), 8)]
+    out = [slot(TAG_T | len(text) << 8, words[0], words[1])]
+    out += [slot(TAG_C | i << 8, words[2 * i], words[2 * i + 1]) for i in range(1, len(words) // 2)]
+    return b"".join(out)
+
+
+def group_record(group_id: int, group: str, ranks: Iterable[int | None]) -> bytes:
+    """G: a process group's (or p2p pair's) id, name and members; ``None`` members are left out."""
     members = ",".join(str(r) for r in ranks if r is not None)
-    return f"G\t{group}\t{members or NONE}\n".encode()
+    return f"G\t{group_id}\t{clean(group)}\t{members or NONE}\n".encode()
 
 
 def site_record(site: str, callsite: str | None, library: str | None, label: str | None) -> bytes:
     return f"S\t{site}\t{clean(callsite)}\t{clean(library)}\t{clean(label)}\n".encode()
 
 
-def fingerprint_record(fp: str, op: str, reduce_op: str | None, shapes: str, dtypes: str, device: str,
+def fingerprint_record(fp: int, op: str, reduce_op: str | None, shapes: str, dtypes: str, device: str,
                        root: int | None, is_async: bool, site: str,
                        splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                        members: tuple[int, ...] | None = None) -> bytes:
@@ -81,46 +135,46 @@ def fingerprint_record(fp: str, op: str, reduce_op: str | None, shapes: str, dty
             f"{_ints(members)}\n").encode()
 
 
-def native_fingerprint_record(fp: str, op: str, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...],
+def native_fingerprint_record(fp: int, op: str, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...],
                               site: str) -> bytes:
     """F for a C++-issued call: what the Flight Recorder knows (no reduce op, device or root)."""
     return (f"F\t{fp}\t{clean(op)}\t{NONE}\t{encode_shapes(shapes)}\t{';'.join(dtypes) or NONE}\t{NONE}\t"
             f"{NONE}\t{NATIVE}\t{site}\t{NONE}\t{NONE}\n").encode()
 
 
-def enter_record(key: bytes, fp: bytes, t_enter_us: int) -> bytes:
-    return ENTER % (key, fp, t_enter_us)
+def error_record(error_id: int, exc: BaseException) -> bytes:
+    return f"R\t{error_id}\t{clean(f'{type(exc).__name__}: {exc}'[:MAX_ERROR_CHARS])}\n".encode()
 
 
 def segment_record(name: str) -> bytes:
-    return f"{SEGMENT_TAG}\t{clean(name)}\n".encode()
+    return text_slots(f"B\t{clean(name)}\n".encode())
 
 
-def exit_record(key: bytes, t_exit_us: int, exc: BaseException | None) -> bytes:
-    """X for a call that returned (``exc`` None) or raised."""
-    if exc is None:
-        return EXIT_OK % (key, t_exit_us)
-    error = clean(f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
-    return EXIT % (key, t_exit_us, error.encode())
+class RecordBatch:
+    """Records to write in one go, in order: definitions (text lines) and E/X slots."""
 
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._lines: list[bytes] = []
 
-def split_segments(data: bytes) -> dict[str, bytes]:
-    """A batched launch's trace cut at its ``B`` records: {scenario name: its own trace}."""
-    segments: dict[str, bytes] = {}
-    name, start = None, 0
-    marker = f"{SEGMENT_TAG}\t".encode()
-    pos = 0
-    while pos < len(data):
-        end = data.find(b"\n", pos)
-        end = len(data) if end < 0 else end + 1
-        if data.startswith(marker, pos):
-            if name is not None:
-                segments[name] = data[start:pos]
-            name, start = data[pos + len(marker):end].decode("utf-8", "replace").strip(), end
-        pos = end
-    if name is not None:
-        segments[name] = data[start:]
-    return segments
+    def define(self, line: bytes) -> None:
+        self._lines.append(line)
+
+    def add(self, record: bytes) -> None:
+        self._end_text()
+        self._parts.append(record)
+
+    def _end_text(self) -> None:
+        if self._lines:
+            self._parts.append(text_slots(b"".join(self._lines)))
+            self._lines.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._parts or self._lines)
+
+    def data(self) -> bytes:
+        self._end_text()
+        return b"".join(self._parts)
 
 
 def encode_shapes(shapes: tuple[tuple[int, ...], ...]) -> str:
@@ -155,14 +209,230 @@ def decode_splits(text: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def clean(text: str | None) -> str:
-    """A field value that cannot break the line format."""
+    """A field value that cannot break the line format (and bounds a text record's size)."""
     if text is None or text == "":
         return NONE
-    return text.replace("\t", " ").replace("\n", " ").replace("\r", " ")
+    return text[:MAX_FIELD_CHARS].replace("\t", " ").replace("\n", " ").replace("\r", " ").replace("\0", " ")
 
 
 def _opt(text: str) -> str | None:
     return None if text == NONE else text
+
+
+# -- the writer ------------------------------------------------------------------------------
+
+
+class TraceWriter:
+    """Writes one rank's records into a shared memory mapping of its trace file.
+
+    ``append`` is the mapping's own ``write``: one C call, so one write (a
+    record with its definitions) is never interleaved with another thread's.
+    It raises ``ValueError`` when the mapping is full (or closed); ``write``
+    then grows the file and retries, which is what callers fall back to.
+    The file is preallocated with ``posix_fallocate``, so a full disk fails
+    here, as an exception, instead of as a SIGBUS in the middle of a record.
+    """
+
+    INITIAL_BYTES = 256 * 1024
+    MAX_STEP_BYTES = 64 * 1024 * 1024
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.closed = False
+        self._lock = threading.Lock()
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # A file this rank's earlier process wrote (a restarted worker): go on after its records.
+        used = used_bytes(os.pread(self.fd, os.fstat(self.fd).st_size, 0))
+        size = used + self.INITIAL_BYTES
+        _reserve(self.fd, size)
+        self.mm = mmap.mmap(self.fd, size)
+        self.mm.seek(used)
+        self.append = self.mm.write
+        if used == 0:
+            self.write(text_slots(VERSION_LINE))
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (w := me()) is not None and w._forget())
+
+    def write(self, record: bytes) -> None:
+        """Append whole slots, growing the file when the mapping is full; dropped once closed."""
+        with self._lock:
+            while not self.closed:
+                try:
+                    self.append(record)
+                    return
+                except ValueError:
+                    if self.closed:
+                        return
+                    self._grow(len(record))
+
+    def _grow(self, need: int) -> None:
+        size = len(self.mm)
+        new = size + max(need, min(size, self.MAX_STEP_BYTES))
+        _reserve(self.fd, new)
+        self.mm.resize(new)
+
+    def close(self) -> None:
+        """Trim the unwritten end; later writes (a sidecar thread still polling) are dropped."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            used = self.mm.tell()
+            self.mm.close()
+            try:
+                os.ftruncate(self.fd, used)
+            finally:
+                os.close(self.fd)
+
+    def _forget(self) -> None:
+        """In a forked child (a DataLoader worker): it is not the rank, so it writes nothing here."""
+        self.closed = True
+        try:
+            self.mm.close()
+            os.close(self.fd)
+        except (OSError, ValueError, BufferError):
+            pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, max(size, os.fstat(fd).st_size))   # a file system without it
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+_ZERO_SLOT = bytes(SLOT)
+
+
+def used_bytes(data: bytes) -> int:
+    """How much of a trace file holds records: up to its first all-zero slot.
+
+    Writes are sequential, so the written slots come first and the
+    preallocated end is zeros: a binary search finds the boundary.
+    """
+    lo, hi = 0, len(data) // SLOT
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if data[mid * SLOT:(mid + 1) * SLOT] == _ZERO_SLOT:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * SLOT
+
+
+def read_trace_bytes(path: Path) -> bytes:
+    """A trace file without its unwritten end (kept: a torn last record, which readers detect)."""
+    data = path.read_bytes()
+    used = used_bytes(data)
+    return data[:used] + data[used:].rstrip(b"\0")
+
+
+def _words(data: bytes | memoryview, slots: int) -> array:
+    words = array("Q")
+    words.frombytes(data[:slots * SLOT])
+    if not _LITTLE:
+        words.byteswap()
+    return words
+
+
+def _first_bad(words: array, start: int, end: int) -> int:
+    """The first slot in [start, end) whose check fails (a record not completely written), or end."""
+    for i in range(start, end):
+        b = 4 * i
+        if words[b] ^ words[b + 1] ^ words[b + 2] ^ CHECK != words[b + 3]:
+            return i
+    return end
+
+
+class _Tables:
+    """The definitions read so far: what E and X records refer to by id."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.sites: dict[str, tuple[str | None, str | None, str | None]] = {}
+        self.fps: dict[int, tuple] = {}
+        self.errors: dict[int, str] = {}
+        # w0 of an E record -> (group, op, the rest of the Event's fields from reduce_op on)
+        self.shared: dict[int, tuple] = {}
+        self.version = False
+        self.segment: str | None = None    # the name of a B record just read
+
+    def define(self, text: str) -> int:
+        """Take a text record's lines into the tables; return how many lines were not understood."""
+        bad = 0
+        for line in text.split("\n")[:-1]:
+            try:
+                if not self._line(line.split("\t")):
+                    bad += 1
+            except ValueError:
+                bad += 1
+        return bad
+
+    def _line(self, p: list[str]) -> bool:
+        tag, n = p[0], len(p)
+        if tag == "F" and n == F_FIELDS:
+            self.fps[int(p[1])] = (
+                p[2], _opt(p[3]), decode_shapes(p[4]), () if p[5] == NONE else tuple(p[5].split(";")),
+                _opt(p[6]), None if p[7] == NONE else int(p[7]), p[8] == "1",
+                *self.sites.get(p[9], (None, None, None)), p[8] == NATIVE, decode_splits(p[10]), _decode_ints(p[11]))
+        elif tag == "S" and n == 5:
+            self.sites[p[1]] = (_opt(p[2]), _opt(p[3]), _opt(p[4]))
+        elif tag == "G" and n == 4:
+            self.groups[int(p[1])] = (p[2], tuple(int(r) for r in p[3].split(",")) if p[3] != NONE else ())
+        elif tag == "R" and n == 3:
+            self.errors[int(p[1])] = p[2]
+        elif tag == "V" and n == 3:
+            self.version = p[1] == "distcheck-trace"
+        elif tag == "B" and n == 2:
+            self.segment = p[1]
+        else:
+            return False
+        return True
+
+    def shared_of(self, w0: int) -> tuple | None:
+        """(group, op, rest) for an E record's first word; None when it names an undefined id."""
+        group = self.groups.get(w0 >> 8 & 0xFFFFFF)
+        fp = self.fps.get(w0 >> FP_SHIFT)
+        if group is None or fp is None:
+            return None
+        op, reduce_op, shapes, dtypes, device, root, is_async, callsite, library, label, native, splits, members = fp
+        shared = self.shared[w0] = (group[0], op, (reduce_op, shapes, dtypes, device, root, group[1], is_async,
+                                                   callsite, library, label, native, splits, members))
+        return shared
+
+
+# Positions in ``_Tables.shared``'s rest tuple the watchdog needs.
+_ASYNC, _LABEL = 6, 9
+
+
+class _Text:
+    """A text record being collected from its T and C slots."""
+
+    __slots__ = ("length", "words")
+
+    def __init__(self, w0: int, w1: int, w2: int) -> None:
+        self.length = w0 >> 8
+        self.words = [w1, w2]
+
+    def add(self, w0: int, w1: int, w2: int) -> bool:
+        """Take a C slot; False when it is not the next one."""
+        if w0 >> 8 != len(self.words) // 2:
+            return False
+        self.words += (w1, w2)
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return len(self.words) * 8 >= self.length
+
+    def text(self) -> str:
+        raw = b"".join(w.to_bytes(8, "little") for w in self.words)
+        return raw[:self.length].decode("utf-8", "replace")
 
 
 @dataclass
@@ -171,163 +441,137 @@ class RankTrace:
 
     rank: int
     events: list[Event] = field(default_factory=list)
-    corrupt_lines: int = 0
+    corrupt_records: int = 0
     truncated: bool = False      # the file ended in the middle of a record
 
 
-# Event's fields in the order parse_trace passes them (positional: cheaper than keywords).
-_EVENT_ORDER = ("rank", "group", "seq", "op", "reduce_op", "shapes", "dtypes", "device", "root", "group_ranks",
-                "async_op", "t_enter", "t_exit", "error", "callsite", "library_callsite", "label", "native",
-                "splits", "members")
-if tuple(f.name for f in dataclasses.fields(Event)) == _EVENT_ORDER:
-    _make_event = Event
-else:  # the model changed its field order: fall back to keywords
-    def _make_event(*values):  # type: ignore[no-redef]
-        return Event(**dict(zip(_EVENT_ORDER, values)))
-
-_NO_SITE = (None, None, None)
-_T_ENTER = operator.attrgetter("t_enter")
-_NO_EXIT = (None, None)
-
-
-def _fingerprint(parts: list[str], sites: dict) -> tuple:
-    """(op, reduce_op, shapes, dtypes, device, root, async) + site strings + (native, splits, members),
-    from F fields 2..11."""
-    return (
-        parts[2], _opt(parts[3]), decode_shapes(parts[4]),
-        () if parts[5] == NONE else tuple(parts[5].split(";")),
-        _opt(parts[6]), None if parts[7] == NONE else int(parts[7]), parts[8] == "1",
-    ) + sites.get(parts[9], _NO_SITE) + (parts[8] == NATIVE, decode_splits(parts[10]), _decode_ints(parts[11]))
-
-
-# Whole-file patterns for the fast path (a clean format-2 file): the regex engine
-# splits the millions of E/X lines in C, Python only touches the fields it converts.
-_E_LINE = re.compile(r"^E\t([^\t\n]*)\t([^\t\n]*)\t([^\t\n]*)\t([^\t\n]*)$", re.M)
-_X_LINE = re.compile(r"^X\t([^\t\n]*)\t([^\t\n]*)\t([^\t\n]*)\t([^\t\n]*)$", re.M)
-_DEF_LINE = re.compile(r"^[GSF]\t[^\n]*$", re.M)
-
-
-def parse_trace(rank: int, data: bytes | str) -> RankTrace:
-    """Parse a whole trace file. Tolerates a torn last line and corrupt lines."""
-    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
-    end = text.rfind("\n") + 1
-    body = text[:end]          # complete records; anything after the last newline is a torn record
-    trace = _parse_clean(rank, body)
-    if trace is None:
-        trace = _parse_lines(rank, body)
-    trace.truncated = end != len(text)
-    return trace
-
-
-def _site(parts: list[str]) -> tuple[str | None, str | None, str | None]:
-    """(callsite, library callsite, label) from S fields 2..4."""
-    return _opt(parts[2]), _opt(parts[3]), _opt(parts[4])
-
-
-def _ranks(parts: list[str]) -> tuple[int, ...]:
-    """A G record's members."""
-    return tuple(int(r) for r in parts[2].split(",")) if parts[2] != NONE else ()
-
-
-def _parse_clean(rank: int, body: str) -> RankTrace | None:
-    """The fast path: None unless every line is a well-formed record."""
-    enters = _E_LINE.findall(body)
-    exit_rows = _X_LINE.findall(body)
-    defs = _DEF_LINE.findall(body)
-    if len(enters) + len(exit_rows) + len(defs) != body.count("\n"):
-        return None            # corrupt lines: the careful path counts them
-    groups: dict[str, tuple[int, ...]] = {}
-    sites: dict[str, tuple[str | None, str | None, str | None]] = {}
-    fps: dict[str, tuple] = {}
-    try:
-        if not all(_definition(line.split("\t"), groups, sites, fps) for line in defs):
-            return None
-    except ValueError:
-        return None
-    exits = {(g, s): (t, err) for g, s, t, err in exit_rows}
+def parse_trace(rank: int, data: bytes) -> RankTrace:
+    """Parse a whole trace file. Tolerates a torn last record and records it cannot resolve."""
     trace = RankTrace(rank=rank)
-    append = trace.events.append
-    no_ranks = ()
-    try:
-        for g, s, f, t in enters:
-            fp = fps[f]
-            x = exits.get((g, s))
-            if x is None:
-                t_exit = error = None
-            else:
-                t_exit, error = int(x[0]) / 1e6, (None if x[1] == NONE else x[1])
-            append(_make_event(rank, g, int(s), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], groups.get(g, no_ranks),
-                               fp[6], int(t) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10], fp[11], fp[12]))
-    except (ValueError, KeyError):
-        return None            # a field that does not convert: the careful path counts it
-    _in_call_order(trace, fps)
+    used = used_bytes(data)
+    n = used // SLOT
+    words = _words(memoryview(data), n)
+    good = _first_bad(words, max(0, n - TAIL_CHECK_SLOTS), n)
+    trace.truncated = good < n or bool(data[used:].strip(b"\0"))
+    tables = _Tables()
+    if good == 0 or not _starts_with_version(words, tables):
+        trace.corrupt_records = 1 if data.strip(b"\0") else 0   # not a trace file (or one from an older distcheck)
+        return trace
+    _Parse(trace, tables).run(words[0:4 * good:4], words[1:4 * good:4], words[2:4 * good:4])
     return trace
 
 
-def _in_call_order(trace: RankTrace, fps: dict[str, tuple]) -> None:
-    """C++-issued calls are written when the sidecar sees them, a little after they started:
-    put them where they belong (the trace is in call order otherwise)."""
-    if any(fp[10] for fp in fps.values()):
-        trace.events.sort(key=_T_ENTER)
-
-
-def _definition(parts: list[str], groups: dict, sites: dict, fps: dict) -> bool:
-    """Take a G, S or F record into its table; False for anything else (ValueError: a bad field)."""
-    tag, n = parts[0], len(parts)
-    if tag == "F" and n == F_FIELDS:
-        fps[parts[1]] = _fingerprint(parts, sites)
-    elif tag == "S" and n == 5:
-        sites[parts[1]] = _site(parts)
-    elif tag == "G" and n == 3:
-        groups[parts[1]] = _ranks(parts)
-    else:
+def _starts_with_version(words: array, tables: _Tables) -> bool:
+    if words[0] & 0xFF != TAG_T:
         return False
-    return True
+    text = _Text(words[0], words[1], words[2])
+    i = 1
+    while not text.complete and 4 * i < len(words) and words[4 * i] & 0xFF == TAG_C:
+        text.add(words[4 * i], words[4 * i + 1], words[4 * i + 2])
+        i += 1
+    tables.define(text.text())
+    return tables.version
 
 
-def _parse_lines(rank: int, body: str) -> RankTrace:
-    """The careful path: line by line, every bad line counted."""
-    lines = body.split("\n")
-    lines.pop()  # the last element is ""
-    groups: dict[str, tuple[int, ...]] = {}
-    sites: dict[str, tuple[str | None, str | None, str | None]] = {}
-    fps: dict[str, tuple] = {}
-    enters: list[list[str]] = []
-    exits: dict[tuple[str, str], tuple[float, str | None]] = {}
-    corrupt = 0
-    for line in lines:
-        parts = line.split("\t")
-        tag, n = parts[0], len(parts)
-        try:
-            if tag == "E" and n == 5:
-                enters.append(parts)
-            elif tag == "X" and n == 5:
-                exits[(parts[1], parts[2])] = (int(parts[3]) / 1e6, _opt(parts[4]))
-            elif not _definition(parts, groups, sites, fps):
+class _Parse:
+    """One pass over a file's slots; events are built per segment (ids restart after a B record)."""
+
+    def __init__(self, trace: RankTrace, tables: _Tables) -> None:
+        self.trace = trace
+        self.tables = tables
+        self.enters: list[tuple] = []
+        self.exits: dict[int, int] = {}
+        self.errors: dict[int, str] = {}
+
+    def run(self, W0: array, W1: array, W2: array) -> None:
+        tables, exits, enters = self.tables, self.exits, self.enters
+        shared, append = tables.shared, enters.append
+        text: _Text | None = None
+        corrupt = 0
+        for w0, w1, w2 in zip(W0, W1, W2):
+            if w0 == X_OK:
+                exits[w1] = w2
+                continue
+            s = shared.get(w0)
+            if s is not None:
+                append((w1, w2, s))
+                continue
+            tag = w0 & 0xFF
+            if tag == TAG_E:
+                s = tables.shared_of(w0)
+                if s is None:
+                    corrupt += 1
+                else:
+                    append((w1, w2, s))
+            elif tag == TAG_X:
+                exits[w1] = w2
+                self.errors[w1] = tables.errors.get(w0 >> 8, "error")
+            elif tag == TAG_T or tag == TAG_C:
+                if tag == TAG_T:
+                    corrupt += text is not None   # a text record cut short by the next one
+                    text = _Text(w0, w1, w2)
+                elif text is None or not text.add(w0, w1, w2):
+                    corrupt += 1
+                    continue
+                if text.complete:
+                    corrupt += self._text(text.text())
+                    text = None
+                    tables = self.tables
+                    shared = tables.shared
+            else:
                 corrupt += 1
-        except ValueError:
-            corrupt += 1
-    trace = RankTrace(rank=rank)
-    trace.corrupt_lines = corrupt + _add_events(trace, enters, exits, fps, groups)
-    _in_call_order(trace, fps)
-    return trace
+        self.trace.corrupt_records += corrupt + (text is not None)
+        self._flush()
+
+    def _text(self, text: str) -> int:
+        bad = self.tables.define(text)
+        if self.tables.segment is not None:   # the next scenario: its ids are its own
+            self._flush()
+            self.tables = _Tables()
+        return bad
+
+    def _flush(self) -> None:
+        """Build the events of the segment read so far."""
+        events = self.trace.events
+        start = len(events)
+        append, exits, errors, rank, new = events.append, self.exits, self.errors, self.trace.rank, tuple.__new__
+        for key, t, (group, op, rest) in self.enters:
+            t_exit = exits.get(key)
+            append(new(Event, (rank, group, key & SEQ_MASK, op, t / 1e6, None if t_exit is None else t_exit / 1e6,
+                               errors.get(key) if errors else None) + rest))
+        if any(e.native for e in events[start:]):
+            # C++-issued calls are written when the sidecar sees them, a little after they
+            # started: put them where they belong (the trace is in call order otherwise).
+            events[start:] = sorted(events[start:], key=_t_enter)
+        self.enters.clear()
+        self.exits.clear()
+        self.errors.clear()
 
 
-def _add_events(trace: RankTrace, enters: list[list[str]], exits: dict[tuple[str, str], tuple[float, str | None]],
-                fps: dict[str, tuple], groups: dict[str, tuple[int, ...]]) -> int:
-    """Append an Event per E record to ``trace``; return how many E records did not resolve."""
-    append = trace.events.append
-    rank, bad = trace.rank, 0
-    for p in enters:
-        try:
-            t_exit, error = exits.get((p[1], p[2]), _NO_EXIT)
-            fp = fps[p[3]]
-            append(_make_event(rank, p[1], int(p[2]), fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
-                               groups.get(p[1], ()), fp[6], int(p[4]) / 1e6, t_exit, error, fp[7], fp[8], fp[9], fp[10],
-                               fp[11], fp[12]))
-        except (ValueError, KeyError):
-            bad += 1
-    return bad
+def _t_enter(e: Event) -> float:
+    return e.t_enter
+
+
+def split_segments(data: bytes) -> dict[str, bytes]:
+    """A batched launch's trace cut at its ``B`` records: {scenario name: its own trace file}."""
+    used = used_bytes(data)
+    words = _words(memoryview(data), used // SLOT)
+    header = text_slots(VERSION_LINE)
+    segments: dict[str, bytes] = {}
+    name, start = None, 0
+    for i, w0 in enumerate(words[0::4]):
+        if w0 & 0xFF != TAG_T:
+            continue
+        text = _Text(w0, words[4 * i + 1], words[4 * i + 2])
+        if text.complete and text.text().startswith("B\t"):
+            if name is not None:
+                segments[name] = header + data[start * SLOT:i * SLOT]
+            tables = _Tables()
+            tables.define(text.text())
+            name, start = tables.segment, i + 1
+    if name is not None:
+        segments[name] = header + data[start * SLOT:used] + data[used:].rstrip(b"\0")
+    return segments
 
 
 def trace_path(trace_dir: Path, rank: int) -> Path:
@@ -348,21 +592,7 @@ def read_trace_dir(trace_dir: Path) -> dict[int, RankTrace]:
     return traces
 
 
-class TraceWriter:
-    """Writes records for one rank. Every record (with its definitions) is one ``os.write``."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-
-    def write(self, record: bytes) -> None:
-        os.write(self.fd, record)
-
-    def close(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+# -- following a live file ---------------------------------------------------------------------
 
 
 class OpenCall(NamedTuple):
@@ -370,7 +600,7 @@ class OpenCall(NamedTuple):
 
     op: str
     group: str
-    seq: str
+    seq: int
     t_enter: float
     label: str | None
 
@@ -378,58 +608,84 @@ class OpenCall(NamedTuple):
 class TraceTail:
     """Follows one rank's trace while the rank still writes it (the watchdog's view).
 
-    Each ``read`` parses only what was appended since the last one; a torn last
-    line waits for the rest of it. Tolerant on purpose: a record it cannot use
-    is skipped, since a live job must never fail on its own trace.
+    Each ``read`` takes only the slots written since the last one; a record
+    whose check fails (caught half-copied) or a text record not yet complete
+    is left for the next read. Tolerant on purpose: a record it cannot use is
+    skipped, since a live job must never fail on its own trace.
     """
+
+    READ_BYTES = 1024 * 1024      # at most this much per read: the file's preallocated end is zeros
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.records = 0                                      # E and X records so far
-        self.open: dict[tuple[str, str], OpenCall] = {}       # (group, seq) -> call, oldest first
+        self._open: dict[int, tuple[int, tuple]] = {}          # call key -> (t_enter_us, shared), oldest first
         self._offset = 0
-        self._partial = b""
-        self._labels: dict[str, str | None] = {}              # site id -> label
-        self._fps: dict[str, tuple[str, str, str]] = {}       # fp id -> (op, async flag, site id)
+        self._tables = _Tables()
+
+    @property
+    def open(self) -> dict[int, OpenCall]:
+        return {key: _open_call(key, t, s) for key, (t, s) in self._open.items()}
 
     @property
     def newest_open(self) -> OpenCall | None:
-        return next(reversed(self.open.values())) if self.open else None
+        if not self._open:
+            return None
+        key = next(reversed(self._open))
+        return _open_call(key, *self._open[key])
 
     def read(self) -> TraceTail:
-        chunk = self._new_bytes()
-        if chunk:
-            lines = (self._partial + chunk).split(b"\n")
-            self._partial = lines.pop()
-            for line in lines:
-                self._record(line.decode("utf-8", "replace").split("\t"))
-        return self
+        while True:
+            data = self._new_bytes()
+            n = len(data) // SLOT
+            if not n:
+                return self
+            done = self._take(_words(data, n), n)
+            self._offset += done * SLOT
+            if done < n or len(data) < self.READ_BYTES:
+                return self
 
     def _new_bytes(self) -> bytes:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
-                chunk = f.read()
+                return f.read(self.READ_BYTES)
         except OSError:
             return b""
-        self._offset += len(chunk)
-        return chunk
 
-    def _record(self, parts: list[str]) -> None:
-        tag, n = parts[0], len(parts)
-        if tag == "E" and n == 5:
-            self.records += 1
-            op, is_async, site = self._fps.get(parts[3], ("?", "0", NONE))
-            if is_async != "1":   # async calls return at once; their wait is elsewhere
-                try:
-                    t = int(parts[4]) / 1e6
-                except ValueError:
-                    t = time.time()
-                self.open[(parts[1], parts[2])] = OpenCall(op, parts[1], parts[2], t, self._labels.get(site))
-        elif tag == "X" and n >= 3:
-            self.records += 1
-            self.open.pop((parts[1], parts[2]), None)
-        elif tag == "F" and n == F_FIELDS:
-            self._fps[parts[1]] = (parts[2], parts[8], parts[9])
-        elif tag == "S" and n >= 5:
-            self._labels[parts[1]] = _opt(parts[4])
+    def _take(self, words: array, n: int) -> int:
+        """Take complete records from ``words``; return how many slots were used up."""
+        good = _first_bad(words, 0, n)
+        opened, tables = self._open, self._tables
+        i = 0
+        while i < good:
+            b = 4 * i
+            w0, w1, w2 = words[b], words[b + 1], words[b + 2]
+            tag = w0 & 0xFF
+            if tag == TAG_X:
+                self.records += 1
+                opened.pop(w1, None)
+            elif tag == TAG_E:
+                self.records += 1
+                s = tables.shared.get(w0) or tables.shared_of(w0)
+                if s is not None and not s[2][_ASYNC]:   # async calls return at once; their wait is elsewhere
+                    opened[w1] = (w2, s)
+            elif tag == TAG_T:
+                text = _Text(w0, w1, w2)
+                j = i + 1
+                while not text.complete and j < good and text.add(words[4 * j], words[4 * j + 1], words[4 * j + 2]):
+                    j += 1
+                if not text.complete:
+                    return i if j >= good else j   # the rest is not written yet / a broken record: skip it
+                tables.define(text.text())
+                if tables.segment is not None:
+                    self._tables = tables = _Tables()
+                i = j
+                continue
+            i += 1
+        return good
+
+
+def _open_call(key: int, t_enter_us: int, shared: tuple) -> OpenCall:
+    group, op, rest = shared
+    return OpenCall(op, group, key & SEQ_MASK, t_enter_us / 1e6, rest[_LABEL])

@@ -11,6 +11,7 @@ writes the full report; the other nodes print a pointer to it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import functools
@@ -346,8 +347,8 @@ class LaunchChannel:
 
     def upload(self, files: LaunchFiles, summary: dict[str, Any]) -> None:
         """This node's ranks' files and its launch summary, for node 0's report."""
-        bundle = {"summary": summary, "files": {
-            rel: path.read_text(encoding="utf-8", errors="replace") for rel, path in files.shipped_files()}}
+        bundle = {"summary": summary, "files": {   # base64: traces are binary
+            rel: base64.b64encode(data).decode("ascii") for rel, data in files.shipped_contents()}}
         self.store.set(f"bundle/{self.config.node_rank}", json.dumps(bundle))
 
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:
@@ -373,11 +374,11 @@ class LaunchChannel:
             if node in self.liveness.lost:
                 continue
             bundle = json.loads(self.store.get(f"bundle/{node}"))
-            for rel, text in bundle["files"].items():
+            for rel, data in bundle["files"].items():
                 path = files.root / rel
                 if not path.exists():
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(text, encoding="utf-8")
+                    path.write_bytes(base64.b64decode(data))
             summaries.append(bundle["summary"])
         return summaries
 

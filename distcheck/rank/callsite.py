@@ -5,14 +5,35 @@
 * library callsite — the innermost installed-library frame (torchmetrics,
   lightning, ...) below it, kept because it says *how* the call was made;
 * label — the entry point into the ``nn.Module`` that issued the call: the
-  outermost frame on the stack whose ``self`` is the module seen innermost
-  (``BinaryAUROC.compute``, not ``BinaryAUROC._sync_dist``).
+  outermost frame whose ``self`` is the module seen innermost (the *target*),
+  found in the walk below (``BinaryAUROC.compute``, not
+  ``BinaryAUROC._sync_dist``).
+
+The walk, from the collective's caller outwards, costs the same at any stack
+depth: it stops at the first user frame, and the label is found inside that
+walk. Past the first user frame it goes on only while it is still in the
+target module: through frames whose ``self`` is the target and through torch's,
+the standard library's and distcheck's frames between them (``nn.Module``'s
+``_call_impl`` / ``_wrapped_call_impl``, so ``Model.forward -> self.helper()
+-> all_reduce`` is labelled ``Model.forward``). It stops at the first user or
+library frame whose ``self`` is not the target. If no module was seen by the
+first user frame and that frame has no module ``self``, the walk ends there
+and there is no label. So a collective in a plain function called from a
+module method (``Model.validate`` -> ``evaluate()`` -> ``all_reduce``) has no
+label, and a module method reached through a plain user function
+(``Model.forward`` -> ``run(self)`` -> ``self.step()``) is labelled by the
+inner method (``Model.step``): the outer frames are never looked at.
 
 This runs on every traced call, so the walk is cheap: everything that depends
 only on a code object (its file's kind, whether it has a ``self``, whether that
-``self`` has been an ``nn.Module``) is computed once per code object, and
-``frame.f_locals`` — which copies every local on Python < 3.13 — is read only
-on frames of module methods, where the identity of ``self`` matters.
+``self`` has been an ``nn.Module``, the line of each instruction that called
+out, the label, or for a closure around a bound method the local that holds
+it) is computed once per code object. ``frame.f_locals`` — which copies every
+local on Python < 3.13 — is read only on frames of module methods, and of
+those inside the user's frame only on the innermost (the target) and, from
+the outermost in, until one is on the target (the label's frame); past the
+user's frame, where it decides whether the walk goes on, on user and library
+frames of module methods.
 """
 
 from __future__ import annotations
@@ -49,9 +70,11 @@ class CallsiteResolver:
     """
 
     def __init__(self) -> None:
-        # id(code) -> [code, file kind, self mode]; the code object is kept so its id stays valid.
+        # id(code) -> [code, file kind, self mode, {f_lasti: line}]; the code object is kept so its id stays valid.
         self._codes: dict[int, list] = {}
         self._labels: dict[tuple[type, int], str] = {}
+        # (class, id(code)) of a closure around a bound method -> the name of the local that holds it
+        self._wrapped: dict[tuple[type, int], str] = {}
         self._torch_dir = torch_dir()
         self._module_type: type | None = None
 
@@ -60,7 +83,7 @@ class CallsiteResolver:
         if code.co_filename.replace("\\", "/").endswith(_JOIN_FILE):
             kind = _JOIN
         has_self = (code.co_argcount > 0 and code.co_varnames[:1] == ("self",)) or "self" in code.co_freevars
-        info = [code, kind, _SELF_UNKNOWN if has_self and kind != SKIP else _NO_SELF]
+        info = [code, kind, _SELF_UNKNOWN if has_self and kind != SKIP else _NO_SELF, {}]
         self._codes[id(code)] = info
         return info
 
@@ -73,42 +96,49 @@ class CallsiteResolver:
     def key(self, frame: FrameType | None) -> SiteKey:
         """A hashable key for the call site of the stack starting at ``frame``."""
         codes = self._codes
-        user = user_line = lib = lib_line = None
-        target = label_frame = None
+        user = user_line = lib = lib_line = target = None
         joined = False
+        # Frames of module methods, innermost first, and the index of the outermost one known to be on the
+        # target; the others' ``self`` is read only if the label needs it.
+        on_modules: list[FrameType] = []
+        known = 0
         depth = MAX_DEPTH
-        # Inner part: up to the user's frame, looking for the call site and the library frame.
         while frame is not None and depth:
             code = frame.f_code
             info = codes.get(id(code))
             if info is None or info[0] is not code:
                 info = self._code_info(code)
             kind = info[1]
-            if kind == USER:
-                user, user_line = code, frame.f_lineno
-            elif kind == LIBRARY and lib is None:
-                lib, lib_line = code, frame.f_lineno
-            elif kind == _JOIN:
-                joined = True
-            if info[2]:
-                target, label_frame = self._self_step(info, frame, target, label_frame)
+            if user is None:
+                # Inner part, up to the user's frame: the call site, the library frame, the target.
+                if info[2] and (info[2] == _SELF_MODULE or self._learn_self(info, frame)):
+                    on_modules.append(frame)
+                if kind == USER:
+                    user, user_line = code, _line(info, frame)
+                    target, known = _target(on_modules)
+                    if target is None:
+                        break
+                elif kind == LIBRARY:
+                    if lib is None:
+                        lib, lib_line = code, _line(info, frame)
+                elif kind == _JOIN:
+                    joined = True
+            elif kind == USER or kind == LIBRARY:
+                # Past the user's frame, only while on the target: its own methods, ...
+                if (not info[2] or (info[2] == _SELF_UNKNOWN and not self._learn_self(info, frame))
+                        or frame.f_locals.get("self") is not target):
+                    break
+                known = len(on_modules)
+                on_modules.append(frame)
+            elif info[2] and (info[2] == _SELF_MODULE or self._learn_self(info, frame)):
+                on_modules.append(frame)   # ... and torch's frames between them (nn.Module._call_impl)
             frame = frame.f_back
             depth -= 1
-            if user is not None:
-                break
-        # Outer part: only frames whose code has a module ``self`` matter (for the label).
-        while frame is not None and depth:
-            code = frame.f_code
-            info = codes.get(id(code))
-            if info is None or info[0] is not code:
-                info = self._code_info(code)
-            if info[2]:
-                target, label_frame = self._self_step(info, frame, target, label_frame)
-            frame = frame.f_back
-            depth -= 1
+        if user is None:   # no user frame: the whole stack (up to MAX_DEPTH) was the inner part
+            target, known = _target(on_modules)
         label = log_site = None
         if target is not None:
-            label = self._label(target, label_frame)
+            label = self._label(target, _outermost_on(target, on_modules, known))
             logged = integrations.LOG_SITES and integrations.logged_name(target)
             if logged:   # Lightning's deferred self.log reduction: blame the self.log line
                 log_site = integrations.LOG_SITES.get(logged)
@@ -119,28 +149,28 @@ class CallsiteResolver:
         return (None if user is None else id(user), user_line, None if lib is None else id(lib), lib_line, label,
                 log_site)
 
-    def _self_step(self, info: list, frame: FrameType, target: object, label_frame: FrameType | None) -> tuple:
-        """Update (target module, outermost frame on it) with a frame whose code has ``self``."""
-        obj = frame.f_locals.get("self")
-        if info[2] == _SELF_UNKNOWN:
-            # A method's self is of its class: decide once whether that is a module.
-            info[2] = _SELF_MODULE if isinstance(obj, self._module()) else _NO_SELF
-            if info[2] == _NO_SELF:
-                return target, label_frame
-        if target is None:
-            if obj is not None:
-                return obj, frame
-        elif obj is target:
-            return target, frame
-        return target, label_frame
+    def _learn_self(self, info: list, frame: FrameType) -> bool:
+        """Whether a frame's code, which has a ``self`` of unknown type, is a module method (decided once:
+        a method's ``self`` is of its class)."""
+        info[2] = _SELF_MODULE if isinstance(frame.f_locals.get("self"), self._module()) else _NO_SELF
+        return info[2] == _SELF_MODULE
 
     def _label(self, target: object, frame: FrameType) -> str:
         cache_key = (type(target), id(frame.f_code))
         label = self._labels.get(cache_key)
-        if label is None:
-            label, stable = _label_for(target, frame)
-            if stable:   # depends only on the class and the code object (codes are kept alive)
-                self._labels[cache_key] = label
+        if label is not None:
+            return label
+        local = self._wrapped.get(cache_key)
+        if local is not None:   # a closure seen before: look only at the local that held the method
+            method = frame.f_locals.get(local)
+            name = getattr(method, "__name__", None)
+            if name is not None and getattr(method, "__self__", None) is target:
+                return f"{type(target).__name__}.{name}"
+        label, stable = _label_for(target, frame)
+        if stable is True:   # depends only on the class and the code object (codes are kept alive)
+            self._labels[cache_key] = label
+        elif stable:
+            self._wrapped[cache_key] = stable
         return label
 
     def describe(self, key: SiteKey) -> tuple[str | None, str | None, str | None]:
@@ -157,8 +187,35 @@ class CallsiteResolver:
         return self.describe(self.key(frame))
 
 
-def _label_for(target: object, frame: FrameType) -> tuple[str, bool]:
-    """The label, and whether it depends only on (class, code object)."""
+def _line(info: list, frame: FrameType) -> int | None:
+    """``frame.f_lineno``, cached per instruction: computing it scans the code's line table from the start."""
+    lasti = frame.f_lasti
+    line = info[3].get(lasti)
+    if line is None:
+        line = info[3][lasti] = frame.f_lineno
+    return line
+
+
+def _target(on_modules: list[FrameType]) -> tuple[object, int]:
+    """The module seen innermost, and the index of its frame."""
+    for i, frame in enumerate(on_modules):
+        obj = frame.f_locals.get("self")
+        if obj is not None:
+            return obj, i
+    return None, 0
+
+
+def _outermost_on(target: object, on_modules: list[FrameType], known: int) -> FrameType:
+    """The outermost frame on the target, reading ``self`` only on the frames outside ``on_modules[known]``."""
+    for i in range(len(on_modules) - 1, known, -1):
+        if on_modules[i].f_locals.get("self") is target:
+            return on_modules[i]
+    return on_modules[known]
+
+
+def _label_for(target: object, frame: FrameType) -> tuple[str, bool | str]:
+    """The label, and True if it depends only on (class, code object), or for a closure around a bound
+    method the name of the local that holds it, else False."""
     cls = type(target)
     name = frame.f_code.co_name
     if name in _CALL_ENTRY:
@@ -167,7 +224,7 @@ def _label_for(target: object, frame: FrameType) -> tuple[str, bool]:
         return f"{cls.__name__}.{name}", True
     # A closure around a bound method (torchmetrics wraps compute/update this
     # way): name it after the method it wraps, which this frame's locals say.
-    for value in frame.f_locals.values():
+    for local, value in frame.f_locals.items():
         if getattr(value, "__self__", None) is target and hasattr(value, "__name__"):
-            return f"{cls.__name__}.{value.__name__}", False
+            return f"{cls.__name__}.{value.__name__}", local
     return f"{cls.__name__}.{name}", False

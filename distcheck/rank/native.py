@@ -180,8 +180,8 @@ class NativeWatcher:
     seen: dict[str, int] = field(default_factory=dict)        # group → every absolute seq up to it is accounted for
     python: dict[str, set[int]] = field(default_factory=dict)  # group → absolute seqs above ``seen`` the tracer wrote
     open: dict[str, list[_Open]] = field(default_factory=dict)
-    defined: set[str] = field(default_factory=set)
-    fps: dict[tuple, bytes] = field(default_factory=dict)
+    gids: dict[str, int] = field(default_factory=dict)       # group → its id in the trace (the sidecar's own ids)
+    fps: dict[tuple, int] = field(default_factory=dict)
     sites: dict[tuple, str] = field(default_factory=dict)
     recorder: bool = field(default_factory=lambda: recorder_problem() is None)   # False: counted, not watched
     on_unwatched: Callable[[str], None] = lambda why: None   # told once, when a call could not be watched
@@ -200,23 +200,24 @@ class NativeWatcher:
         """``flush`` with the tracer's lock held (a batched launch's segment ends here)."""
         now = time.time()
         calls = self.calls() if self.recorder else None
-        out: list[bytes] = []
+        out = records.RecordBatch()
         new = self._new_numbers()
         if new and calls is None:
             self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
         for key, pg, todo, upto in new:
             self._record_new(key, pg, todo, upto, calls or {}, now, out, final=True)
         for key, opened in self.open.items():
-            out.extend(records.EXIT_OK % (records.CALL_KEY % (key.encode(), o.shown), int(now * 1e6)) for o in opened)
+            for o in opened:
+                out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e6)))
             opened.clear()
         if out:
-            self.tracer.writer.write(b"".join(out))
+            self.tracer.writer.write(out.data())
 
     def reset(self) -> None:
         """A new trace segment: numbers restart, definitions are written again."""
         self.open.clear()
         self.python.clear()
-        self.defined.clear()
+        self.gids.clear()
         self.fps.clear()
         self.sites.clear()
 
@@ -232,12 +233,12 @@ class NativeWatcher:
             calls = self.calls() if self.recorder else None
             if calls is None:
                 self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
-            out: list[bytes] = []
+            out = records.RecordBatch()
             for key, pg, todo, upto in new:
                 self._record_new(key, pg, todo, upto, calls or {}, now, out)
             self._retire(calls, now, out)
             if out:
-                self.tracer.writer.write(b"".join(out))
+                self.tracer.writer.write(out.data())
 
     def _unwatched(self, why: str) -> None:
         if self.recorder or not self._told:
@@ -273,7 +274,7 @@ class NativeWatcher:
         self.python[key] = {s for s in self.python.get(key, ()) if s > self.seen[key]}
 
     def _record_new(self, key: str, pg: Any, todo: list[int], upto: int, calls: dict, now: float,
-                    out: list[bytes], final: bool = False) -> None:
+                    out: records.RecordBatch, final: bool = False) -> None:
         base = self.tracer.seq_base(key)
         frames = stack_of(self.main_thread)
         for seq in todo:
@@ -283,35 +284,35 @@ class NativeWatcher:
                 self._advance(key, seq - 1)
                 return   # the recorder has not shown the newest call yet: next poll
             self._pending_since.pop((key, seq), None)
-            self._define_group(key, pg, out)
+            gid = self._define_group(key, pg, out)
             fp = self._fingerprint(call, frames, out)
             t_enter = call.t_created if call and call.t_created else now
-            call_key = records.CALL_KEY % (key.encode(), seq - base)
-            out.append(records.enter_record(call_key, fp, int(t_enter * 1e6)))
+            out.add(records.enter_slot(gid, fp, seq - base, int(t_enter * 1e6)))
             if call is None or call.retired or final:
-                out.append(records.EXIT_OK % (call_key, int(now * 1e6)))
+                out.add(records.exit_slot(records.call_key(gid, seq - base), int(now * 1e6)))
             else:
                 self.open.setdefault(key, []).append(_Open(seq, seq - base))
         self._advance(key, upto)
 
-    def _retire(self, calls: dict | None, now: float, out: list[bytes]) -> None:
+    def _retire(self, calls: dict | None, now: float, out: records.RecordBatch) -> None:
         for key, opened in self.open.items():
             still = []
             for o in opened:
                 call = calls.get((key, o.seq)) if calls is not None else None
                 if call is None or call.retired:   # retired, or so old it left the ring
-                    out.append(records.EXIT_OK % (records.CALL_KEY % (key.encode(), o.shown), int(now * 1e6)))
+                    out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e6)))
                 else:
                     still.append(o)
             opened[:] = still
 
-    def _define_group(self, key: str, pg: Any, out: list[bytes]) -> None:
-        if key in self.defined:
-            return
-        self.defined.add(key)
-        out.append(records.group_record(key, members_of(pg)))
+    def _define_group(self, key: str, pg: Any, out: records.RecordBatch) -> int:
+        gid = self.gids.get(key)
+        if gid is None:
+            gid = self.gids[key] = records.NATIVE_GROUP_BASE + len(self.gids)
+            out.define(records.group_record(gid, key, members_of(pg)))
+        return gid
 
-    def _fingerprint(self, call: NativeCall | None, frames: list, out: list[bytes]) -> bytes:
+    def _fingerprint(self, call: NativeCall | None, frames: list, out: records.RecordBatch) -> int:
         op = call.op if call else UNKNOWN_OP
         shapes = call.shapes if call else ()
         dtypes = call.dtypes if call else ()
@@ -320,13 +321,12 @@ class NativeWatcher:
         site = self.sites.get(site_key)
         if site is None:
             site = self.sites[site_key] = f"n{len(self.sites)}"
-            out.append(records.site_record(site, site_key[0], None, label))
+            out.define(records.site_record(site, site_key[0], None, label))
         fp_key = (op, shapes, dtypes, site)
         fp = self.fps.get(fp_key)
         if fp is None:
-            fp_id = f"n{len(self.fps)}"
-            out.append(records.native_fingerprint_record(fp_id, op, shapes, dtypes, site))
-            fp = self.fps[fp_key] = fp_id.encode()
+            fp = self.fps[fp_key] = records.NATIVE_FP_BASE + len(self.fps)
+            out.define(records.native_fingerprint_record(fp, op, shapes, dtypes, site))
         return fp
 
 
