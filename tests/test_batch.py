@@ -32,7 +32,7 @@ def test_split_segments_cuts_at_B_records_and_keeps_a_torn_tail():
     parts = split_segments(torn)
     assert list(parts) == ["a", "b"]
     a, b = parse_trace(0, parts["a"]), parse_trace(0, parts["b"])
-    assert [(e.op, e.seq, e.t_exit) for e in a.events] == [("barrier", 1, 6e-6)] and not a.truncated
+    assert [(e.op, e.seq, e.t_exit) for e in a.events] == [("barrier", 1, 6e-9)] and not a.truncated
     assert b.events == [] and b.truncated
     assert split_segments(b"") == {}
 

@@ -96,6 +96,14 @@ class CallsiteResolver:
     def key(self, frame: FrameType | None) -> SiteKey:
         """A hashable key for the call site of the stack starting at ``frame``."""
         codes = self._codes
+        if frame is not None:
+            # The commonest case, without a walk: the user's own function (no module ``self``)
+            # called the collective, so its line is the whole key.
+            info = codes.get(id(frame.f_code))
+            if info is not None and info[1] == USER and info[2] == _NO_SELF and info[0] is frame.f_code:
+                line = info[3].get(frame.f_lasti)
+                if line is not None:
+                    return (id(info[0]), line, None, None, None, None)
         user = user_line = lib = lib_line = target = None
         joined = False
         # Frames of module methods, innermost first, and the index of the outermost one known to be on the

@@ -208,7 +208,7 @@ class NativeWatcher:
             self._record_new(key, pg, todo, upto, calls or {}, now, out, final=True)
         for key, opened in self.open.items():
             for o in opened:
-                out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e6)))
+                out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e9)))
             opened.clear()
         if out:
             self.tracer.writer.write(out.data())
@@ -287,9 +287,9 @@ class NativeWatcher:
             gid = self._define_group(key, pg, out)
             fp = self._fingerprint(call, frames, out)
             t_enter = call.t_created if call and call.t_created else now
-            out.add(records.enter_slot(gid, fp, seq - base, int(t_enter * 1e6)))
+            out.add(records.enter_slot(gid, fp, seq - base, int(t_enter * 1e9)))
             if call is None or call.retired or final:
-                out.add(records.exit_slot(records.call_key(gid, seq - base), int(now * 1e6)))
+                out.add(records.exit_slot(records.call_key(gid, seq - base), int(now * 1e9)))
             else:
                 self.open.setdefault(key, []).append(_Open(seq, seq - base))
         self._advance(key, upto)
@@ -300,7 +300,7 @@ class NativeWatcher:
             for o in opened:
                 call = calls.get((key, o.seq)) if calls is not None else None
                 if call is None or call.retired:   # retired, or so old it left the ring
-                    out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e6)))
+                    out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e9)))
                 else:
                     still.append(o)
             opened[:] = still

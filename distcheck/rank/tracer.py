@@ -200,7 +200,7 @@ class Tracer:
                         self._exit(key, exc)
                     raise
                 if key is not None:
-                    t = time_ns() // 1000
+                    t = time_ns()
                     record = pack(X_OK, key, t, exit_check ^ key ^ t)
                     try:
                         append(record)
@@ -321,7 +321,7 @@ class Tracer:
             tracer.count += 1
             key = entry[6] + seq
             w0 = fp | entry[7]
-            t = time_ns() // 1000
+            t = time_ns()
             record = pack(w0, key, t, w0 ^ key ^ t ^ CHECK)
             try:
                 append(record)
@@ -430,7 +430,7 @@ class Tracer:
         self.slow_calls += 1
         gid = self._gids[group]
         # definitions go in the same write as, and before, their first use
-        defs.add(enter_slot(gid, fp >> FP_SHIFT, seq, time_ns() // 1000))
+        defs.add(enter_slot(gid, fp >> FP_SHIFT, seq, time_ns()))
         self.writer.write(defs.data())
         return gid << SEQ_BITS | seq
 
@@ -465,10 +465,10 @@ class Tracer:
 
     def _exit(self, key: int, exc: BaseException | None) -> None:
         if exc is None:
-            self.writer.write(exit_slot(key, time_ns() // 1000))
+            self.writer.write(exit_slot(key, time_ns()))
             return
         self._error_ids += 1   # 0 is "no error"
-        self.writer.write(text_slots(error_record(self._error_ids, exc)) + exit_slot(key, time_ns() // 1000,
+        self.writer.write(text_slots(error_record(self._error_ids, exc)) + exit_slot(key, time_ns(),
                                                                                       self._error_ids))
 
 
