@@ -5,27 +5,26 @@ Two parts, both printed as tables of medians and ratios:
 1. **Hot path in isolation** (in-process, no process group): the tracer's own
    wrapper (``Tracer.wrap``, the code path ``install`` uses) around a no-op
    function with the collective's signature, against the bare no-op. The
-   difference is exactly the µs distcheck adds to every call (two trace
-   records, each one ``os.write``, included). Also from a deep stack and from
-   inside an ``nn.Module`` method (where the label must be resolved).
+   difference is exactly the µs distcheck adds to every call (its two trace
+   records included). Also from 40 frames deeper and from inside an
+   ``nn.Module`` method (where the label must be resolved). Targets: ≤ 2 µs,
+   and ≤ +1 µs from 40 frames deeper.
 
 2. **Real collectives on gloo** at 2 and 4 ranks: all_reduce (1 element and
-   1 MiB), all_gather (1 element per rank) and barrier, in three modes
-   interleaved round by round inside the same processes:
-   untraced (the original torch function), distcheck (the installed tracer),
-   and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (a process group created at debug
-   level DETAIL, i.e. wrapped in PyTorch's ProcessGroupWrapper, which is what
-   the environment variable does to every group).
+   1 MiB), all_gather (1 element per rank) and barrier, in one table:
+
+   * untraced (the original torch function), the tracer, a control (each call
+     wrapped in plain busy work as long as the tracer's own CPU time from
+     part 1) and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (a process group created
+     at debug level DETAIL, i.e. wrapped in PyTorch's ProcessGroupWrapper),
+     interleaved round by round inside the same processes;
+   * then the tracer with PyTorch's Flight Recorder (256 entries, as
+     ``distcheck run`` sets it) and distcheck's sidecar that reads it, with
+     its own untraced mode: the recorder is process-wide, so this is a second
+     set of processes.
 
 ``--nccl`` runs part 2 with one rank on NCCL and CUDA tensors instead
-(single-GPU machine; two NCCL ranks cannot share one GPU).
-
-``--flight-recorder`` runs part 2 twice, without and with PyTorch's Flight
-Recorder (256 entries, as ``distcheck run`` sets it) plus distcheck's sidecar
-that reads it for collectives issued from C++: the Flight Recorder is a
-process-wide setting, so the two runs are separate processes, one after the
-other. It prints what ``distcheck run``'s default (tracer + Flight Recorder +
-sidecar) costs against untraced without the recorder.
+(single-GPU machine; two NCCL ranks cannot share one GPU). Target: ≤ 1.10×.
 
     python benchmarks/tracer_overhead.py                 # both parts, 2 and 4 ranks
     python benchmarks/tracer_overhead.py --hot-only
@@ -141,6 +140,26 @@ def hot_path(rounds: int, block: int) -> list[list]:
 # -- part 2: real collectives -------------------------------------------------------------
 
 OPS = ("all_reduce 1 elem", "all_reduce 1 MiB", "all_gather", "barrier")
+PLAIN_MODES = ("untraced", "distcheck", "control", "DETAIL")
+RECORDER_MODES = ("untraced", "distcheck")
+
+
+def _spinner(us: float):
+    """Wraps a call in ``us`` of plain busy work, half before and half after, as the tracer's own is."""
+    half = int(us * 500)
+
+    def spin(fn):
+        def call(*args, **kwargs):
+            end = time.perf_counter_ns() + half
+            while time.perf_counter_ns() < end:
+                pass
+            result = fn(*args, **kwargs)
+            end = time.perf_counter_ns() + half
+            while time.perf_counter_ns() < end:
+                pass
+            return result
+        return call
+    return spin
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -166,12 +185,14 @@ def worker(args: argparse.Namespace) -> None:
     world_pg = dist.group.WORLD
     tracer = Tracer(Path(args.trace_dir) / f"rank{rank}.trace", rank)
     tracer.install()
-    if os.environ.get("TORCH_FR_BUFFER_SIZE"):   # distcheck run's default: the sidecar polls as in a rank
+    recorder = bool(os.environ.get("TORCH_FR_BUFFER_SIZE"))
+    if recorder:   # distcheck run's default: the sidecar polls as in a rank
         import threading
 
         from distcheck.rank import native
         native.start(native.NativeWatcher(tracer, main_thread=threading.main_thread().ident))
     orig = tracer._originals
+    spin = _spinner(args.spin_us)
 
     small = torch.ones(1, device=dev)
     big = torch.ones(256 * 1024, device=dev)           # 1 MiB of float32
@@ -185,16 +206,17 @@ def worker(args: argparse.Namespace) -> None:
     fns = {
         "untraced": (orig["all_reduce"], orig["all_gather"], orig["barrier"], world_pg),
         "distcheck": (dist.all_reduce, dist.all_gather, dist.barrier, world_pg),
+        "control": (spin(orig["all_reduce"]), spin(orig["all_gather"]), spin(orig["barrier"]), world_pg),
         "DETAIL": (orig["all_reduce"], orig["all_gather"], orig["barrier"], detail_pg),
     }
     assert dist.all_reduce is not orig["all_reduce"]
     sync = torch.cuda.synchronize if args.nccl else (lambda: None)
-    modes = list(fns)
+    modes = list(RECORDER_MODES if recorder else PLAIN_MODES)
     samples: dict[str, dict[str, list[float]]] = {op: {m: [] for m in modes} for op in OPS}
     for op in OPS:
         block = max(1, args.block // 8) if "MiB" in op else args.block
         for r in range(args.rounds + 1):            # round 0 is warm-up
-            order = modes[r % 3:] + modes[:r % 3]   # rotate which mode goes first
+            order = modes[r % len(modes):] + modes[:r % len(modes)]   # rotate which mode goes first
             for mode in order:
                 fn = calls[op]
                 a = fns[mode]
@@ -222,12 +244,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = False) -> list[list]:
+def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = False) -> dict[str, dict[str, float]]:
+    """{op: {mode: median µs per call}}, every rank's calls pooled (a collective is one event seen from each rank)."""
     trace_dir = tempfile.mkdtemp(prefix="distcheck-bench-")
     out = os.path.join(trace_dir, "result.json")
     port = free_port()
     cmd = [python(), __file__, "--worker", "--rounds", str(args.rounds), "--block", str(args.block),
-           "--trace-dir", trace_dir, "--out", out] + (["--nccl"] if args.nccl else [])
+           "--trace-dir", trace_dir, "--out", out, "--spin-us", str(args.spin_us)] + (["--nccl"] if args.nccl else [])
     envs = [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
              **({"TORCH_FR_BUFFER_SIZE": "256"} if flight_recorder else {})} for r in range(world)]
@@ -237,20 +260,39 @@ def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = Fals
             sys.stderr.write(r.stderr[-3000:])
         raise SystemExit(f"the {world}-rank run failed")
     per_rank = json.loads(Path(out).read_text())
-    if args.flight_recorder:
-        return [[world, op, median(x for rank in per_rank for x in rank[op][mode])]
-                for op in OPS for mode in ("untraced", "distcheck")]
+    return {op: {mode: median(x for rank in per_rank for x in rank[op][mode]) for mode in per_rank[0][op]}
+            for op in OPS}
+
+
+def side_by_side(worlds: list[int], args: argparse.Namespace) -> None:
+    """Part 2: tracer off / on / on with the Flight Recorder / DETAIL, and the control, in one table."""
     rows = []
-    for op in OPS:
-        # every rank's calls pooled: a collective's time is the same event seen from each rank
-        m = {mode: median(x for rank in per_rank for x in rank[op][mode]) for mode in ("untraced", "distcheck", "DETAIL")}
-        n = sum(len(rank[op]["untraced"]) for rank in per_rank)
-        added, detail_added = m["distcheck"] - m["untraced"], m["DETAIL"] - m["untraced"]
-        cheaper = f"{detail_added / added:.1f}x" if added > 0.05 else "n/a (below noise)"
-        rows.append([f"{world}", op, n, f"{m['untraced']:.1f}", f"{m['distcheck']:.1f}", f"{m['DETAIL']:.1f}",
-                     f"{m['distcheck'] / m['untraced']:.3f}", f"{m['DETAIL'] / m['untraced']:.2f}",
-                     f"{added:+.1f}", f"{detail_added:+.1f}", cheaper])
-    return rows
+    for world in worlds:
+        plain = run_world(world, args)
+        with_fr = None if args.nccl else run_world(world, args, flight_recorder=True)
+        for op in OPS:
+            m = plain[op]
+            base = m["untraced"]
+            row = [world, op, f"{base:.1f}", f"{m['distcheck'] / base:.3f}"]
+            if with_fr is not None:
+                fr = with_fr[op]
+                row += [f"{fr['distcheck'] / base:.3f}", f"{fr['distcheck'] / fr['untraced']:.3f}"]
+            row += [f"{m['control'] / base:.3f}", f"{m['DETAIL'] / base:.2f}", f"{m['distcheck'] - base:+.1f}"]
+            rows.append(row)
+    headers = ["ranks", "op", "untraced µs", "tracer ×"]
+    if not args.nccl:
+        headers += ["tracer+FR+sidecar ×", "(on FR alone ×)"]
+    headers += ["control ×", "DETAIL ×", "tracer adds µs"]
+    backend = "NCCL, one rank, CUDA tensors, host-side µs per call (enqueue)" if args.nccl else "gloo, CPU tensors"
+    print()
+    print(table(headers, rows, title=(
+        f"Per-call medians, {backend}; modes interleaved round by round ({args.rounds} rounds x {args.block} "
+        f"calls per mode, 1 MiB: {max(1, args.block // 8)}).\n"
+        "  tracer+FR+sidecar (distcheck run's default) ran in a second set of processes (the Flight Recorder is\n"
+        "  process-wide) and is divided by the first set's untraced time; in brackets, by its own set's untraced\n"
+        "  time, which leaves the recorder's own cost out.\n"
+        f"  control: each call wrapped in {args.spin_us:.2f} µs of plain busy work (the tracer's CPU time per call,\n"
+        "  part 1), i.e. what any work that long on the calling thread costs here.")))
 
 
 def main() -> None:
@@ -262,8 +304,7 @@ def main() -> None:
     p.add_argument("--hot-block", type=int, default=2000)
     p.add_argument("--hot-only", action="store_true")
     p.add_argument("--nccl", action="store_true", help="one rank, NCCL, CUDA tensors (needs one GPU)")
-    p.add_argument("--flight-recorder", action="store_true",
-                   help="part 2 without, then with the Flight Recorder + sidecar (distcheck run's default)")
+    p.add_argument("--spin-us", type=float, help="the control's busy work per call (default: part 1's all_reduce)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", help=argparse.SUPPRESS)
@@ -281,35 +322,9 @@ def main() -> None:
                       f"{args.hot_block} calls"))
     if args.hot_only:
         return
-    worlds = [1] if args.nccl else args.ranks
-    if args.flight_recorder:
-        flight_recorder_table(worlds, args)
-        return
-    rows = []
-    for world in worlds:
-        rows += run_world(world, args)
-    backend = "NCCL, one rank, CUDA tensors, host-side µs per call (enqueue)" if args.nccl else "gloo, CPU tensors"
-    print()
-    print(table(["ranks", "op", "calls", "untraced µs", "distcheck µs", "DETAIL µs", "distcheck ×", "DETAIL ×",
-                 "distcheck adds µs", "DETAIL adds µs", "DETAIL/distcheck added"], rows,
-                title=f"Per-call medians, {backend}; modes interleaved round by round "
-                      f"({args.rounds} rounds × {args.block} calls per mode, 1 MiB: {max(1, args.block // 8)})"))
-
-
-def flight_recorder_table(worlds: list[int], args: argparse.Namespace) -> None:
-    rows = []
-    for world in worlds:
-        off, on = run_world(world, args), run_world(world, args, flight_recorder=True)
-        for i in range(0, len(off), 2):
-            op = off[i][1]
-            plain, traced, plain_fr, traced_fr = off[i][2], off[i + 1][2], on[i][2], on[i + 1][2]
-            rows.append([world, op, f"{plain:.1f}", f"{traced:.1f}", f"{plain_fr:.1f}", f"{traced_fr:.1f}",
-                         f"{traced / plain:.3f}", f"{traced_fr / plain:.3f}", f"{traced_fr / traced:.3f}"])
-    print()
-    print(table(["ranks", "op", "untraced µs", "tracer µs", "untraced + FR µs", "tracer + FR + sidecar µs",
-                 "tracer ×", "distcheck run default ×", "FR + sidecar × (on the tracer)"], rows,
-                title=f"Per-call medians, gloo; without then with the Flight Recorder (separate runs, "
-                      f"{args.rounds} rounds × {args.block} calls per mode)"))
+    if args.spin_us is None:   # the control burns what the tracer costs an all_reduce here
+        args.spin_us = float(rows[0][3])
+    side_by_side([1] if args.nccl else args.ranks, args)
 
 
 if __name__ == "__main__":

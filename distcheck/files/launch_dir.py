@@ -3,7 +3,7 @@
 The worker never coordinates through the job's process group: a distcheck
 barrier would pair with the user's collectives and hide the very hang we look
 for. Status and results go through these files instead (written atomically);
-traces are append-only (see ``distcheck.files.trace``).
+traces are written only at their end (see ``distcheck.files.trace``).
 
 This module owns the layout: ``LaunchFiles`` is the one place that names a
 launch dir's entries, and ``RankStatus`` is the one shape of a status file.
