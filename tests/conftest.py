@@ -3,6 +3,7 @@ prove afterwards that no process it started survived."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 HARD_TIMEOUT_S = 240
@@ -164,3 +166,13 @@ def finish_process(proc: subprocess.Popen, marker: str, timeout: float) -> subpr
         p.kill()
     assert not left, f"processes survived the run: {[p.info['cmdline'] for p in left]}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A one-rank gloo process group (FileStore) for in-process tests of the tracer and call sites."""
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()

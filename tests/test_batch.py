@@ -26,12 +26,13 @@ def test_split_segments_cuts_at_B_records_and_keeps_a_torn_tail():
 
     defs = text_slots(group_record(0, "0", (0, 1)) + fingerprint_record(0, "barrier", None, "-", "-", "-", None,
                                                                         False, "-"))
-    data = (text_slots(VERSION_LINE) + segment_record("a") + defs + enter_slot(0, 0, 1, 5) + exit_slot(call_key(0, 1), 6)
+    long = "a_scenario_whose_name_spans_several_slots"
+    data = (text_slots(VERSION_LINE) + segment_record(long) + defs + enter_slot(0, 0, 1, 5) + exit_slot(call_key(0, 1), 6)
             + segment_record("b") + defs + enter_slot(0, 0, 1, 9))
     torn = data[:-5] + bytes(4096)          # killed in the middle of b's record, with the preallocated end
     parts = split_segments(torn)
-    assert list(parts) == ["a", "b"]
-    a, b = parse_trace(0, parts["a"]), parse_trace(0, parts["b"])
+    assert list(parts) == [long, "b"]
+    a, b = parse_trace(0, parts[long]), parse_trace(0, parts["b"])
     assert [(e.op, e.seq, e.t_exit) for e in a.events] == [("barrier", 1, 6e-9)] and not a.truncated
     assert b.events == [] and b.truncated
     assert split_segments(b"") == {}

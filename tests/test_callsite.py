@@ -9,7 +9,6 @@ looked at, so the cost does not grow with the stack's depth.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -158,15 +157,6 @@ def test_lightning_deferred_self_log_names_the_logged_value_and_its_line(monkeyp
 
 
 # -- with torch.distributed (a one-rank gloo group) ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -119,3 +119,22 @@ def test_the_watchdog_leaves_a_half_written_record_for_its_next_read(tmp_path):
         f.write(record[SLOT // 2:])
     call = tail.read().newest_open
     assert tail.records == 1 and (call.op, call.group, call.seq, call.t_enter) == ("barrier", "0", 1, 1.7e9)
+
+
+def test_without_shared_mappings_each_record_is_appended(tmp_path, monkeypatch):
+    from distcheck.files import trace
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")   # what mmap says on a file system that cannot map files
+
+    monkeypatch.setattr(trace.mmap, "mmap", refuse)
+    path = tmp_path / "rank0.trace"
+    tracer = fake_tracer(path)
+    assert tracer.writer.mm is None
+    traced = tracer.wrap("all_reduce", all_reduce)
+    for _ in range(3):
+        traced(torch.ones(2))
+    assert [(e.seq, e.completed) for e in parse_trace(0, path.read_bytes()).events] == [(1, True), (2, True), (3, True)]
+    tracer.close()
+    traced(torch.ones(2))                  # closed: dropped, the call itself goes on
+    assert len(parse_trace(0, path.read_bytes()).events) == 3

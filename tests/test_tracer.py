@@ -7,7 +7,6 @@ timing.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -29,15 +28,6 @@ def line_of(marker: str) -> int:
         if text.rstrip().endswith(f"# <{marker}>"):
             return i
     raise LookupError(marker)
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -230,7 +230,10 @@ class TraceWriter:
     It raises ``ValueError`` when the mapping is full (or closed); ``write``
     then grows the file and retries, which is what callers fall back to.
     The file is preallocated with ``posix_fallocate``, so a full disk fails
-    here, as an exception, instead of as a SIGBUS in the middle of a record.
+    here, as an exception, instead of as a SIGBUS in the middle of a record;
+    a record that cannot be written is dropped, never raised into the
+    user's call. On a file system without shared mappings each record is one
+    ``os.write`` to an ``O_APPEND`` file instead (as slow as before: 0.6 µs).
     """
 
     INITIAL_BYTES = 256 * 1024
@@ -246,11 +249,18 @@ class TraceWriter:
         existing = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
         used = used_bytes(existing) if existing.startswith(text_slots(VERSION_LINE)) else 0
         os.ftruncate(self.fd, used)   # anything else there is not a trace: start afresh
-        size = used + self.INITIAL_BYTES
-        _reserve(self.fd, size)
-        self.mm = mmap.mmap(self.fd, size)
-        self.mm.seek(used)
-        self.append = self.mm.write
+        self.mm: mmap.mmap | None = None
+        try:
+            size = used + self.INITIAL_BYTES
+            _reserve(self.fd, size)
+            self.mm = mmap.mmap(self.fd, size)
+            self.mm.seek(used)
+            self.append = self.mm.write
+        except (OSError, ValueError):
+            os.ftruncate(self.fd, used)
+            os.close(self.fd)
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            self.append = self._append_unmapped
         if used == 0:
             self.write(text_slots(VERSION_LINE))
         me = weakref.ref(self)
@@ -264,9 +274,21 @@ class TraceWriter:
                     self.append(record)
                     return
                 except ValueError:
-                    if self.closed:
+                    if self.closed or self.mm is None:
                         return
-                    self._grow(len(record))
+                    try:
+                        self._grow(len(record))
+                    except (OSError, ValueError):   # a full disk: the trace ends here
+                        return
+
+    def _append_unmapped(self, record: bytes) -> None:
+        """``append`` without a mapping; raises only ValueError, as the mapping's ``write`` does."""
+        if self.closed:     # its descriptor may be another file's by now
+            raise ValueError("the trace is closed")
+        try:
+            os.write(self.fd, record)
+        except OSError as exc:
+            raise ValueError(str(exc)) from None
 
     def _grow(self, need: int) -> None:
         size = len(self.mm)
@@ -280,10 +302,11 @@ class TraceWriter:
             if self.closed:
                 return
             self.closed = True
-            used = self.mm.tell()
-            self.mm.close()
             try:
-                os.ftruncate(self.fd, used)
+                if self.mm is not None:
+                    used = self.mm.tell()
+                    self.mm.close()
+                    os.ftruncate(self.fd, used)
             finally:
                 os.close(self.fd)
 
@@ -291,7 +314,8 @@ class TraceWriter:
         """In a forked child (a DataLoader worker): it is not the rank, so it writes nothing here."""
         self.closed = True
         try:
-            self.mm.close()
+            if self.mm is not None:
+                self.mm.close()
             os.close(self.fd)
         except (OSError, ValueError, BufferError):
             pass
@@ -447,6 +471,16 @@ class _Text:
         return raw[:self.length].decode("utf-8", "replace")
 
 
+def _text_at(words: array, i: int, end: int) -> tuple[_Text, int]:
+    """The text record whose T slot is slot ``i``, read from its C slots up to ``end``, and the slot after it
+    (the text is not ``complete`` when it runs past ``end`` or a slot is not its next)."""
+    text = _Text(words[4 * i], words[4 * i + 1], words[4 * i + 2])
+    j = i + 1
+    while not text.complete and j < end and text.add(words[4 * j], words[4 * j + 1], words[4 * j + 2]):
+        j += 1
+    return text, j
+
+
 @dataclass
 class RankTrace:
     """Everything one rank's trace file says."""
@@ -490,12 +524,9 @@ def _no_gc() -> Iterator[None]:
 def _starts_with_version(words: array, tables: _Tables) -> bool:
     if words[0] & 0xFF != TAG_T:
         return False
-    text = _Text(words[0], words[1], words[2])
-    i = 1
-    while not text.complete and 4 * i < len(words) and words[4 * i] & 0xFF == TAG_C:
-        text.add(words[4 * i], words[4 * i + 1], words[4 * i + 2])
-        i += 1
-    tables.define(text.text())
+    text, _ = _text_at(words, 0, len(words) // 4)
+    if text.complete:
+        tables.define(text.text())
     return tables.version
 
 
@@ -588,13 +619,13 @@ def split_segments(data: bytes) -> dict[str, bytes]:
     for i, w0 in enumerate(words[0::4]):
         if w0 & 0xFF != TAG_T:
             continue
-        text = _Text(w0, words[4 * i + 1], words[4 * i + 2])
+        text, j = _text_at(words, i, len(words) // 4)
         if text.complete and text.text().startswith("B\t"):
             if name is not None:
                 segments[name] = header + data[start * SLOT:i * SLOT]
             tables = _Tables()
             tables.define(text.text())
-            name, start = tables.segment, i + 1
+            name, start = tables.segment, j
     if name is not None:
         segments[name] = header + data[start * SLOT:used] + data[used:].rstrip(b"\0")
     return segments
@@ -698,10 +729,7 @@ class TraceTail:
                 if s is not None and not s[2][_ASYNC]:   # async calls return at once; their wait is elsewhere
                     opened[w1] = (w2, s)
             elif tag == TAG_T:
-                text = _Text(w0, w1, w2)
-                j = i + 1
-                while not text.complete and j < good and text.add(words[4 * j], words[4 * j + 1], words[4 * j + 2]):
-                    j += 1
+                text, j = _text_at(words, i, good)
                 if not text.complete:
                     return i if j >= good else j   # the rest is not written yet / a broken record: skip it
                 tables.define(text.text())

@@ -32,5 +32,6 @@ for s in r["scenarios"]:
         print(f["kind"], f["summary"])
 PY
 
-echo "== 3. tracer overhead, one-rank NCCL"
-python benchmarks/tracer_overhead.py --nccl 2>&1 | tail -30
+echo "== 3. tracer overhead, one-rank NCCL (target: 'tracer ×' <= 1.10 on 'all_reduce 1 elem')"
+python benchmarks/tracer_overhead.py --nccl 2>&1 | tee "$out/overhead_nccl.txt" | tail -30
+grep "all_reduce 1 elem" "$out/overhead_nccl.txt" | tail -1 | awk '{print "one-rank NCCL all_reduce, traced / untraced:", $6}' 
