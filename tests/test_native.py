@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from distcheck.files.trace import TraceWriter, parse_trace
+from distcheck.files.trace import parse_trace
+from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.native import NativeCall, NativeWatcher, issuer_label
 
 

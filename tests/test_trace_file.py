@@ -8,8 +8,9 @@ import threading
 
 import torch
 
-from distcheck.files.trace import (SLOT, TraceTail, TraceWriter, call_key, enter_slot, exit_slot,
-                                   fingerprint_record, group_record, parse_trace, text_slots)
+from distcheck.files.trace import (SLOT, TraceTail, call_key, enter_slot, exit_slot, fingerprint_record,
+                                   group_record, parse_trace, text_slots)
+from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.tracer import Tracer
 
 WORLD = object()
@@ -122,12 +123,12 @@ def test_the_watchdog_leaves_a_half_written_record_for_its_next_read(tmp_path):
 
 
 def test_without_shared_mappings_each_record_is_appended(tmp_path, monkeypatch):
-    from distcheck.files import trace
+    from distcheck.files import trace_writer
 
     def refuse(*args, **kwargs):
         raise OSError(19, "No such device")   # what mmap says on a file system that cannot map files
 
-    monkeypatch.setattr(trace.mmap, "mmap", refuse)
+    monkeypatch.setattr(trace_writer.mmap, "mmap", refuse)
     path = tmp_path / "rank0.trace"
     tracer = fake_tracer(path)
     assert tracer.writer.mm is None

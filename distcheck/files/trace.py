@@ -40,22 +40,18 @@ asked for, comma separated. Ids restart after a ``B`` record, so each
 scenario's part parses on its own.
 
 This module is the format's one owner: the tracer and the C++-collective
-sidecar write through ``TraceWriter`` and the packing helpers below,
-``parse_trace`` reads a whole file and ``TraceTail`` follows a file while
-its rank still writes it (the watchdog).
+sidecar pack records with the helpers below (and write them through
+``distcheck.files.trace_writer``, which owns the mapping), ``parse_trace``
+reads a whole file and ``TraceTail`` follows a file while its rank still
+writes it (the watchdog).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
-import mmap
-import os
 import struct
 import sys
-import threading
-import weakref
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,117 +213,6 @@ def clean(text: str | None) -> str:
 
 def _opt(text: str) -> str | None:
     return None if text == NONE else text
-
-
-# -- the writer ------------------------------------------------------------------------------
-
-
-class TraceWriter:
-    """Writes one rank's records into a shared memory mapping of its trace file.
-
-    ``append`` is the mapping's own ``write``: one C call, so one write (a
-    record with its definitions) is never interleaved with another thread's.
-    It raises ``ValueError`` when the mapping is full (or closed); ``write``
-    then grows the file and retries, which is what callers fall back to.
-    The file is preallocated with ``posix_fallocate``, so a full disk fails
-    here, as an exception, instead of as a SIGBUS in the middle of a record;
-    a record that cannot be written is dropped, never raised into the
-    user's call. On a file system without shared mappings each record is one
-    ``os.write`` to an ``O_APPEND`` file instead (as slow as before: 0.6 µs).
-    """
-
-    INITIAL_BYTES = 256 * 1024
-    MAX_STEP_BYTES = 64 * 1024 * 1024
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.closed = False
-        self._lock = threading.Lock()
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        # A trace this rank's earlier process wrote (a restarted worker): go on after its records.
-        existing = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
-        used = used_bytes(existing) if existing.startswith(text_slots(VERSION_LINE)) else 0
-        os.ftruncate(self.fd, used)   # anything else there is not a trace: start afresh
-        self.mm: mmap.mmap | None = None
-        try:
-            size = used + self.INITIAL_BYTES
-            _reserve(self.fd, size)
-            self.mm = mmap.mmap(self.fd, size)
-            self.mm.seek(used)
-            self.append = self.mm.write
-        except (OSError, ValueError):
-            os.ftruncate(self.fd, used)
-            os.close(self.fd)
-            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-            self.append = self._append_unmapped
-        if used == 0:
-            self.write(text_slots(VERSION_LINE))
-        me = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (w := me()) is not None and w._forget())
-
-    def write(self, record: bytes) -> None:
-        """Append whole slots, growing the file when the mapping is full; dropped once closed."""
-        with self._lock:
-            while not self.closed:
-                try:
-                    self.append(record)
-                    return
-                except ValueError:
-                    if self.closed or self.mm is None:
-                        return
-                    try:
-                        self._grow(len(record))
-                    except (OSError, ValueError):   # a full disk: the trace ends here
-                        return
-
-    def _append_unmapped(self, record: bytes) -> None:
-        """``append`` without a mapping; raises only ValueError, as the mapping's ``write`` does."""
-        if self.closed:     # its descriptor may be another file's by now
-            raise ValueError("the trace is closed")
-        try:
-            os.write(self.fd, record)
-        except OSError as exc:
-            raise ValueError(str(exc)) from None
-
-    def _grow(self, need: int) -> None:
-        size = len(self.mm)
-        new = size + max(need, min(size, self.MAX_STEP_BYTES))
-        _reserve(self.fd, new)
-        self.mm.resize(new)
-
-    def close(self) -> None:
-        """Trim the unwritten end; later writes (a sidecar thread still polling) are dropped."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            try:
-                if self.mm is not None:
-                    used = self.mm.tell()
-                    self.mm.close()
-                    os.ftruncate(self.fd, used)
-            finally:
-                os.close(self.fd)
-
-    def _forget(self) -> None:
-        """In a forked child (a DataLoader worker): it is not the rank, so it writes nothing here."""
-        self.closed = True
-        try:
-            if self.mm is not None:
-                self.mm.close()
-            os.close(self.fd)
-        except (OSError, ValueError, BufferError):
-            pass
-
-
-def _reserve(fd: int, size: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, max(size, os.fstat(fd).st_size))   # a file system without it
 
 
 # -- reading ---------------------------------------------------------------------------------

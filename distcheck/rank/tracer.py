@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
+import weakref
 from collections import deque
 from time import time_ns
 from typing import Any, Callable
 
-from distcheck.files.trace import (CHECK, FP_SHIFT, NONE, SEQ_BITS, SLOT_STRUCT, TAG_E, X_OK, RecordBatch,
-                                   TraceWriter, clean, encode_shapes, enter_slot, error_record, exit_slot,
-                                   fingerprint_record, group_record, segment_record, site_record, text_slots)
+from distcheck.files.trace import (CHECK, FP_SHIFT, NONE, SEQ_BITS, SLOT_STRUCT, TAG_E, X_OK, RecordBatch, clean,
+                                   encode_shapes, enter_slot, error_record, exit_slot, fingerprint_record,
+                                   group_record, segment_record, site_record, text_slots)
+from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
 from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, NEW_GROUP_KEY, OPS, UNCOUNTED, OpSpec, extra_fields,
@@ -43,6 +46,7 @@ from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, NEW_GROUP_KEY, OPS, 
 
 class _Local(threading.local):
     active = False          # inside a traced call on this thread
+    last_fp = 0             # the fingerprint this thread's last slow-path call wrote
 
 
 class Tracer:
@@ -87,7 +91,11 @@ class Tracer:
         self._op_names: dict[Any, str] = {}
         self._op_ids: dict[int, tuple[Any, str]] = {}   # id(reduce op) -> (the op, kept alive; its name)
         self._fast: dict[str, dict[tuple, int]] = {}    # op -> the fast path's key -> fingerprint
-        self._last_fp = 0                                # the fingerprint ``_enter`` wrote last
+        # Held while a call takes the slow path: an id is registered, then written, and no other thread may
+        # use it in between (a record naming a group not defined yet cannot be read).
+        self._defining = threading.Lock()
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (t := me()) is not None and t._after_fork())
         self._local = _Local()
         self._originals: dict[str, Callable] = {}
         self.count = 0
@@ -275,7 +283,7 @@ class Tracer:
         if (spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED
                 or spec.extra):
             return slow
-        groups, seqs, op_ids = self._groups, self._seq, self._op_ids
+        groups, seqs, op_ids, local = self._groups, self._seq, self._op_ids, self._local
         fast = self._fast.setdefault(name, {})
         site_key = self.resolver.key
         default_group = self._default_group
@@ -290,7 +298,7 @@ class Tracer:
             named = op_ids.get(id(values[3]))
             if named is not None:
                 _, tensors, _, _, root, _, async_op, shape_unless, _, _ = values
-                fast[_seen(site_key(frame), named[1], root, async_op, shape_unless, tensors)] = tracer._last_fp
+                fast[_seen(site_key(frame), named[1], root, async_op, shape_unless, tensors)] = local.last_fp
             return key
 
         def enter(values: tuple, frame: Any) -> int:
@@ -311,7 +319,7 @@ class Tracer:
             fp = fast.get(seen)
             if fp is None or entry is None or (pg is not None and entry[1] is not pg):
                 key = slow(values, frame)
-                fast[seen] = tracer._last_fp
+                fast[seen] = local.last_fp
                 return key
             group, counter = entry[0], entry[3]
             seq = (seqs[group] if counter is None else counter() - entry[4]) + 1
@@ -382,8 +390,16 @@ class Tracer:
             entry[5].append(entry[3]() - entry[4] + 1)
             self.busy_group = entry[0]
 
+    def _after_fork(self) -> None:
+        self._defining = threading.Lock()   # another thread of the parent may have held it
+
     def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any, claim: bool = True) -> int:
-        """Write the enter record; return the call key its exit record repeats."""
+        """Write the enter record and its new definitions; return the call key its exit record repeats.
+        The fingerprint it wrote is left in ``self._local.last_fp`` (the fast path caches it)."""
+        with self._defining:
+            return self._enter_defining(name, spec, values, frame, claim)
+
+    def _enter_defining(self, name: str, spec: OpSpec, values: tuple, frame: Any, claim: bool) -> int:
         pg, tensors, tensor_lists, op, root, group_root, async_op, shape_unless, objects, extra = values
         defs = RecordBatch()
         if tensor_lists:
@@ -424,7 +440,7 @@ class Tracer:
         fp = self._fps.get(fp_key)
         if fp is None:
             fp = self._define(fp_key, defs)
-        self._last_fp = fp
+        self._local.last_fp = fp
         self._seq[group] = seq
         self.count += 1
         self.slow_calls += 1
