@@ -71,6 +71,9 @@ def test_seed_hang_is_attributed_to_rank0_and_BinaryAUROC_compute(distcheck):
     assert "BinaryAUROC.compute" in r.stderr + r.stdout
     launch = Path(s["launch_dir"])
     assert sorted(p.name for p in (launch / "traces").iterdir()) == [f"rank{i}.trace" for i in range(4)]
+    for trace in (launch / "traces").iterdir():   # no preallocated, unwritten end left once the ranks are gone
+        data = trace.read_bytes()
+        assert data and len(data) % 32 == 0 and data[-32:] != bytes(32), trace.name
     assert (launch / "stacks" / "rank0.txt").read_text().count("barrier") >= 1
     # PyTorch's Flight Recorder, dumped on the stall: rank 0 enqueued the collective, never completed it
     [fr] = ranks[0]["flight_recorder"].values()

@@ -155,6 +155,17 @@ class LaunchFiles:
         for sub in self.MADE:
             (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
 
+    def trim_traces(self) -> None:
+        """Cut each trace to its records once its rank is gone: a rank ends without closing its trace
+        file, whose preallocated, unwritten end would otherwise stay in the run dir."""
+        for path in self.traces.glob("rank*.trace"):
+            try:
+                used = len(read_trace_bytes(path))
+                if used < path.stat().st_size:
+                    os.truncate(path, used)
+            except OSError:
+                continue
+
     def shipped_contents(self) -> Iterator[tuple[str, bytes]]:
         """(path relative to the launch dir, contents) of every file another node sends node 0;
         a trace without its preallocated, unwritten end."""

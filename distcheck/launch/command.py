@@ -276,6 +276,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
         interrupted = True
     finally:
         _stop(guard, watchdog)
+        files.trim_traces()
     if not world and not interrupted:
         raise _no_rank_error(spec, guard.returncode, files, guard.returncode is None or
                              (limits.timeout is not None and time.monotonic() - clock >= limits.timeout))

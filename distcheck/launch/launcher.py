@@ -260,6 +260,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             watchdog.stop()
             watchdog.join(timeout=15)
             procs.kill_descendants()
+            files.trim_traces()
     end_reason = _end_reason(watchdog.result, interrupted, failures, error, files)
     return LaunchOutcome(end_reason, started, time.time(), watchdog.result, failures, error,
                          oom_kills=memory.oom_kills_since(oom_before))
