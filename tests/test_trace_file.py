@@ -85,6 +85,7 @@ def test_a_restarted_rank_goes_on_after_the_records_already_there(tmp_path):
     path = tmp_path / "rank0.trace"
     first = fake_tracer(path)
     first.wrap("all_reduce", all_reduce)(torch.ones(1))    # killed without close: the preallocated end stays
+    first.writer.append(enter_slot(0, 0, 2, 30)[:SLOT // 2])   # ... and in the middle of a record
     again = TraceWriter(path)
     again.write(text_slots(group_record(5, "later", (0, 1)) + fingerprint_record(9, "barrier", None, "-", "-", "-",
                                                                                   None, False, "-"))

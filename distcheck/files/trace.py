@@ -237,6 +237,12 @@ def used_bytes(data: bytes) -> int:
     return lo * SLOT
 
 
+def complete_bytes(data: bytes) -> int:
+    """How much of a trace file holds whole records: up to a record torn when its writer was killed."""
+    n = used_bytes(data) // SLOT
+    return _first_bad(_words(memoryview(data), n), 0, n) * SLOT
+
+
 def read_trace_bytes(path: Path) -> bytes:
     """A trace file without its unwritten end (kept: a torn last record, which readers detect)."""
     data = path.read_bytes()

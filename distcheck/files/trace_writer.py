@@ -15,7 +15,7 @@ import threading
 import weakref
 from pathlib import Path
 
-from distcheck.files.trace import VERSION_LINE, text_slots, used_bytes
+from distcheck.files.trace import VERSION_LINE, complete_bytes, text_slots
 
 
 class TraceWriter:
@@ -41,9 +41,9 @@ class TraceWriter:
         self.closed = False
         self._lock = threading.Lock()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        # A trace this rank's earlier process wrote (a restarted worker): go on after its records.
+        # A trace this rank's earlier process wrote (a restarted worker): go on after its whole records.
         existing = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
-        used = used_bytes(existing) if existing.startswith(text_slots(VERSION_LINE)) else 0
+        used = complete_bytes(existing) if existing.startswith(text_slots(VERSION_LINE)) else 0
         os.ftruncate(self.fd, used)   # anything else there is not a trace: start afresh
         self.mm: mmap.mmap | None = None
         try:
