@@ -69,6 +69,9 @@ def reduce_op_name(op: Any) -> str:
     name = getattr(op, "name", None)
     if name:
         return name
+    inner = getattr(op, "op", None)   # a ReduceOp object (ReduceOp(MAX), premul_sum): its RedOpType
+    if inner is not None and getattr(inner, "name", None):
+        return inner.name
     text = str(op)
     return text.rsplit(".", 1)[-1] if "." in text else text
 
