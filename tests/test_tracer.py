@@ -341,3 +341,16 @@ def test_segments_parse_on_their_own(tmp_path):
     assert [(e.seq, e.shapes) for e in first.events] == [(1, ((2,),)), (2, ((2,),))]
     assert [(e.seq, e.shapes, e.group_ranks) for e in second.events] == [(1, ((2,),), (0, 1))]
     assert first.corrupt_records == second.corrupt_records == 0
+
+
+def test_reduce_ops_made_per_call_are_not_kept(tmp_path):
+    from distcheck.rank.tracer import MAX_FAST_OPS
+
+    tracer = _fake_tracer(tmp_path / "rank0.trace")
+    traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    t = torch.ones(2)
+    for _ in range(3 * MAX_FAST_OPS):
+        traced(t, op=dist.ReduceOp(dist.ReduceOp.MAX))   # a new ReduceOp object each call
+    assert len(tracer._op_ids) <= MAX_FAST_OPS
+    events = parse_trace(0, (tmp_path / "rank0.trace").read_bytes()).events
+    assert len(events) == 3 * MAX_FAST_OPS and {e.reduce_op for e in events} == {"MAX"}

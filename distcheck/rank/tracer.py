@@ -44,6 +44,10 @@ from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, NEW_GROUP_KEY, OPS, 
                                 make_extractor, reduce_op_name)
 
 
+# Reduce op objects the fast path knows by identity; others (one made per call) take the slow path.
+MAX_FAST_OPS = 64
+
+
 class _Local(threading.local):
     active = False          # inside a traced call on this thread
     last_fp = 0             # the fingerprint this thread's last slow-path call wrote
@@ -426,7 +430,8 @@ class Tracer:
                 op = self._op_names[op]
             except (KeyError, TypeError):
                 op = self._op_name(op)
-            self._op_ids[id(reduce_op)] = (reduce_op, op)
+            if len(self._op_ids) < MAX_FAST_OPS:   # a ReduceOp made per call (premul_sum) would pile up
+                self._op_ids[id(reduce_op)] = (reduce_op, op)
         elif spec.reduce_op:
             op = "SUM"
         described = tuple([(t.shape, t.dtype, t.device) for t in tensors])
