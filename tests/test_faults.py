@@ -363,6 +363,86 @@ def test_a_rank_killed_by_the_real_oom_killer_is_named_as_such(tmp_path):
     assert not survivors(str(run_dir))
 
 
+OOM_STANDING = '''
+import os
+import sys
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+def proc(pid, name):
+    return int(open(f"/proc/{pid}/{name}").read())
+launcher = os.environ["DISTCHECK_LAUNCHER_PID"]
+with open(sys.argv[1] + f".{dist.get_rank()}", "w") as out:
+    out.write(" ".join(str(proc(pid, name)) for pid in ("self", launcher) for name in ("oom_score_adj", "oom_score")))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def _oom_score_adj() -> int:
+    return int(Path("/proc/self/oom_score_adj").read_text())
+
+
+def _may_lower_oom_score_adj() -> bool:
+    """Lowering it needs CAP_SYS_RESOURCE (dropped on these VMs); tried on a throwaway child."""
+    probe = (f"import os; fd = os.open('/proc/self/oom_score_adj', os.O_WRONLY); "
+             f"os.write(fd, b'{max(_oom_score_adj() - 1, -999)}')")
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def test_the_oom_killer_takes_a_rank_before_distcheck(distcheck, tmp_path):
+    """The kernel can kill twice in a row (seen here: the second kill, 6 ms after the first, took
+    distcheck, 13 MB bigger than the other rank); the witness must be the last choice."""
+    from distcheck.launch.memory import JOB_OOM_SCORE_ADJ_ENV
+
+    assert JOB_OOM_SCORE_ADJ_ENV not in os.environ
+    script = tmp_path / "standing.py"
+    script.write_text(OOM_STANDING)
+    r = distcheck("run", str(script), "--nproc-per-node", "2", "--", str(tmp_path / "adj"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    own = _oom_score_adj()
+    for rank in (0, 1):
+        adj, score, launcher_adj, launcher_score = map(int, (tmp_path / f"adj.{rank}").read_text().split())
+        assert score > launcher_score       # the kernel's own ranking
+        if _may_lower_oom_score_adj():
+            assert (adj, launcher_adj) == (own, max(own - 500, -999))   # the job keeps its standing
+        else:
+            assert launcher_adj == own and adj > own
+
+
+@pytest.mark.parametrize("own, rss_mb, counted_mb, may_lower, expected", [
+    (0, 250, 1536, True, (-500, 0)),            # privileged: distcheck steps back, the job is untouched
+    (-800, 250, 1536, True, (-999, -800)),      # never -1000: distcheck stays killable
+    (0, 250, 1536, False, (0, 326)),            # 2 x 250 MB in points of 1.536 MB
+    (0, 250, 2 * 2**20, False, (0, 1)),         # 2 TB: one point is already 2 GB
+    (900, 250, 1536, False, (900, 1000)),
+])
+def test_the_jobs_oom_standing_is_the_smallest_step_that_outweighs_distcheck(own, rss_mb, counted_mb,
+                                                                             may_lower, expected):
+    from distcheck.launch.memory import job_oom_score_adj
+
+    assert job_oom_score_adj(own, rss_mb * 2**20, counted_mb * 2**20, may_lower) == expected
+
+
+def test_the_command_under_the_guard_takes_the_oom_standing_meant_for_the_job():
+    """``run -- CMD``: the guard takes the value distcheck passes down before it starts CMD."""
+    from distcheck.launch.memory import JOB_OOM_SCORE_ADJ_ENV
+
+    job = _oom_score_adj() + 7      # raising it needs no privilege: a value nobody had by chance
+    read = f"import os; print(open('/proc/self/oom_score_adj').read().strip(), os.environ.get({JOB_OOM_SCORE_ADJ_ENV!r}))"
+    distcheck_alive, hold = os.pipe()         # the guard ends everything once its stdin closes
+    try:
+        done = subprocess.run([sys.executable, "-m", "distcheck.launch.guard", sys.executable, "-c", read],
+                              env={**os.environ, JOB_OOM_SCORE_ADJ_ENV: str(job)}, stdin=distcheck_alive,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(distcheck_alive)
+        os.close(hold)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(job), "None"]
+
+
 @pytest.mark.parametrize("name, sig, marker", [
     ("segfault", "SIGSEGV", "SEGFAULT"),
     ("abort", "SIGABRT", "ABORT"),

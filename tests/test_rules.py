@@ -380,6 +380,19 @@ def test_a_sigkill_says_what_the_oom_counter_says_and_the_memory_last_seen(oom_k
     assert crash.data["oom_kills"] == oom_kills and crash.data["peak_rss_bytes"] == 5 * 2**30
 
 
+def test_when_the_oom_killer_killed_twice_the_rank_that_ate_the_memory_is_the_root():
+    traces = traces_of(ev(0, 1), ev(1, 1))
+    outcomes = {0: RankOutcome(rank=0, state="crashed", signal="SIGKILL", exit_code=-9, last_event=traces[0][-1],
+                               rss_bytes=250 * 2**20, peak_rss_bytes=250 * 2**20),
+                1: RankOutcome(rank=1, state="crashed", signal="SIGKILL", exit_code=-9, last_event=traces[1][-1],
+                               rss_bytes=1 * 2**30, peak_rss_bytes=int(1.3 * 2**30))}
+    [crash] = analyze(traces, outcomes, RunFacts(world_size=2, end_reason="crash", oom_kills=2))
+    assert crash.data["root_rank"] == 1
+    assert crash.summary.startswith("Rank 1 was killed by SIGKILL") and "rank 0 failed the same way" in crash.summary
+    [plain] = analyze(traces, outcomes, RunFacts(world_size=2, end_reason="crash", oom_kills=0))
+    assert plain.data["root_rank"] == 0      # no OOM kill counted: memory says nothing about who came first
+
+
 # -- wrong numbers -------------------------------------------------------------------
 
 

@@ -32,14 +32,21 @@ def _inside(o: RankOutcome) -> Event | None:
     return e if e is not None and (e.t_exit is None or e.error) else None
 
 
+def _root_first(o: RankOutcome, facts: RunFacts) -> tuple[bool, bool, int, int]:
+    """A Python exception is the clearest root cause; then signals; then bare exit codes. When the
+    OOM killer killed, the rank that used the most memory was its first victim: the kernel can kill
+    again before the first victim's memory is back, and takes the next largest."""
+    oom_victim = facts.oom_kills and o.signal == "SIGKILL"
+    return o.exception is None, o.signal is None, -((o.peak_rss_bytes or o.rss_bytes or 0) if oom_victim else 0), o.rank
+
+
 def find_crashes(outcomes: Mapping[int, RankOutcome], facts: RunFacts,
                  mismatches: Sequence[Finding] = ()) -> list[Finding]:
     """The root-cause crash (outcomes already tell primary failures from their consequences)."""
     crashed = [o for _, o in sorted(outcomes.items()) if o.state == RankState.CRASHED]
     if not crashed:
         return []
-    # A Python exception is the clearest root cause; then signals; then bare exit codes.
-    root = sorted(crashed, key=lambda o: (o.exception is None, o.signal is None, o.rank))[0]
+    root = sorted(crashed, key=lambda o: _root_first(o, facts))[0]
     inside = _inside(root)
     cause = next((m for m in mismatches if inside and (m.group, m.seq) == (inside.group, inside.seq)), None)
     peers = sorted(r for r, o in outcomes.items() if o.state != RankState.CRASHED)

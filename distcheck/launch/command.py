@@ -23,7 +23,7 @@ from typing import Any, Callable
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import parse_dumps, signal_of
-from distcheck.launch import launcher, procs
+from distcheck.launch import launcher, memory, procs
 from distcheck.launch.launcher import LaunchOutcome, RankFailure
 from distcheck.launch.watchdog import Decision, Limits, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
@@ -260,6 +260,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     first rank told the world size; the outcome comes back with it (None on one node)."""
     files = LaunchFiles(launch_dir)
     files.make()
+    memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
     guard = start_guard(spec, files, flight_recorder)
     watchdog, interrupted, world, channel = None, False, None, None

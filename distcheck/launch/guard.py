@@ -69,6 +69,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         sys.stderr.write("usage: python -m distcheck.launch.guard CMD [ARGS...]\n")
         return 2
+    from distcheck.launch.memory import take_job_standing
+
+    take_job_standing()   # the command and all it starts get the OOM standing meant for the job
     become_subreaper()
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)

@@ -236,6 +236,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
 
     files = LaunchFiles(spec.launch_dir)
     files.make()
+    memory.shield_from_oom_killer()
     endpoint = spec.rdzv_endpoint or _default_endpoint()
     config = _launch_config(spec, files, endpoint)
     watchdog = Watchdog(files, spec.world_size, spec.limits, on_poll=on_poll, channel=spec.channel)

@@ -7,15 +7,37 @@ memory cgroup distcheck runs in (``oom_kill`` in cgroup v2's ``memory.events``
 or v1's ``memory.oom_control``), read before and after a launch. The counter
 counts kills of any process of the cgroup, by the global or the cgroup's own
 OOM killer; it is absent outside a memory cgroup (then ``None``).
+
+distcheck's own process is the witness that tells who was killed and why,
+so the OOM killer must take a rank before it (``shield_from_oom_killer``).
+The kernel can kill twice in a row — a second kill a few ms after the first,
+before the victim's memory is back — and the second then takes the largest
+process left, which on a small job can be distcheck. With
+``CAP_SYS_RESOURCE``, distcheck lowers its own ``oom_score_adj`` by 500 and
+the job keeps its own. Without it (the common case), the job's processes are
+raised by the smallest step that outweighs twice distcheck's resident size
+in the memory the OOM killer counts (the memory cgroup's limit, or RAM and
+swap): the ranks are scored as if that much bigger, no more. Either way the
+value for the job is passed down in ``DISTCHECK_JOB_OOM_SCORE_ADJ``, and
+every process distcheck starts for the job (a rank, the guard of
+``run -- CMD``, the metric replay) takes it first thing (``take_job_standing``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import psutil
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+OOM_SCORE_ADJ = Path("/proc/self/oom_score_adj")
+JOB_OOM_SCORE_ADJ_ENV = "DISTCHECK_JOB_OOM_SCORE_ADJ"
+# Privileged: 500 below the job puts distcheck (a few hundred MB) behind any rank, yet killable
+# (-1000 would forbid the kill altogether).
+OOM_SHIELD = 500
+OOM_SCORE_ADJ_MIN = -999
+OOM_SCORE_ADJ_MAX = 1000
 
 
 def resident_bytes(pid: int | None) -> int | None:
@@ -60,3 +82,85 @@ def oom_kills() -> int | None:
 def oom_kills_since(before: int | None) -> int | None:
     after = oom_kills()
     return None if before is None or after is None else max(0, after - before)
+
+
+def _write_oom_score_adj(value: int) -> bool:
+    try:
+        fd = os.open(OOM_SCORE_ADJ, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        os.write(fd, str(value).encode())
+        return True
+    except OSError:    # EACCES: lowering it needs CAP_SYS_RESOURCE
+        return False
+    finally:
+        os.close(fd)
+
+
+def _cgroup_limits(pid: str = "self") -> list[int]:
+    """The memory limits of this process's cgroup and of each cgroup above it (bytes)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        while True:
+            try:
+                limits.append(int((folder / name).read_text()))
+            except (OSError, ValueError):   # "max", or no file at the root
+                pass
+            if folder == base:
+                break
+            folder = folder.parent
+    return limits
+
+
+def oom_counted_bytes() -> int:
+    """The memory the OOM killer scales ``oom_score_adj`` by: the tightest cgroup limit, or RAM + swap."""
+    machine = psutil.virtual_memory().total + psutil.swap_memory().total
+    return min([machine, *(b for b in _cgroup_limits() if b > 0)])
+
+
+def job_oom_score_adj(own: int, own_rss: int, counted: int, may_lower: bool) -> tuple[int, int]:
+    """(distcheck's value, the job's value) from distcheck's own ``oom_score_adj`` and size."""
+    if may_lower:
+        return max(own - OOM_SHIELD, OOM_SCORE_ADJ_MIN), own
+    step = -(-2 * own_rss * 1000 // max(counted, 1))        # the ceiling: each point is counted/1000 bytes
+    return own, min(own + max(step, 1), OOM_SCORE_ADJ_MAX)
+
+
+def shield_from_oom_killer() -> tuple[int, int] | None:
+    """Make the OOM killer take the job's processes before this one, once per process.
+    Returns (distcheck's value, the job's value), or None when there is nothing to do."""
+    if JOB_OOM_SCORE_ADJ_ENV in os.environ:      # done already (an earlier launch of this run)
+        return None
+    try:
+        own = int(OOM_SCORE_ADJ.read_text())
+        rss = psutil.Process().memory_info().rss
+    except (OSError, ValueError, psutil.Error):
+        return None
+    lowered = max(own - OOM_SHIELD, OOM_SCORE_ADJ_MIN)
+    may_lower = lowered < own and _write_oom_score_adj(lowered)
+    mine, job = job_oom_score_adj(own, rss, oom_counted_bytes(), may_lower)
+    if job == own and not may_lower:     # already at the top: nothing can put the job before distcheck
+        return None
+    os.environ[JOB_OOM_SCORE_ADJ_ENV] = str(job)
+    return mine, job
+
+
+def take_job_standing() -> None:
+    """In a process distcheck started for the job: take the ``oom_score_adj`` meant for the job
+    (raising it, or putting back the job's own above distcheck's, needs no privilege)."""
+    value = os.environ.pop(JOB_OOM_SCORE_ADJ_ENV, None)
+    if value is not None and value.lstrip("-").isdigit():
+        _write_oom_score_adj(int(value))

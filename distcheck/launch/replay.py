@@ -101,6 +101,9 @@ def _load(path: str, modules: dict[str, str | None]) -> Any:
 
 
 def main(argv: list[str]) -> None:
+    from distcheck.launch.memory import take_job_standing
+
+    take_job_standing()
     src, dst = Path(argv[0]), Path(argv[1])
     spec = json.loads(src.read_text())
     sys.path[:0] = [p for p in spec["sys_path"] if p and p not in sys.path]

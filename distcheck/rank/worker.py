@@ -30,6 +30,7 @@ from distcheck.rank import integrations, metrics, native, samples
 from distcheck.rank.callsite import USER, classify_file
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import torch_dir
+from distcheck.launch.memory import take_job_standing
 from distcheck.models import Phase
 from distcheck.rank.samples import SampleRecorder
 from distcheck.rank.tracer import install
@@ -326,6 +327,7 @@ STATUS: Status
 
 
 def main(argv: list[str] | None = None) -> None:
+    take_job_standing()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
