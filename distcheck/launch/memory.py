@@ -50,20 +50,24 @@ def resident_bytes(pid: int | None) -> int | None:
         return None
 
 
-def _counter_files(pid: str = "self") -> list[Path]:
+def _memory_cgroups(pid: str = "self") -> list[tuple[Path, Path, bool]]:
+    """(the hierarchy's root, the process's cgroup there, cgroup v2?) for each memory hierarchy it is in."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return []
-    files = []
+    found = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        path = path.lstrip("/")
         if controllers == "":                                   # cgroup v2
-            files.append(CGROUP_ROOT / path / "memory.events")
+            found.append((CGROUP_ROOT, CGROUP_ROOT / path.lstrip("/"), True))
         elif "memory" in controllers.split(","):                # cgroup v1
-            files.append(CGROUP_ROOT / "memory" / path / "memory.oom_control")
-    return files
+            found.append((CGROUP_ROOT / "memory", CGROUP_ROOT / "memory" / path.lstrip("/"), False))
+    return found
+
+
+def _counter_files() -> list[Path]:
+    return [folder / ("memory.events" if v2 else "memory.oom_control") for _, folder, v2 in _memory_cgroups()]
 
 
 def oom_kills() -> int | None:
@@ -98,30 +102,17 @@ def _write_oom_score_adj(value: int) -> bool:
         os.close(fd)
 
 
-def _cgroup_limits(pid: str = "self") -> list[int]:
+def _cgroup_limits() -> list[int]:
     """The memory limits of this process's cgroup and of each cgroup above it (bytes)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return []
     limits = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            base, name = CGROUP_ROOT, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        folder = base / path.lstrip("/")
-        while True:
+    for root, folder, v2 in _memory_cgroups():
+        for level in [folder, *folder.parents]:
             try:
-                limits.append(int((folder / name).read_text()))
-            except (OSError, ValueError):   # "max", or no file at the root
+                limits.append(int((level / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text()))
+            except (OSError, ValueError):   # "max", or no such file at the root
                 pass
-            if folder == base:
+            if level == root:
                 break
-            folder = folder.parent
     return limits
 
 
