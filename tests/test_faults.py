@@ -359,7 +359,10 @@ def test_a_rank_killed_by_the_real_oom_killer_is_named_as_such(tmp_path):
     assert crash["data"]["oom_kills"] >= 1
     assert "The kernel's OOM killer sent that SIGKILL" in crash["summary"]
     assert crash["data"]["peak_rss_bytes"] > 512 * 2**20      # it was seen growing
-    assert ranks_of(s)[0]["state"] in ("stuck", "killed")     # waiting in all_reduce #2: not blamed
+    # rank 0 waits in all_reduce #2: not blamed. The kernel may kill again before rank 1's memory is
+    # back (a second kill ~6 ms after the first): then it takes rank 0, never distcheck.
+    allowed = ("stuck", "killed", "crashed") if crash["data"]["oom_kills"] >= 2 else ("stuck", "killed")
+    assert ranks_of(s)[0]["state"] in allowed
     assert not survivors(str(run_dir))
 
 
