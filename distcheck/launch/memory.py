@@ -137,10 +137,12 @@ def shield_from_oom_killer() -> tuple[int, int] | None:
         return None
     try:
         own = int(OOM_SCORE_ADJ.read_text())
-        rss = psutil.Process().memory_info().rss
-    except (OSError, ValueError, psutil.Error):
+    except (OSError, ValueError):
         return None
-    lowered = max(own - OOM_SHIELD, OOM_SCORE_ADJ_MIN)
+    rss = resident_bytes(os.getpid())
+    if rss is None:
+        return None
+    lowered, _ = job_oom_score_adj(own, rss, 0, may_lower=True)
     may_lower = lowered < own and _write_oom_score_adj(lowered)
     mine, job = job_oom_score_adj(own, rss, oom_counted_bytes(), may_lower)
     if job == own and not may_lower:     # already at the top: nothing can put the job before distcheck
