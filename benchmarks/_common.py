@@ -48,10 +48,12 @@ def conditions() -> str:
             f"load average {load}, {time.strftime('%Y-%m-%d %H:%M')}")
 
 
-def run_group(cmds: list[list[str]], envs: list[dict], timeout: float) -> list[subprocess.CompletedProcess]:
-    """Start processes in their own session; kill every process group on timeout or error."""
+def run_group(cmds: list[list[str]], envs: list[dict], timeout: float, cwd: Path | None = None
+              ) -> list[subprocess.CompletedProcess]:
+    """Start processes in their own session; kill every process group on timeout or error. ``cwd``: where
+    they run (a checkout's own folder would come first on ``sys.path`` for ``python -m``, before PYTHONPATH)."""
     procs = [subprocess.Popen(c, env={**os.environ, **e}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True) for c, e in zip(cmds, envs)]
+                              text=True, start_new_session=True, cwd=cwd) for c, e in zip(cmds, envs)]
     deadline = time.monotonic() + timeout
     results = []
     try:

@@ -6,7 +6,7 @@
    wall time, peak memory of the call (tracemalloc, in a second run, since
    tracing slows allocation) and the process's peak RSS; both findings must
    be found.
-2. ``distcheck.files.trace.parse_trace`` speed in events/s on a rank file
+2. ``distcheck.files.trace_reader.parse_trace`` speed in events/s on a rank file
    written by the real tracer; ``read_trace_dir`` over 1,024 files of 1,000
    calls each, and the watchdog's ``TraceTail`` over the same files. The cost
    of building the ``Event`` objects alone is shown as the floor. Target:
@@ -115,7 +115,8 @@ def real_trace_file(path: Path, calls: int) -> None:
 
 def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list]:
     from distcheck.models import Event
-    from distcheck.files.trace import TraceTail, parse_trace, read_trace_dir
+    from distcheck.files.trace_reader import parse_trace, read_trace_dir
+    from distcheck.files.trace_tail import TraceTail
 
     tmp = Path(tempfile.mkdtemp(prefix="distcheck-bench-"))
     real_trace_file(tmp / "one.trace", calls)

@@ -13,6 +13,12 @@ first collective of any rank), which is what running several pass-expected
 scenarios in one launch would save.
 
     python benchmarks/suite_time.py [--nproc-per-node 4] [--repeats 1] [--stall-timeout 5]
+
+``--against CHECKOUT`` compares instead this checkout's ``distcheck run`` of the catalogue, with
+default options, against another checkout's (an older commit, ``git worktree add``), the two
+interleaved over the repeats, and prints new / old.
+
+    python benchmarks/suite_time.py --against /tmp/old [--repeats 1]
 """
 
 from __future__ import annotations
@@ -35,14 +41,16 @@ def catalogue() -> list[str]:
     return [s.name for s in builtin_scenarios()]
 
 
-def distcheck_run(targets: list[str], args: argparse.Namespace, tag: str) -> tuple[float, dict | None, str]:
+def distcheck_run(targets: list[str], args: argparse.Namespace, tag: str, checkout: Path = REPO,
+                  defaults: bool = False) -> tuple[float, dict | None, str]:
+    """``defaults``: distcheck's own --stall-timeout, not this script's."""
     out = Path(tempfile.mkdtemp(prefix=f"distcheck-suite-{tag}-"))
+    timing = () if defaults else ("--stall-timeout", str(args.stall_timeout))
     cmd = [sys.executable, "-m", "distcheck", "run", *targets, "--nproc-per-node", str(args.nproc_per_node),
-           "--backend", "gloo", "--stall-timeout", str(args.stall_timeout), "--run-dir", str(out / "run"),
-           "--json", str(out / "report.json")]
+           "--backend", "gloo", *timing, "--run-dir", str(out / "run"), "--json", str(out / "report.json")]
     t0 = time.perf_counter()
     try:
-        (proc,) = run_group([cmd], [{"PYTHONPATH": str(REPO)}], timeout=args.hard_timeout)
+        (proc,) = run_group([cmd], [{"PYTHONPATH": str(checkout)}], timeout=args.hard_timeout, cwd=out)
         code = str(proc.returncode)
     except subprocess.TimeoutExpired:
         code = "killed (hard timeout)"
@@ -55,7 +63,7 @@ def distcheck_run(targets: list[str], args: argparse.Namespace, tag: str) -> tup
 
 
 def first_collective(launch_dir: str) -> float | None:
-    from distcheck.files.trace import read_trace_dir
+    from distcheck.files.trace_reader import read_trace_dir
 
     traces = read_trace_dir(Path(launch_dir) / "traces")
     starts = [t.events[0].t_enter for t in traces.values() if t.events]
@@ -68,7 +76,11 @@ def main() -> None:
     p.add_argument("--stall-timeout", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--hard-timeout", type=float, default=1800.0, help="per distcheck invocation, seconds")
+    p.add_argument("--against", type=Path, help="another checkout: compare the catalogue's run, default options")
     args = p.parse_args()
+    if args.against:
+        compare_checkouts(args)
+        return
     names = catalogue()
     print(f"conditions: {conditions()}")
     print(f"catalogue: {len(names)} scenarios: {', '.join(names)}", flush=True)
@@ -119,6 +131,24 @@ def main() -> None:
           f"(what one shared launch for them could save, minus one start-up)")
     for v in verdicts:
         print(f"  {v}")
+
+
+def compare_checkouts(args: argparse.Namespace) -> None:
+    """This checkout's catalogue run against another's, default options, interleaved."""
+    print(f"conditions: {conditions()}")
+    sides = {"this checkout": REPO, f"against {args.against}": args.against.resolve()}
+    walls: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(args.repeats):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            wall, report, code = distcheck_run([], args, name.split()[0], checkout=sides[name], defaults=True)
+            walls[name].append(wall)
+            ok = sum(s["ok"] for s in (report or {}).get("scenarios", []))
+            print(f"  {name}: {wall:.1f} s, exit {code}, {ok} scenarios as expected", flush=True)
+    new, old = (median(v) for v in walls.values())
+    print()
+    print(table(["checkout", "wall s (median)", "runs"], [[k, f"{median(v):.1f}", len(v)] for k, v in walls.items()],
+                title=f"The catalogue at {args.nproc_per_node} ranks, default options: this / against = "
+                      f"{new / old:.2f}×"))
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def run(
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
     flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
     isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
-    metric_memory_mb: Optional[float] = typer.Option(None, "--metric-memory-mb", help="Per-rank cap on the torchmetrics update() inputs recorded for the single-process reference (default 256); past it the check is skipped with a note."),
+    metric_memory_mb: Optional[float] = typer.Option(None, "--metric-memory-mb", help="Per-rank cap on the torchmetrics update() inputs and states recorded for the single-process reference (default 256); past it the check is skipped with a warning."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
@@ -97,7 +97,9 @@ def run(
     distcheck run -- torchrun --nproc-per-node 4 train.py
     """
     from distcheck.options import RunFlags, check_flags, run_options, run_targets_of
+    from distcheck.torch_features import check_supported
 
+    check_supported()   # before torch is imported: an old one may fail to import, or fail later
     flags = RunFlags.of({**locals(), "command": shlex.join(["distcheck", *sys.argv[1:]])})
     nodes = check_flags(flags)
     names, script_args = _split_script_args(list(targets or []))

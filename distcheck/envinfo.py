@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from distcheck import __version__
+from distcheck import __version__, torch_features
 
 REDACTED = "***"
 
@@ -74,6 +74,8 @@ class EnvInfo:
     backends: dict[str, bool] = field(default_factory=dict)      # gloo, nccl, mpi, ucc, xccl
     gpus: tuple[GPU, ...] = ()
     libraries: dict[str, str | None] = field(default_factory=dict)
+    torch_features: dict[str, bool] = field(default_factory=dict)   # distcheck.torch_features, by name
+    torch_problem: str | None = None                                  # below distcheck's floor
     context: dict[str, str] = field(default_factory=dict)        # slurm / torchelastic job facts
     env: dict[str, str] = field(default_factory=dict)            # redacted
 
@@ -139,6 +141,11 @@ def _torch_facts() -> dict[str, Any]:
             except Exception as exc:
                 gpus.append(GPU(index=i, name=f"unreadable ({type(exc).__name__})"))
     facts["gpus"] = tuple(gpus)
+    facts["torch_problem"] = torch_features.floor_problem(torch.__version__)
+    try:
+        facts["torch_features"] = torch_features.features().flags()
+    except Exception as exc:   # a half-broken torch: say so, and show the rest
+        facts["torch_problem"] = f"its features could not be probed: {type(exc).__name__}: {exc}"
     return facts
 
 

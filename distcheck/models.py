@@ -286,6 +286,7 @@ class ScenarioResult:
     stall_onset: float | None = None    # last progress before a stall/timeout was declared
     detected_at: float | None = None    # when the watchdog declared it
     script: bool = False                # the user's own script (or -m module), not a @scenario
+    test: str | None = None             # ``run -- pytest``: the pytest node id its ranks served
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -309,6 +310,7 @@ class ScenarioResult:
             "ended_at": self.ended_at,
             "stall_onset": self.stall_onset,
             "detected_at": self.detected_at,
+            "test": self.test,
         }
 
     @classmethod
@@ -324,6 +326,7 @@ class ScenarioResult:
             log_tail=d.get("log_tail"),
             tables=tuple(d.get("tables", ())), started_at=d.get("started_at"), ended_at=d.get("ended_at"),
             stall_onset=d.get("stall_onset"), detected_at=d.get("detected_at"), script=d.get("script", False),
+            test=d.get("test"),
         )
 
 
@@ -343,6 +346,8 @@ class RunInfo:
     hostname: str = ""
     python_version: str = ""
     versions: dict[str, str] = field(default_factory=dict)  # optional libraries seen
+    torch_features: dict[str, bool] = field(default_factory=dict)  # distcheck.torch_features, by name
+    command_output: str | None = None   # ``run -- CMD``: the last lines of the command's own output (pytest's summary)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

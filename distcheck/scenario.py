@@ -24,6 +24,7 @@ from distcheck.models import FINDING_KINDS
 EXPECTATIONS = ("pass",) + FINDING_KINDS
 BACKENDS = ("gloo", "nccl")
 OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")   # the 'distcheck[metrics]' extra
+TORCH_FEATURE = "torch:"   # requires=("torch:fully_shard",): a feature of torch (distcheck.torch_features)
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,28 @@ class ScenarioSpec:
         }
 
 
-def missing_requirements(spec: ScenarioSpec) -> list[str]:
-    """The libraries ``spec`` requires that are not installed (found without importing them)."""
-    return [name for name in spec.requires if importlib.util.find_spec(name) is None]
+def missing_requirements(spec: ScenarioSpec, cpu_tensors: bool = True, backend: str = "gloo") -> list[str]:
+    """The libraries ``spec`` requires that are not installed (found without importing them), and the
+    torch features (``torch:NAME``) the installed torch lacks for this backend and device."""
+    return [name for name in spec.requires if _feature_problem(name, cpu_tensors, backend) or (
+        not name.startswith(TORCH_FEATURE) and importlib.util.find_spec(name) is None)]
 
 
-def skip_reason(spec: ScenarioSpec, backend: str, nproc_per_node: int) -> str | None:
-    """Why ``spec`` cannot run on this backend and rank count (None: it can)."""
-    missing = missing_requirements(spec)
+def _feature_problem(requirement: str, cpu_tensors: bool, backend: str) -> str | None:
+    if not requirement.startswith(TORCH_FEATURE):
+        return None
+    from distcheck import torch_features
+
+    return torch_features.feature_problem(requirement.removeprefix(TORCH_FEATURE), cpu_tensors, backend)
+
+
+def skip_reason(spec: ScenarioSpec, backend: str, nproc_per_node: int, device: str = "auto") -> str | None:
+    """Why ``spec`` cannot run on this backend, device and rank count (None: it can)."""
+    cpu_tensors = device == "cpu" or (device == "auto" and backend != "nccl")   # the worker's pick_device
+    features = [p for name in spec.requires if (p := _feature_problem(name, cpu_tensors, backend))]
+    if features:
+        return f"needs what this torch lacks: {'; '.join(features)}"
+    missing = missing_requirements(spec, cpu_tensors, backend)
     if missing:
         extra = "'distcheck[metrics]'" if set(missing) <= set(OPTIONAL_LIBRARIES) else " ".join(missing)
         return f"needs {', '.join(missing)}, which is not installed (pip install {extra})"

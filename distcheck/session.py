@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from distcheck.launch import batch
+from distcheck.launch import batch, forkserver
 from distcheck.files import run_dir as rundir
 from distcheck.diagnose.analyze import RunFacts
-from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
+from distcheck.diagnose.verdict import Evidence, Scenario, command_ended, merge_results, scenario_result
 from distcheck.diagnose.verdict import run_info as build_run_info
 from distcheck.errors import LaunchError, UsageError
 from distcheck.launch.cluster import ClusterStore, check_endpoint_address, node_address
-from distcheck.launch.command import CommandSpec, command_options, launch_command
+from distcheck.launch.command import (CommandOutcome, CommandSpec, command_options, command_output_tail,
+                                     launch_command, launch_generations)
 from distcheck.launch.launcher import (LaunchOutcome, LaunchSpec, launch, merge_node_summaries, node_summary,
                                       quiet_native_warnings)
 from distcheck.launch.worker_args import worker_args
@@ -108,17 +109,23 @@ def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: st
         )
 
 
-def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
-                 on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
+def run_unit(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
+             on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> list[ScenarioResult]:
+    """One target's results: a scenario's or script's one, a command's one per test it ran."""
     if isinstance(spec, CommandSpec):
         return run_command(spec, options, launch_dir, on_poll, cluster)
+    return [run_scenario(spec, options, launch_dir, run_id, on_poll, cluster)]
+
+
+def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
+                 on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
     reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options.backend, options.nproc_per_node)
     if reason:
         return skipped_result(spec, reason)
     rundir.prepare_launch_dir(launch_dir)   # a re-used --run-dir: nothing stale mixes into this launch
     channel = cluster.launch(launch_dir.name, options.world_size) if cluster is not None else None
-    outcome = launch(launch_spec(options, launch_dir, worker_args(spec, options, launch_dir), run_id, channel),
-                     on_poll=on_poll)
+    outcome = launch(launch_spec(options, launch_dir, worker_args(spec, options, launch_dir), run_id, channel,
+                                 scenario=isinstance(spec, ScenarioSpec)), on_poll=on_poll)
     return judged_across_nodes(spec, options, launch_dir, outcome, channel)
 
 
@@ -139,20 +146,54 @@ def judged_across_nodes(spec: Target, options: RunOptions, launch_dir: Path, out
 
 
 def run_command(spec: CommandSpec, options: RunOptions, launch_dir: Path, on_poll: Callable | None,
-                cluster: ClusterStore | None = None) -> ScenarioResult:
-    """The user's own launch command: its ranks are found as they initialize (``launch.command``);
-    on several nodes, through the same channel as a script's launch once the world size is known."""
+                cluster: ClusterStore | None = None) -> list[ScenarioResult]:
+    """The user's own launch command: its ranks are found as they initialize (``launch.command``).
+    On one node, every generation of ranks is judged on its own, and the verdicts go per pytest test;
+    on several nodes, one generation, through the same channel as a script's launch."""
     rundir.prepare_launch_dir(launch_dir)
     limits = launch_spec(options, launch_dir, (), "").limits
-    channel_for = (lambda world: cluster.launch(launch_dir.name, world)) if cluster is not None else None
+    if cluster is None:
+        outcome = launch_generations(spec, launch_dir, limits, options.flight_recorder is not False, on_poll)
+        return command_results(spec, options, outcome, launch_dir)
+    channel_for = lambda world: cluster.launch(launch_dir.name, world)   # noqa: E731
     outcome, channel = launch_command(spec, launch_dir, limits, options.flight_recorder is not False, on_poll,
                                       channel_for)
     options = command_options(options, launch_dir, outcome.world_size)
-    return judged_across_nodes(spec, options, launch_dir, outcome, channel)
+    return [judged_across_nodes(spec, options, launch_dir, outcome, channel)]
+
+
+def command_results(spec: CommandSpec, options: RunOptions, command: CommandOutcome,
+                    launch_dir: Path) -> list[ScenarioResult]:
+    """One result per pytest test whose ranks ran (each of its generations judged on its own, then
+    merged), one for ranks outside any test, and one for the command itself where only it explains
+    the run's end (it exited non-zero, or distcheck ended it between generations)."""
+    tests = any(g.test for g in command.generations)
+    groups: dict[str | None, list[ScenarioResult]] = {}
+    for i, gen in enumerate(command.generations):
+        # Without tests, the command's exit belongs to its ranks' verdict (its last generation's), unless
+        # distcheck ended the command itself (then its exit code is distcheck's doing).
+        last = not tests and i == len(command.generations) - 1 and command.end_reason == EndReason.COMPLETED
+        outcome = dataclasses.replace(gen.outcome, command_exit=gen.outcome.command_exit if last else None)
+        gen_spec = dataclasses.replace(spec, name=gen.test or spec.name,
+                                       description=f"pytest test {gen.test}" if gen.test else spec.description)
+        gen_options = command_options(options, gen.launch_dir, outcome.world_size)
+        result = dataclasses.replace(result_of_launch(gen_spec, gen_options, gen.launch_dir, outcome), test=gen.test)
+        groups.setdefault(gen.test, []).append(result)
+    results = [merge_results(parts) for parts in groups.values()]
+    own = command_ended(Scenario(name=spec.name, source=spec.file, expected=spec.expect,
+                                 description=spec.description, launch_dir=str(launch_dir)),
+                        command.end_reason, command.command_exit, command.why_ended,
+                        explained=any(not r.ok for r in results) or not tests,
+                        started_at=command.started_at, ended_at=command.ended_at)
+    if own is not None:
+        own = dataclasses.replace(own, script=True, log_tail=command.output_tail)
+    return results + ([own] if own is not None else [])
 
 
 def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], run_id: str,
-                channel: NodeChannel | None = None) -> LaunchSpec:
+                channel: NodeChannel | None = None, scenario: bool = False) -> LaunchSpec:
+    """``scenario``: scenarios' ranks are forked from a server that imported torch where the installed
+    torch allows (``launch.forkserver``); a script's get processes of their own."""
     nodes = options.nodes
     limits = Limits(stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, timeout=options.timeout,
                     max_duration=options.max_duration)
@@ -160,7 +201,8 @@ def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], ru
                       worker_args=args, limits=limits, run_id=f"{run_id}-{launch_dir.name}", device=options.device,
                       rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes, node_rank=nodes.node_rank,
                       local_addr=node_address(nodes), rdzv_timeout=nodes.rdzv_timeout, channel=channel,
-                      flight_recorder=options.flight_recorder is not False)
+                      flight_recorder=options.flight_recorder is not False,
+                      forked=scenario and forkserver.available())
 
 
 def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome) -> ScenarioResult:
@@ -171,7 +213,8 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
     facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills,
-                     command_exit=outcome.command_exit)
+                     command_exit=outcome.command_exit, evidence=outcome.watchdog.evidence,
+                     late_evidence=outcome.watchdog.late_evidence)
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
                         # the replay (a subprocess) only where every compute() could finish
                         results=with_metric_reference(run.results, launch_dir)
@@ -204,9 +247,11 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     started = time.time()
     specs = unique_names(specs)
     state = _run_all(specs, options, run_dir, launch_base, cluster, hooks)
+    output = None
     if isinstance(specs[0], CommandSpec):   # the report's world size is the one the command's ranks reported
         options = command_options(options, run_dir / specs[0].name)
-    report = Report(run=run_info(options, run_dir, started), scenarios=tuple(state.results),
+        output = command_output_tail(LaunchFiles(run_dir / specs[0].name)) or None
+    report = Report(run=run_info(options, run_dir, started, output), scenarios=tuple(state.results),
                     interrupted=state.interrupted)
     write_json_atomic(run_dir / REPORT_FILE, report.to_dict())
     if cluster is not None and cluster.liveness.lost:
@@ -233,8 +278,8 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
         try:
             if len(unit) == 1:
                 announce(unit[0])
-                results, leftover = [run_scenario(unit[0], options, run_dir / unit[0].name, launch_base,
-                                                  hooks.on_poll, cluster)], []
+                results, leftover = run_unit(unit[0], options, run_dir / unit[0].name, launch_base,
+                                             hooks.on_poll, cluster), []
             else:
                 batches += 1
                 results, leftover = run_batch(unit, options, run_dir, f"batch-{batches}", launch_base, hooks.on_poll,
@@ -305,7 +350,8 @@ def run_batch(unit: list[ScenarioSpec], options: RunOptions, run_dir: Path, batc
         if on_poll is not None:
             on_poll(progress, idle_s)
 
-    outcome = launch(launch_spec(options, batch_dir, worker_args(runnable, options, batch_dir), run_id), on_poll=poll)
+    outcome = launch(launch_spec(options, batch_dir, worker_args(runnable, options, batch_dir), run_id,
+                                 scenario=True), on_poll=poll)
     parts = batch.split(LaunchFiles(batch_dir), runnable, options.world_size, outcome, run_dir)
     done = parts.completed + ([parts.failed] if parts.failed else [])
     follower.finish({spec.name for spec, _, _ in done})
@@ -318,12 +364,15 @@ def skipped_result(spec: ScenarioSpec, reason: str) -> ScenarioResult:
                           duration_s=0.0, skipped=reason, description=spec.description)
 
 
-def run_info(options: RunOptions, run_dir: Path, started: float) -> RunInfo:
+def run_info(options: RunOptions, run_dir: Path, started: float, command_output: str | None = None) -> RunInfo:
     import torch
 
-    return build_run_info(
+    from distcheck.torch_features import features
+
+    info = build_run_info(
         backend=options.backend, world_size=options.world_size, nnodes=options.nodes.nnodes,
         nproc_per_node=options.nproc_per_node, torch_version=torch.__version__,
         command=options.command or shlex.join(sys.argv), run_dir=str(run_dir), seed=options.seed,
-        started=started, ended=time.time(), versions=library_versions(),
+        started=started, ended=time.time(), versions=library_versions(), command_output=command_output,
     )
+    return dataclasses.replace(info, torch_features=features().flags())

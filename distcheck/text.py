@@ -82,3 +82,10 @@ def signed(x: float) -> str:
 def gib(n: int) -> str:
     """Bytes as MiB below a GiB, else GiB with one decimal."""
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def size(n: int) -> str:
+    """Bytes in any amount: B and KiB below a MiB (a trickle of I/O), ``gib`` from there on."""
+    if n >= 2**20:
+        return gib(n)
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"

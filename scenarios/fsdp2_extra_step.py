@@ -6,7 +6,7 @@ from distcheck import scenario
 STEPS = 2
 
 
-@scenario(expect="hang")
+@scenario(expect="hang", requires=("torch:fully_shard",))
 def fsdp2_extra_step(ctx):
     """Rank 0 trains 3 steps of a fully_shard model, the others 2: rank 0 hangs in FSDP's all_gather."""
     from _catalogue import fsdp2_steps

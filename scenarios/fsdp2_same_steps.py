@@ -5,7 +5,7 @@ from distcheck import scenario
 STEPS = 2
 
 
-@scenario(expect="pass")
+@scenario(expect="pass", requires=("torch:fully_shard",))
 def fsdp2_same_steps(ctx):
     """Every rank trains 2 steps of a fully_shard model."""
     from _catalogue import fsdp2_steps

@@ -18,20 +18,37 @@ import pytest
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
+# tests/scripts/ holds the scripts and whole test suites the tests run under distcheck, not tests of ours.
+collect_ignore = ["scripts"]
 HARD_TIMEOUT_S = 240
 
 
-def survivors(marker: str) -> list[psutil.Process]:
-    """Processes whose command line mentions ``marker`` (a run dir path)."""
+def survivors(marker: str, launcher_pid: int | None = None) -> list[psutil.Process]:
+    """Live processes whose command line mentions ``marker`` (a run dir path), or that distcheck process
+    ``launcher_pid`` started: its fork server and the scenario ranks forked from it, whose command lines
+    are the server's (they carry its pid in the environment they were started with)."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
+            ours = marker in cmd or (launcher_pid is not None and "multiprocessing" in cmd
+                                     and p.environ().get("DISTCHECK_LAUNCHER_PID") == str(launcher_pid))
+            alive = p.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             continue
-        if marker in cmd and p.pid != os.getpid():
+        if ours and alive and p.pid != os.getpid():
             found.append(p)
     return found
+
+
+def findings_less_torch_notes(s: dict) -> list[dict]:
+    """A scenario's findings less the info note that every run with C++-issued collectives gets on a
+    torch whose gloo has no Flight Recorder (torch < 2.8, tests/test_torch_versions.py): true there,
+    and nothing about the job's own code."""
+    from distcheck.torch_features import features
+
+    note = features().missing_note("flight_recorder_gloo")
+    return [f for f in s["findings"] if not (f["kind"] == "coverage" and note in f["summary"])]
 
 
 def wait_for(predicate, timeout: float, poll: float = 0.1) -> bool:
@@ -161,7 +178,8 @@ def finish_process(proc: subprocess.Popen, marker: str, timeout: float) -> subpr
         pytest.fail(f"{' '.join(map(str, proc.args))} did not finish in {timeout} s\n{err[-3000:]}")
     finally:
         kill_tree(proc)
-    left = survivors(marker)
+    gone = wait_for(lambda: not survivors(marker, proc.pid), timeout=10)   # the fork server ends at distcheck's EOF
+    left = [] if gone else survivors(marker, proc.pid)
     for p in left:
         p.kill()
     assert not left, f"processes survived the run: {[p.info['cmdline'] for p in left]}"
@@ -176,3 +194,27 @@ def process_group(tmp_path_factory):
                             timeout=datetime.timedelta(seconds=60))
     yield
     dist.destroy_process_group()
+
+
+def injected(under: Path) -> list[psutil.Process]:
+    """Live processes whose DISTCHECK_LAUNCH_DIR lies under ``under``: what a ``run -- CMD`` command started."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            launch_dir = p.environ().get("DISTCHECK_LAUNCH_DIR", "")
+            alive = p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            continue
+        if alive and launch_dir.startswith(str(under)) and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def no_survivors(tmp_path):
+    """After the test: nothing the command started is left (killed here, and the test fails)."""
+    yield
+    left = injected(tmp_path) if not wait_for(lambda: not injected(tmp_path), timeout=10) else []
+    for p in left:
+        p.kill()
+    assert not left, f"the command's processes survived: {[p.pid for p in left]}"

@@ -6,7 +6,7 @@ import pytest
 
 from distcheck.launch.batch import plan
 from distcheck.scenario import ScenarioSpec
-from distcheck.files.trace import split_segments
+from distcheck.files.trace_reader import split_segments
 
 
 def spec(name: str, *expect: str) -> ScenarioSpec:
@@ -22,7 +22,8 @@ def test_plan_shares_a_launch_except_for_expected_hangs_and_crashes():
 
 def test_split_segments_cuts_at_B_records_and_keeps_a_torn_tail():
     from distcheck.files.trace import (VERSION_LINE, enter_slot, exit_slot, call_key, fingerprint_record,
-                                       group_record, parse_trace, segment_record, text_slots)
+                                       group_record, segment_record, text_slots)
+    from distcheck.files.trace_reader import parse_trace
 
     defs = text_slots(group_record(0, "0", (0, 1)) + fingerprint_record(0, "barrier", None, "-", "-", "-", None,
                                                                         False, "-"))

@@ -111,6 +111,22 @@ def abort(ctx):
     dist.all_reduce(t)
 
 
+@scenario(expect="crash")
+def abort_then_peer_raises(ctx):
+    """Two failures at once: torch's agent reports only the first it sees (of forked ranks)."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    pids = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    if ctx.rank == 1:
+        os.abort()  # ABORT-FIRST
+    while psutil.pid_exists(pids[1]) and psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.001)
+    raise RuntimeError("rank 1 is gone")
+
+
 @scenario(expect="hang")
 def busy_python_loop(ctx):
     import torch
@@ -224,7 +240,7 @@ def ranks_of(s: dict) -> dict[int, dict]:
 
 
 def events(launch_dir: Path, rank: int):
-    from distcheck.files.trace import read_trace_dir
+    from distcheck.files.trace_reader import read_trace_dir
 
     return read_trace_dir(launch_dir / "traces")[rank].events
 
@@ -463,6 +479,12 @@ def test_rank_killed_by_a_fatal_signal_is_the_root_cause_with_its_line(faults, n
     assert len(events(launch, 0)) == 2 and len(events(launch, 1)) == 1
     # faulthandler wrote the dying rank's stack itself (fatal-signal handler)
     assert f"line {line_of(faults.source, marker)} in {name}" in (launch / "stacks" / "rank1.txt").read_text()
+
+
+def test_two_ranks_failing_at_once_are_both_reported_as_they_failed(faults):
+    r = ranks_of(faults.scenario("abort_then_peer_raises"))
+    assert (r[1]["state"], r[1]["signal"]) == ("crashed", "SIGABRT"), r[1]
+    assert r[0]["exception"] == "RuntimeError: rank 1 is gone" and r[0]["exit_code"] == 1, r[0]
 
 
 @pytest.mark.parametrize("name, limit", [("busy_python_loop", BUSY), ("c_call_holding_the_gil", BUSY),

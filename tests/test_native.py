@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from distcheck.files.trace import parse_trace
+from distcheck.files.trace_reader import parse_trace
 from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.native import NativeCall, NativeWatcher, issuer_label
 
@@ -130,3 +130,74 @@ def test_issuer_is_named_from_the_main_threads_stack():
     fsdp = [("/venv/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 1, "foreach_all_gather")]
     assert issuer_label("all_gather", ((36,),), fsdp) == "FSDP all_gather"
     assert issuer_label("all_reduce", ((1,),), [("/home/u/x.py", 3, "f")]) == "C++-issued all_reduce"
+
+
+# -- exact records: destroyed groups, failures, the sync record (issue 24) -----------------------------------
+
+
+def test_a_group_destroyed_between_polls_is_read_one_last_time(tmp_path):
+    # a script's last C++-issued calls, then destroy_process_group() before the sidecar's next poll
+    calls = {("0", 1): NativeCall("all_reduce", ((5,),), ("float32",), retired=True),
+             ("0", 2): NativeCall("broadcast", ((3,),), ("int64",), retired=False)}
+    pg, side = Counter(), PythonSide(tmp_path / "rank0.trace")
+    alive = [("0", pg)]
+    w = NativeWatcher(side, main_thread=threading.get_ident(), groups=lambda: list(alive), calls=lambda: calls,
+                      detail_interval_s=10.0, recorder=True)
+    w.poll(now=1.0)                 # the group exists, nothing counted yet
+    pg.seq = 2
+    alive.clear()                   # destroyed: it is no longer among the process groups
+    w.poll(now=1.1)                 # inside the rate limit, but a destroyed group cannot wait
+    evs = events(tmp_path)
+    assert [(e.seq, e.op, e.completed) for e in evs] == [(1, "all_reduce", True), (2, "broadcast", True)]
+    assert w.pgs == {} and "0" not in w.seen
+
+
+def test_a_failure_names_its_cpp_call_from_its_traceback(tmp_path):
+    calls = {("0", 1): NativeCall("all_reduce", ((577,),), ("float32",), retired=False)}
+    w, pg, _ = watcher(tmp_path, calls)
+    pg.seq = 1
+    from distcheck.files.stacks import torch_dir
+
+    torch = torch_dir().rstrip("/")
+    backward = [(f"{torch}/autograd/graph.py", 824, "_engine_run_backward"),
+                (f"{torch}/_tensor.py", 625, "backward"), ("/home/u/train.py", 14, "<module>")]
+    w.flush(frames=backward)
+    [e] = events(tmp_path)
+    assert e.label == "DDP gradient all_reduce, bucket of 577 elements" and e.callsite == "/home/u/train.py:14:<module>"
+    assert e.completed   # the rank's work is over: flushed calls are closed
+
+
+def test_the_sync_record_says_when_every_counted_call_was_written(tmp_path):
+    from distcheck.files.trace_tail import TraceTail
+
+    calls = {("0", 1): NativeCall("all_reduce", retired=False), ("0", 2): NativeCall("barrier", retired=False)}
+    pg, side = Counter(), PythonSide(tmp_path / "rank0.trace")
+    w = NativeWatcher(side, main_thread=threading.get_ident(), groups=lambda: [("0", pg)], calls=lambda: calls,
+                      detail_interval_s=1.0, recorder=True)
+    tail = TraceTail(tmp_path / "rank0.trace")
+    assert tail.read().synced_at is None and not tail.settled   # a new file: nothing synced yet
+    pg.seq = 1
+    w.poll(now=5.0)
+    assert tail.read().synced_at == 5.0 and tail.records == 1 and tail.settled
+    pg.seq = 2
+    w.poll(now=5.5)                                               # rate-limited: call 2 is not written ...
+    assert tail.read().synced_at == 5.0 and tail.records == 1     # ... so the sync stays behind it
+    w.poll(now=6.5)
+    tail.read()
+    assert tail.synced_at == 6.5 and tail.records == 2 and tail.entered == {"0": 2} and tail.settled
+
+
+def test_a_counted_call_waiting_for_its_recorder_entry_holds_the_sync_back(tmp_path):
+    from distcheck.files.trace_tail import TraceTail
+
+    calls = {}
+    w, pg, _ = watcher(tmp_path, calls)
+    tail = TraceTail(tmp_path / "rank0.trace")
+    w.poll(now=1.0)
+    assert tail.read().synced_at == 1.0
+    pg.seq = 1
+    w.poll(now=1.1)                     # counted, not in the recorder yet: not written, and not synced past it
+    assert tail.read().synced_at == 1.0 and tail.records == 0
+    calls[("0", 1)] = NativeCall("all_reduce", ((577,),), ("float32",), retired=False)
+    w.poll(now=1.2)
+    assert tail.read().synced_at == 1.2 and tail.records == 1

@@ -225,8 +225,9 @@ def test_a_structural_difference_is_a_mismatch_not_an_order_error():
 
 
 def test_a_rank_that_issued_an_extra_collective_is_a_count_finding():
-    traces = traces_of(*(ev(r, s) for r in WORLD4 for s in (1, 2)), ev(3, 3, "barrier", reduce_op=None, line=99,
-                                                                      label="Logger.log"))
+    # async: it returned without its peers, and none ever joined it
+    extra = ev(3, 3, "barrier", reduce_op=None, line=99, label="Logger.log")._replace(async_op=True)
+    traces = traces_of(*(ev(r, s) for r in WORLD4 for s in (1, 2)), extra)
     [f] = run(traces)
     assert f.kind == "count" and f.fields == ("count",)
     assert f.odd_ranks == (3,) and f.majority == {"count": 2}
@@ -236,8 +237,17 @@ def test_a_rank_that_issued_an_extra_collective_is_a_count_finding():
     assert "barrier #3 Logger.log at" in f.summary and "train.py:99" in f.summary
 
 
+def test_a_completed_job_whose_records_disagree_is_distchecks_coverage_warning_not_a_count_error():
+    # every rank finished and every call returned: a blocking call returns only once all members entered it
+    traces = traces_of(*(ev(r, s) for r in WORLD4 for s in (1, 2, 3) if not (r == 2 and s == 2)))
+    [f] = run(traces)
+    assert (f.kind, f.severity, f.odd_ranks) == ("coverage", "warning", (2,))
+    assert f.data["missing"] == {"2": [2]} and "rank 2 lacks #2" in f.summary
+    assert behaved_as_expected(("pass",), observed_kinds([f]))
+
+
 def test_a_count_split_two_two_is_a_tie():
-    traces = traces_of(*(ev(r, s) for r in WORLD4 for s in ((1, 2) if r < 2 else (1,))))
+    traces = traces_of(*(ev(r, s)._replace(async_op=s == 2) for r in WORLD4 for s in ((1, 2) if r < 2 else (1,))))
     [f] = run(traces)
     assert f.kind == "count" and f.tie and f.odd_ranks == () and f.majority is None
 
@@ -733,3 +743,18 @@ def test_a_second_finding_that_puts_a_rank_elsewhere_than_its_outcome_is_dropped
         for r in f.waiting_ranks:
             e = outcomes[r].last_event
             assert (e.group, e.seq, e.op) == (f.group, f.seq, f.op), f.summary
+
+
+def test_send_send_is_one_cycle_finding_and_one_rank_against_many_stays_the_odd_one_out():
+    send = lambda r, peer: Event(rank=r, group=f"p2p:{r}>{peer}", seq=1, op="send", reduce_op=None, shapes=((4,),),  # noqa: E731
+                                 dtypes=("float32",), device="cpu", root=peer, group_ranks=(r, peer), t_enter=0.0,
+                                 t_exit=None, error=None, callsite=SITE.format(5))
+    stuck = {r: RankOutcome(rank=r, state="stuck", phase="running", last_event=send(r, 1 - r)) for r in (0, 1)}
+    [f] = run({0: [send(0, 1)], 1: [send(1, 0)]}, stuck, end="stall", world=2)
+    assert (f.kind, f.waiting_ranks, f.absent_ranks) == ("hang", (0, 1), ())
+    assert [c["ranks"] for c in f.data["cycle"]] == [[0], [1]] and "batch_isend_irecv" in f.summary
+    # rank 0 alone in world #2 while ranks 1-3 wait in metrics #1 for it: two findings, rank 0 the odd one
+    traces = traces_of(ev(0, 1), ev(0, 2, done=False), *(ev(r, 1) for r in (1, 2, 3)),
+                       *(ev(r, 1, group="m", done=False) for r in (1, 2, 3)))
+    found = run(traces, {r: RankOutcome(rank=r, state="stuck", phase="running") for r in WORLD4}, end="stall")
+    assert sorted((h.group, h.waiting_ranks) for h in found if h.kind == "hang") == [("0", (0,)), ("m", (1, 2, 3))]

@@ -8,8 +8,10 @@ import threading
 
 import torch
 
-from distcheck.files.trace import (SLOT, TraceTail, call_key, enter_slot, exit_slot, fingerprint_record,
-                                   group_record, parse_trace, text_slots)
+from distcheck.files.trace import (SLOT, call_key, enter_slot, exit_slot, fingerprint_record, group_record,
+                                   text_slots)
+from distcheck.files.trace_reader import parse_trace
+from distcheck.files.trace_tail import TraceTail
 from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.tracer import Tracer
 
@@ -140,3 +142,19 @@ def test_without_shared_mappings_each_record_is_appended(tmp_path, monkeypatch):
     tracer.close()
     traced(torch.ones(2))                  # closed: dropped, the call itself goes on
     assert len(parse_trace(0, path.read_bytes()).events) == 3
+
+
+def test_a_torn_sync_record_is_ignored_and_the_last_whole_one_kept(tmp_path):
+    from distcheck.files.trace import SLOT, SYNC_OFFSET, read_sync, sync_slot
+    from distcheck.files.trace_tail import TraceTail
+
+    writer = TraceWriter(tmp_path / "rank0.trace")
+    writer.sync(2_000_000_000, True, stack_digest=7)
+    tail = TraceTail(tmp_path / "rank0.trace").read()
+    assert tail.sync == (2.0, True, 7)
+    torn = bytearray(sync_slot(3_000_000_000, 9, True))
+    torn[8:12] = b"\xff\xff\xff\xff"                       # caught half-overwritten
+    assert read_sync(bytes(torn)) is None
+    writer.mm[SYNC_OFFSET:SYNC_OFFSET + SLOT] = bytes(torn)
+    assert tail.read().sync == (2.0, True, 7)
+    writer.close()

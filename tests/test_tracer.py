@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.files.trace import parse_trace
+from distcheck.files.trace_reader import parse_trace
 from distcheck.rank.tracer import Tracer
 from distcheck.launch.watchdog import RankMonitor
 
@@ -326,7 +326,7 @@ def test_time_resolution_is_microseconds(tmp_path):
 
 
 def test_segments_parse_on_their_own(tmp_path):
-    from distcheck.files.trace import split_segments
+    from distcheck.files.trace_reader import split_segments
 
     path = tmp_path / "rank0.trace"
     tracer = _fake_tracer(path)

@@ -17,6 +17,10 @@ from distcheck.models import Event, Finding, RankDetail, RankOutcome
 from distcheck.text import rank_list, site
 
 SIZE_TEXT = "Received data size doesn't match expected size"
+# The same abort in the gloo of torch < 2.8 (measured on 2.6.0): "[enforce fail at
+# .../gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 388 vs 4" (received vs expected).
+OLD_SIZE_TEXT = "op.preamble.length <= op.nbytes"
+SIZE_TEXTS = (SIZE_TEXT, OLD_SIZE_TEXT)
 _SIZES = re.compile(r"(\d+) vs (\d+)")
 _ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
@@ -40,14 +44,16 @@ class SizeAbort:
     received: int      # bytes that arrived
     expected: int      # bytes the receiving buffer holds
     text: str
+    words: str = SIZE_TEXT   # gloo's phrase for it (this torch's)
 
 
 def size_abort(o: RankOutcome) -> SizeAbort | None:
     text = o.exception or ""
-    if SIZE_TEXT not in text:
+    words = next((w for w in SIZE_TEXTS if w in text), None)
+    if words is None:
         return None
     m = _SIZES.search(text)
-    return SizeAbort(o.rank, int(m.group(1)), int(m.group(2)), text) if m else None
+    return SizeAbort(o.rank, int(m.group(1)), int(m.group(2)), text, words) if m else None
 
 
 def nbytes(e: Event) -> int | None:
@@ -107,7 +113,7 @@ def _finding(found: list[tuple[SizeAbort, Event | None]], traces: Mapping[int, S
     blame = (f"By the sizes, the sender is {rank_list(odd)} ({rank_list(senders)} could have sent it)" if odd
              else f"The sender cannot be told from the records ({rank_list(senders) if senders else 'no rank'} "
                   f"could have sent it); the receiver that aborted is not the cause")
-    summary = (f"gloo aborted {rank_list(receivers)} {where}: {got} (\"{SIZE_TEXT}\"). The recorded fingerprints "
+    summary = (f"gloo aborted {rank_list(receivers)} {where}: {got} (\"{a.words}\"). The recorded fingerprints "
                f"do not explain it (e.g. a receive from any source, or a call issued outside the tracer). "
                f"{blame}. The sender's buffer and the receiver's must have the same size.")
     details = [detail(r, "receiver", e, note=f"received {x.received} bytes, expected {x.expected}")

@@ -11,6 +11,7 @@ were in (``stuck`` in the collective they were waiting in, or ``killed``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,8 +21,8 @@ from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.samples import read_samples
-from distcheck.files.stacks import StackDump, main_stack, parse_dumps, torch_dir, user_top
-from distcheck.files.trace import RankTrace, read_trace_dir
+from distcheck.files.stacks import IDLE_IN_POOL, StackDump, idle_in_pool, main_stack, read_dumps, torch_dir, user_top
+from distcheck.files.trace_reader import RankTrace, read_trace_dir
 
 if TYPE_CHECKING:   # the launcher is only a type here: ``analyze`` need not import it
     from distcheck.launch.launcher import LaunchOutcome
@@ -70,10 +71,7 @@ class _RankFacts:
 
 def read_stack_dump(files: LaunchFiles, rank: int) -> StackDump | None:
     """The first stack dump the rank left (taken before teardown), if any."""
-    path = files.stacks(rank)
-    if not path.exists():
-        return None
-    dumps = parse_dumps(path.read_text(encoding="utf-8", errors="replace"))
+    dumps = read_dumps(files.stacks(rank))
     return dumps[0] if dumps else None
 
 
@@ -109,18 +107,35 @@ def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
         f.primary = True
 
 
+def _another_failed_first(files: LaunchFiles, launch: LaunchOutcome, rank: int) -> bool:
+    """Another rank failed on its own (a signal, or an error that is not a reaction to a peer's end).
+    torch's launcher then stops the other ranks itself (seen on torch 2.6 and 2.9, not on 2.13): they are
+    that failure's consequence, not ranks that left with code 0 by themselves."""
+    for r, failure in launch.failures.items():
+        if r == rank:
+            continue
+        if failure.signal is not None:
+            return True
+        status = files.read_status(r)
+        reaction = status is not None and status.phase == Phase.ERROR and is_peer_failure(status.exception)
+        if failure.exit_code not in (None, 0) and not reaction:
+            return True
+    return False
+
+
 def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> CollectedRun:
     traces = read_trace_dir(files.traces)
     killed = set(launch.watchdog.killed_ranks)
     facts = []
     for rank in range(world_size):
-        status = files.read_status(rank) or RankStatus(rank=rank)
+        status = _before_teardown(files.read_status(rank) or RankStatus(rank=rank), rank in killed,
+                                  launch.watchdog.detected_at)
         failure = launch.failures.get(rank)
         exit_code = failure.exit_code if failure else (0 if launch.end_reason == EndReason.COMPLETED else None)
         # The agent lists only failures: a rank it does not list, that distcheck did not kill and that
         # never reached the end of its work, left by itself with code 0 (os._exit(0)) while others ran.
         left_early = (failure is None and rank not in killed and status.phase in (Phase.STARTING, Phase.RUNNING)
-                      and launch.end_reason in _CUT_SHORT)
+                      and launch.end_reason in _CUT_SHORT and not _another_failed_first(files, launch, rank))
         if left_early:
             exit_code = 0
         # A rank of the user's own command that vanished mid-work: it failed, how is not known.
@@ -139,6 +154,16 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
     initialized = any(f.status.pg_initialized for f in facts)
     return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results,
                         initialized_process_group=initialized)
+
+
+def _before_teardown(status: RankStatus, killed_by_us: bool, detected_at: float | None) -> RankStatus:
+    """A rank of the user's command that wrote "finished" only after distcheck decided to end the run
+    left through its own error handling (a test harness that catches the peer's "Connection closed"
+    and exits): that is a reaction to the teardown, not the end of its work."""
+    if (killed_by_us and detected_at is not None and status.phase == Phase.FINISHED
+            and status.t_update is not None and status.t_update >= detected_at):
+        return dataclasses.replace(status, phase=Phase.RUNNING)
+    return status
 
 
 def _abort_in_log(path) -> str | None:
@@ -166,6 +191,8 @@ def stack_top(dump: StackDump | None, main_thread: Any, torch_prefix: str = "/to
     if dump is None:
         return None
     thread = main_stack(dump, main_thread)
+    if thread and idle_in_pool(thread.frames):
+        return IDLE_IN_POOL   # a pool worker between tasks, not a place in user code
     frame = user_top(thread.frames, torch_prefix) if thread else None
     return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
 

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from distcheck.files.stacks import IDLE_IN_POOL
 from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState
 from distcheck.text import site
 
@@ -36,6 +37,8 @@ class RunFacts:
     straggler_min_lag_s: float = 0.1
     oom_kills: int | None = None         # OOM kills counted in distcheck's memory cgroup (None: no counter)
     command_exit: int | None = None      # ``run -- CMD``: the command's own exit status
+    evidence: str | None = None          # why distcheck ended the run ("certain: ranks 1-3 finished")
+    late_evidence: Mapping[int, str] | None = None   # rank -> the progress a late rank showed
 
 
 
@@ -132,6 +135,8 @@ def whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = Non
         return f"waiting in {call(e)} {who(e)}"
     if outcome.phase == Phase.STARTING:
         return "still starting up (init_process_group)"
+    if outcome.where == IDLE_IN_POOL:
+        return IDLE_IN_POOL
     if outcome.where:
         return f"running outside any collective at {site(outcome.where)}"
     return outcome.state

@@ -48,7 +48,80 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
         last = {r: seqs[reached[r]][r] for r in absent if reached[r]}
         cause = next((m for m in mismatches if (m.group, m.seq) == (group, seq)), None)
         findings.append(_hang_finding(group, seq, present, absent, outcomes, last, cause, detected_after))
+    findings = merge_cycles(findings)
+    if facts.evidence:
+        findings = [dataclasses.replace(f, summary=f"{f.summary} Decided: {facts.evidence}.",
+                                        data={**f.data, "evidence": facts.evidence}) for f in findings]
     return findings
+
+
+def merge_cycles(findings: list[Finding]) -> list[Finding]:
+    """Hangs that wait for each other are one hang: rank 0 in send to 1 while rank 1 is in send to 0
+    (each alone reads "the other never entered it", and the advice "call it on all ranks" is wrong).
+    Only where no side is outnumbered: 1 rank against 3 is still the odd one out, said by majority."""
+    in_hang = {r: i for i, f in enumerate(findings) for r in f.waiting_ranks}
+    edges = {i: {in_hang[a] for a in f.absent_ranks if a in in_hang} for i, f in enumerate(findings)}
+    merged, done = [], set()
+    for i in range(len(findings)):
+        if i in done:
+            continue
+        cycle = _cycle_through(i, edges)
+        if len(cycle) < 2 or not all(_symmetric(findings[j]) for j in cycle):
+            continue   # one side outnumbered: "the odd one out" (majority) says more than "a cycle"
+        done |= cycle
+        merged.append(_cycle_finding([findings[j] for j in sorted(cycle)]))
+    return merged + [f for i, f in enumerate(findings) if i not in done]
+
+
+def _symmetric(f: Finding) -> bool:
+    """A part of a cycle with no majority to blame: a P2P call, or as many ranks waiting as absent."""
+    return bool(f.group and f.group.startswith("p2p:")) or len(f.waiting_ranks) == len(f.absent_ranks)
+
+
+def _cycle_through(start: int, edges: Mapping[int, set[int]]) -> set[int]:
+    """The findings on a cycle of waits through ``start`` (empty when there is none)."""
+    path, seen = [start], {start}
+
+    def walk(node: int) -> set[int] | None:
+        for nxt in sorted(edges[node]):
+            if nxt == start:
+                return set(path)
+            if nxt not in seen:
+                seen.add(nxt)
+                path.append(nxt)
+                found = walk(nxt)
+                if found:
+                    return found
+                path.pop()
+        return None
+
+    return walk(start) or set()
+
+
+def _cycle_finding(parts: list[Finding]) -> Finding:
+    waiting = tuple(sorted(r for f in parts for r in f.waiting_ranks))
+    where = "; ".join(f"{rank_list(f.waiting_ranks)} in {f.op} #{f.seq} ({_group_words(f.group)}) at {site(f.callsite)}"
+                      for f in parts)
+    p2p = all(f.group and f.group.startswith("p2p:") for f in parts)
+    advice = ("Order the pair (even ranks send first, odd ranks receive first), or post both with "
+              "batch_isend_irecv / isend + irecv." if p2p and all(f.op == "send" for f in parts) else
+              "Every rank must enter these groups' collectives in the same order.")
+    return Finding(
+        kind="hang", severity="error", group=parts[0].group, seq=parts[0].seq, op=parts[0].op, label=parts[0].label,
+        callsite=parts[0].callsite, waiting_ranks=waiting, absent_ranks=(),
+        detected_after_s=parts[0].detected_after_s,
+        summary=f"{rank_list(waiting).capitalize()} wait for each other (a cycle; none can finish first): {where}. {advice}",
+        ranks=tuple(dataclasses.replace(d, role="waiting") for f in parts for d in f.ranks if d.role == "waiting"),
+        data={"cycle": [{"group": f.group, "seq": f.seq, "op": f.op, "ranks": list(f.waiting_ranks),
+                         "callsite": f.callsite} for f in parts]},
+    )
+
+
+def _group_words(group: str | None) -> str:
+    if group and group.startswith("p2p:"):
+        src, _, dst = group[4:].partition(">")
+        return f"from rank {src} to rank {dst}"
+    return f"group {group}"
 
 
 def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: list[int],

@@ -70,21 +70,23 @@ def find_late_arrivals(table: Table, facts: RunFacts, outcomes: Mapping[int, Ran
             first = min(e.t_enter for e in events.values())
             last = max(e.t_enter for e in events.values())
             if last - first >= facts.stall_timeout_s and len(findings) < max_reported:
-                findings.append(_late_finding(group, seq, events, outcomes))
+                findings.append(_late_finding(group, seq, events, outcomes, facts.late_evidence or {}))
     return findings
 
 
-def _late_finding(group: str, seq: int, events: Mapping[int, Event], outcomes: Mapping[int, RankOutcome]) -> Finding:
+def _late_finding(group: str, seq: int, events: Mapping[int, Event], outcomes: Mapping[int, RankOutcome],
+                  evidence: Mapping[int, str]) -> Finding:
     last = max(e.t_enter for e in events.values())
     late = sorted(r for r, e in events.items() if last - e.t_enter < 1.0)
     waiters = sorted(r for r in events if r not in late)
     waited = last - min(e.t_enter for e in events.values())
     ref = events[waiters[0]]
     busy = [outcomes[r].busy_at for r in late if r in outcomes and outcomes[r].busy_at]
+    shown = [evidence[r] for r in late if r in evidence]
     where = f", busy at {site(busy[0])}" if busy else ""
     it = "it" if len(late) == 1 else "them"
-    why = (f"{it.capitalize()} was using the CPU, so distcheck took {it} for late, not hung, and kept waiting. "
-           if busy else "")
+    why = (f"{it.capitalize()} was making progress ({shown[0] if shown else 'using the CPU'}), so distcheck took "
+           f"{it} for late, not hung, and kept waiting. " if busy or shown else "")
     summary = (f"{rank_list(waiters).capitalize()} waited {waited:.1f} s in {ref.op} #{seq} (group {group}) for "
                f"{rank_list(late)}{where}. {why}If this is expected (a rank-0-only evaluation or checkpoint save), "
                f"nothing is wrong; if not, look at what {rank_list(late)} does before this call.")
@@ -93,5 +95,6 @@ def _late_finding(group: str, seq: int, events: Mapping[int, Event], outcomes: M
         kind="straggler", severity="warning", group=group, seq=seq, op=ref.op, label=ref.label,
         callsite=ref.callsite, odd_ranks=tuple(late), waiting_ranks=tuple(waiters), ranks=details,
         summary=summary,
-        data={"waited_s": round(waited, 3), "late_ranks": late, "busy_at": busy[0] if busy else None},
+        data={"waited_s": round(waited, 3), "late_ranks": late, "busy_at": busy[0] if busy else None,
+              "progress": shown[0] if shown else None},
     )

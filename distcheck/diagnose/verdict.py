@@ -5,6 +5,7 @@ Flight Recorder dumps (``postmortem``) all end here. Pure.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import socket
@@ -39,6 +40,7 @@ class Evidence:
     results: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     started_at: float | None = None
     ended_at: float | None = None
+    why_ended: str | None = None    # what distcheck saw when it ended the run itself
 
 
 @dataclass(frozen=True)
@@ -74,13 +76,67 @@ def scenario_result(scenario: Scenario, evidence: Evidence, duration_s: float,
 def _findings(evidence: Evidence, blame: Blame | None) -> list[Finding]:
     findings = analyze(evidence.events, evidence.outcomes, evidence.facts, evidence.results)
     if blame is None:
-        return findings + health_findings(evidence.results)
+        findings = findings + health_findings(evidence.results)
+        return findings + ended_by_distcheck(evidence.facts, findings, evidence.why_ended)
     return attribute_by_majority(findings, blame.missing, blame.cut_short)
+
+
+# Ends distcheck itself decides: such a run is never a pass, whatever the records show.
+_ENDED_BY_US = (EndReason.STALL, EndReason.TIMEOUT)
+
+
+def ended_by_distcheck(facts: RunFacts, findings: Sequence[Finding], why: str | None = None) -> list[Finding]:
+    """A live run that distcheck ended (a stall, --timeout) while no error finding says why: say it
+    as a hang, so the run is not reported as a pass (the records may simply show nothing open)."""
+    if facts.end_reason not in _ENDED_BY_US or any(f.severity == "error" for f in findings):
+        return []
+    what = "--timeout" if facts.end_reason == EndReason.TIMEOUT else "a stall"
+    reason = why or (f"no progress for {facts.stall_timeout_s:g} s" if facts.stall_timeout_s else "no progress")
+    return [Finding(kind="hang", severity="error", data={"ended_by": str(facts.end_reason)},
+                    summary=(f"distcheck ended this run itself ({what}: {reason}), though no rank was seen "
+                             "waiting inside a collective: the run did not finish, so it did not pass. "
+                             "Its output, in logs/ of the launch dir, shows how far it got."))]
+
+
+def merge_results(parts: Sequence[ScenarioResult]) -> ScenarioResult:
+    """One verdict from several generations of ranks that served one test (or one command): every
+    finding of each, and the ranks of the first generation that went wrong (else of the last)."""
+    if len(parts) == 1:
+        return parts[0]
+    shown = next((p for p in parts if not p.ok), parts[-1])
+    findings = tuple(f for p in parts for f in p.findings)
+    return dataclasses.replace(
+        shown, findings=findings, observed=observed_kinds(list(findings)), ok=all(p.ok for p in parts),
+        duration_s=sum(p.duration_s for p in parts),
+        collectives_compared=sum(p.collectives_compared for p in parts),
+        tables=tuple(t for p in parts for t in p.tables),
+        started_at=min((p.started_at for p in parts if p.started_at is not None), default=None),
+        ended_at=max((p.ended_at for p in parts if p.ended_at is not None), default=None),
+        description=f"{shown.description or shown.name} ({len(parts)} generations of ranks)",
+    )
+
+
+def command_ended(scenario: Scenario, end_reason: str, command_exit: int | None, why: str | None, *,
+                  explained: bool, started_at: float, ended_at: float) -> ScenarioResult | None:
+    """The command's own verdict beside its tests': only where nothing else explains how it ended —
+    distcheck ended it (a stall between generations, --timeout), or it exited non-zero while every
+    test's ranks were clean (a test without ranks failed, or the runner did)."""
+    ended_by_us = end_reason in _ENDED_BY_US
+    if end_reason in (EndReason.INTERRUPTED, EndReason.MAX_DURATION):   # its exit code is distcheck's doing
+        return None
+    if not ended_by_us and (explained or command_exit in (None, 0)):
+        return None
+    if ended_by_us and explained and why is None:
+        return None
+    facts = RunFacts(world_size=0, end_reason=end_reason, command_exit=command_exit)
+    evidence = Evidence(events={}, outcomes={}, facts=facts, started_at=started_at, ended_at=ended_at,
+                        why_ended=why)
+    return scenario_result(scenario, evidence, ended_at - started_at)
 
 
 def run_info(*, backend: str, world_size: int, nnodes: int, nproc_per_node: int, torch_version: str,
              command: str, run_dir: str, seed: int, started: float, ended: float,
-             versions: dict[str, str]) -> RunInfo:
+             versions: dict[str, str], command_output: str | None = None) -> RunInfo:
     """The run's header; this machine and this distcheck fill in the rest."""
     return RunInfo(
         backend=backend, world_size=world_size, nnodes=nnodes, nproc_per_node=nproc_per_node,
@@ -88,4 +144,5 @@ def run_info(*, backend: str, world_size: int, nnodes: int, nproc_per_node: int,
         seed=seed, duration_s=ended - started,
         started_at=datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         hostname=socket.gethostname(), python_version=platform.python_version(), versions=versions,
+        command_output=command_output,
     )

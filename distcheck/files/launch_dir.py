@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from distcheck.files.trace import read_trace_bytes
+from distcheck.files.trace_reader import read_trace_bytes
 from distcheck.models import Phase
 
 # Status fields that describe a rank's failure: written together, even when None.
@@ -53,6 +53,7 @@ class RankStatus:
     unwatched: str | None = None             # why C++-issued collectives were counted but not watched
     world_size: int | None = None            # ranks in the job (a rank the user's own command started says)
     backend: str | None = None               # its process group's backend (likewise)
+    test: str | None = None                  # the pytest node id running when the rank initialized
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankStatus:
@@ -86,11 +87,11 @@ class LaunchFiles:
     # Per-rank folders, each holding rank<N>.<ext>.
     RANK_FOLDERS = ("traces", "status", "stacks", "logs", "samples", "flight_recorder", "metrics")
     # Everything a launch dir can hold: its signature (the agent's logs and two flag files besides).
-    ENTRIES = RANK_FOLDERS + ("agent", "release", "flight_recorder_request")
+    ENTRIES = RANK_FOLDERS + ("agent", "release", "flight_recorder_request", "generations", "tests")
     # What ``make`` creates before the ranks start.
     MADE = ("traces", "status", "stacks", "logs")
     # What another node sends node 0 for its report.
-    SHIPPED = ("traces", "status", "stacks", "samples", "logs")
+    SHIPPED = ("traces", "status", "stacks", "samples", "logs", "metrics")   # metrics: the replay's inputs
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -151,6 +152,56 @@ class LaunchFiles:
     def release(self) -> Path:
         return self.root / "release"
 
+    # -- generations: each init_process_group of the user's command starts one (see rank.injected) --
+
+    @property
+    def generations_dir(self) -> Path:
+        return self.root / "generations"
+
+    def generation(self, index: int) -> LaunchFiles:
+        """Generation ``index``'s files. Generation 0 writes at the launch dir's top, so a command
+        that initializes once keeps the layout of any other launch; generation N in generations/N."""
+        return self if index == 0 else LaunchFiles(self.generations_dir / str(index))
+
+    def claim_generation(self) -> int:
+        """The next free generation number, claimed with an atomic mkdir (generations/N), so two
+        generations starting at once never share files. Called by one rank per generation."""
+        self.generations_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        index = max(self.generations(), default=-1) + 1
+        while True:
+            try:
+                (self.generations_dir / str(index)).mkdir(mode=0o700)
+                return index
+            except FileExistsError:
+                index += 1
+
+    def generations(self) -> list[int]:
+        """Claimed generation numbers, oldest first."""
+        try:
+            names = [p.name for p in self.generations_dir.iterdir()]
+        except OSError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    # -- the pytest test a process is running (written by distcheck's pytest plugin under run -- pytest) --
+
+    def current_test(self, pid: int) -> Path:
+        return self.root / "tests" / f"{pid}.current"
+
+    def write_current_test(self, pid: int, nodeid: str | None) -> None:
+        """What pytest process ``pid`` runs now (None: between tests); ranks it starts read it at init."""
+        path = self.current_test(pid)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(nodeid or "", encoding="utf-8")
+        os.replace(tmp, path)
+
+    def read_current_test(self, pid: int) -> str | None:
+        try:
+            return self.current_test(pid).read_text(encoding="utf-8").strip() or None
+        except OSError:
+            return None
+
     def make(self) -> None:
         for sub in self.MADE:
             (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -180,9 +231,9 @@ class LaunchFiles:
         for sub in self.SHIPPED:
             folder = self.root / sub
             if folder.is_dir():
-                for path in folder.iterdir():
+                for path in sorted(folder.rglob("*")):   # metrics/ keeps one folder per rank
                     if path.is_file():
-                        yield f"{sub}/{path.name}", path
+                        yield path.relative_to(self.root).as_posix(), path
 
     def ranks_on_disk(self) -> set[int]:
         """Ranks that left a status, stack dump or log here."""

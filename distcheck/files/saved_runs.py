@@ -15,7 +15,7 @@ from pathlib import Path
 from distcheck.errors import CorruptInputError, UsageError
 from distcheck.models import Event, Report, RunSummary
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.files.trace import read_trace_dir
+from distcheck.files.trace_reader import read_trace_dir
 
 RUNS_ROOT = Path(".distcheck") / "runs"
 REPORT_FILE = "report.json"

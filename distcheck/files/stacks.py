@@ -12,6 +12,7 @@ import re
 import sys
 import sysconfig
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from distcheck.models import StackFrame
 
@@ -96,6 +97,14 @@ def signal_of(dumps: list[StackDump]) -> str | None:
     return fatal or ("SIGTERM" if any(d.threads for d in dumps) else None)
 
 
+def read_dumps(path: Path) -> list[StackDump]:
+    """The dumps of a stacks file; none when it is missing or unreadable (a rank may never have dumped)."""
+    try:
+        return parse_dumps(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return []
+
+
 def parse_dumps(text: str) -> list[StackDump]:
     """Split a file of appended faulthandler dumps into dumps."""
     dumps: list[StackDump] = []
@@ -141,6 +150,21 @@ def main_stack(dump: StackDump, main_ident: int | None) -> ThreadStack | None:
     if thread is None and dump.threads:
         thread = dump.threads[-1]   # faulthandler lists the main thread last
     return thread
+
+
+IDLE_IN_POOL = "idle: waiting for a task in a multiprocessing pool"
+_POOL_WAITS = ("multiprocessing/connection.py", "multiprocessing/queues.py", "multiprocessing/synchronize.py")
+
+
+def idle_in_pool(frames: list[StackFrame]) -> bool:
+    """A ``multiprocessing.Pool`` worker between tasks: its loop (pool.py ``worker``) waiting in
+    ``get()`` for the next task, nothing but the pool's own pipe reads inside it. Such a rank
+    finished its task; it is not running user code."""
+    for i, frame in enumerate(frames):
+        if frame.file.endswith("multiprocessing/pool.py") and frame.function == "worker":
+            inner = frames[:i]
+            return bool(inner) and all(f.file.endswith(_POOL_WAITS) for f in inner)
+    return False
 
 
 def user_top(frames: list[StackFrame], torch_dir: str = "/torch/") -> StackFrame | None:

@@ -12,6 +12,10 @@ knows it and waits or stops there:
     X  w0 = 2 | error-id << 8 (0: none)        w1 = call key   w2 = t_exit_ns
     T  w0 = 3 | length << 8                    w1, w2 = the first 16 bytes of a text record
     C  w0 = 4 | index << 8                     w1, w2 = its next 16 bytes
+    Y  w0 = 5 | flags << 8                     w1 = t_sync_ns       w2 = a digest of the main thread's stack
+
+The Y (sync) record has one fixed place, the third slot, right after the
+version record, and is overwritten in place; every other record is appended.
 
 call key = group-id << 40 | seq: the X record names its E record with it.
 The file is preallocated and grown in steps; its unwritten end is zero
@@ -39,31 +43,52 @@ received from each, comma separated. members (new_group): the ranks the call
 asked for, comma separated. Ids restart after a ``B`` record, so each
 scenario's part parses on its own.
 
-This module is the format's one owner: the tracer and the C++-collective
-sidecar pack records with the helpers below (and write them through
-``distcheck.files.trace_writer``, which owns the mapping), ``parse_trace``
-reads a whole file and ``TraceTail`` follows a file while its rank still
-writes it (the watchdog).
+What is durable when (the guarantee the watchdog and the analysis build on):
+
+* A Python-issued call: its E record is in the mapping before the backend
+  sees the call, its X record right after the call returns. The page cache
+  keeps both when the rank is killed (SIGKILL, SIGABRT, the OOM killer).
+* A call issued from C++ (DDP's reducer and init, FSDP2, DTensor, functional
+  collectives, ``Join``'s shadow calls, the P2P ops of a batch): the group
+  counts it the moment it is issued; the sidecar (``rank.native``) writes its
+  E record at its next poll (every 0.1 s; a Flight Recorder read at most every
+  0.25 s), and then the Y record with the time it read the counters. So when
+  Y says ``t``, every call any group counted before ``t`` is in the file. The
+  watchdog judges a waiting or silent rank only on a record synced after its
+  last change (``trace_tail.TraceTail.settled``), so a sidecar descheduled for seconds
+  on a loaded node delays a verdict instead of falsifying it.
+* Before a rank counts as finished or failed, and before a process group is
+  destroyed, the rank flushes: every number its groups counted is written and
+  closed (``NativeWatcher.flush``). A group destroyed behind the tracer's back
+  is read one last time at the next poll (its counter and its Flight Recorder
+  entries outlive it).
+* What a rank that aborts inside a C++-issued call had not yet synced is lost
+  with it; its peers' records (synced while they wait) name that call.
+
+This module is the format's one owner: the record layout, the helpers the
+tracer and the C++-collective sidecar pack records with, and what every reader
+shares (the checks, the definition tables). Three modules beside it do one job
+each with it: ``trace_writer`` owns the mapped file a rank writes,
+``trace_reader`` reads whole files (``parse_trace``, a batch's segments, a run
+dir), and ``trace_tail`` follows a file while its rank still writes it (the
+watchdog's ``TraceTail``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import struct
 import sys
 from array import array
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable
 
-from distcheck.models import Event
 
 NONE = "-"
 SLOT = 32
 SLOT_STRUCT = struct.Struct("<4Q")
 CHECK = 0x5D1C_7A3B_9E1F_4C65
-TAG_E, TAG_X, TAG_T, TAG_C = 1, 2, 3, 4
+TAG_E, TAG_X, TAG_T, TAG_C, TAG_Y = 1, 2, 3, 4, 5
+SYNC_OFFSET = 2 * SLOT             # the Y record's fixed place: after the version record (a T and a C slot)
+SYNC_RECORDER = 1                  # a Y flag: C++-issued calls are watched (the Flight Recorder is readable)
 X_OK = TAG_X                       # w0 of an X record without an error
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
@@ -74,7 +99,7 @@ NATIVE = "n"                       # F's kind for a call issued from C++
 F_FIELDS = 12
 MAX_FIELD_CHARS = 1000
 MAX_ERROR_CHARS = 300
-VERSION_LINE = b"V\tdistcheck-trace\t3\n"
+VERSION_LINE = b"V\tdistcheck-trace\t4\n"
 _LITTLE = sys.byteorder == "little"
 
 
@@ -100,6 +125,30 @@ def enter_slot(group_id: int, fp_id: int, seq: int, t_enter_ns: int) -> bytes:
 
 def exit_slot(key: int, t_exit_ns: int, error_id: int = 0) -> bytes:
     return slot(TAG_X | error_id << 8, key, t_exit_ns)
+
+
+def sync_slot(t_sync_ns: int, stack_digest: int, recorder: bool) -> bytes:
+    """The Y record: every call the rank's groups counted before ``t_sync_ns`` is in the file; the main
+    thread's stack then, as a 64-bit digest."""
+    return slot(TAG_Y | (SYNC_RECORDER if recorder else 0) << 8, t_sync_ns, stack_digest & (1 << 64) - 1)
+
+
+def header_slots() -> bytes:
+    """What a new trace file starts with: the version record, then a Y record that has synced nothing."""
+    header = text_slots(VERSION_LINE) + sync_slot(0, 0, False)
+    assert len(header) == SYNC_OFFSET + SLOT
+    return header
+
+
+def read_sync(data: bytes) -> tuple[float, bool, int] | None:
+    """(t_sync in seconds, recorder, main-stack digest) of the Y record in the 32 bytes at SYNC_OFFSET;
+    None if not whole."""
+    if len(data) < SLOT:
+        return None
+    w0, w1, w2, w3 = SLOT_STRUCT.unpack_from(data)
+    if w0 & 0xFF != TAG_Y or w0 ^ w1 ^ w2 ^ CHECK != w3:
+        return None   # a file from before sync records, or a Y record caught half-overwritten
+    return w1 / 1e9, bool(w0 >> 8 & SYNC_RECORDER), w2
 
 
 def text_slots(text: bytes) -> bytes:
@@ -240,17 +289,10 @@ def used_bytes(data: bytes) -> int:
 def complete_bytes(data: bytes) -> int:
     """How much of a trace file holds whole records: up to a record torn when its writer was killed."""
     n = used_bytes(data) // SLOT
-    return _first_bad(_words(memoryview(data), n), 0, n) * SLOT
+    return first_bad(slot_words(memoryview(data), n), 0, n) * SLOT
 
 
-def read_trace_bytes(path: Path) -> bytes:
-    """A trace file without its unwritten end (kept: a torn last record, which readers detect)."""
-    data = path.read_bytes()
-    used = used_bytes(data)
-    return data[:used] + data[used:].rstrip(b"\0")
-
-
-def _words(data: bytes | memoryview, slots: int) -> array:
+def slot_words(data: bytes | memoryview, slots: int) -> array:
     words = array("Q")
     words.frombytes(data[:slots * SLOT])
     if not _LITTLE:
@@ -258,7 +300,7 @@ def _words(data: bytes | memoryview, slots: int) -> array:
     return words
 
 
-def _first_bad(words: array, start: int, end: int) -> int:
+def first_bad(words: array, start: int, end: int) -> int:
     """The first slot in [start, end) whose check fails (a record not completely written), or end.
 
     All slots at once first: each column as one big integer, XORed in C (0.01 µs a slot);
@@ -276,7 +318,7 @@ def _first_bad(words: array, start: int, end: int) -> int:
     return end
 
 
-class _Tables:
+class Tables:
     """The definitions read so far: what E and X records refer to by id."""
 
     def __init__(self) -> None:
@@ -333,11 +375,11 @@ class _Tables:
         return shared
 
 
-# Positions in ``_Tables.shared``'s rest tuple the watchdog needs.
-_ASYNC, _LABEL, _NATIVE = 6, 9, 10
+# Positions in ``Tables.shared``'s rest tuple the watchdog needs.
+SHARED_ASYNC, SHARED_LABEL, SHARED_NATIVE, SHARED_MEMBERS = 6, 9, 10, 12
 
 
-class _Text:
+class Text:
     """A text record being collected from its T and C slots."""
 
     __slots__ = ("length", "words")
@@ -362,276 +404,11 @@ class _Text:
         return raw[:self.length].decode("utf-8", "replace")
 
 
-def _text_at(words: array, i: int, end: int) -> tuple[_Text, int]:
+def text_at(words: array, i: int, end: int) -> tuple[Text, int]:
     """The text record whose T slot is slot ``i``, read from its C slots up to ``end``, and the slot after it
     (the text is not ``complete`` when it runs past ``end`` or a slot is not its next)."""
-    text = _Text(words[4 * i], words[4 * i + 1], words[4 * i + 2])
+    text = Text(words[4 * i], words[4 * i + 1], words[4 * i + 2])
     j = i + 1
     while not text.complete and j < end and text.add(words[4 * j], words[4 * j + 1], words[4 * j + 2]):
         j += 1
     return text, j
-
-
-@dataclass
-class RankTrace:
-    """Everything one rank's trace file says."""
-
-    rank: int
-    events: list[Event] = field(default_factory=list)
-    corrupt_records: int = 0
-    truncated: bool = False      # the file ended in the middle of a record
-
-
-def parse_trace(rank: int, data: bytes) -> RankTrace:
-    """Parse a whole trace file. Tolerates a torn last record and records it cannot resolve."""
-    trace = RankTrace(rank=rank)
-    used = used_bytes(data)
-    n = used // SLOT
-    words = _words(memoryview(data), n)
-    good = _first_bad(words, 0, n)
-    trace.truncated = good < n or bool(data[used:].strip(b"\0"))
-    tables = _Tables()
-    if good == 0 or not _starts_with_version(words, tables):
-        trace.corrupt_records = 1 if data.strip(b"\0") else 0   # not a trace file (or one from an older distcheck)
-        return trace
-    with _no_gc():
-        _Parse(trace, tables).run(words[0:4 * good:4], words[1:4 * good:4], words[2:4 * good:4])
-    return trace
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """Build millions of events without the cycle collector: they hold no cycles, and its passes
-    over the growing heap cost more than the parsing (0.7 µs per event without, 2.5 with)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _starts_with_version(words: array, tables: _Tables) -> bool:
-    if words[0] & 0xFF != TAG_T:
-        return False
-    text, _ = _text_at(words, 0, len(words) // 4)
-    if text.complete:
-        tables.define(text.text())
-    return tables.version
-
-
-class _Parse:
-    """One pass over a file's slots; events are built per segment (ids restart after a B record)."""
-
-    def __init__(self, trace: RankTrace, tables: _Tables) -> None:
-        self.trace = trace
-        self.tables = tables
-        self.enters: list[tuple] = []
-        self.exits: dict[int, int] = {}
-        self.errors: dict[int, str] = {}
-
-    def run(self, W0: array, W1: array, W2: array) -> None:
-        tables, exits, enters = self.tables, self.exits, self.enters
-        shared, append = tables.shared, enters.append
-        text: _Text | None = None
-        corrupt = 0
-        for w0, w1, w2 in zip(W0, W1, W2):
-            if w0 == X_OK:
-                exits[w1] = w2
-                continue
-            s = shared.get(w0)
-            if s is not None:
-                append((w1, w2, s))
-                continue
-            tag = w0 & 0xFF
-            if tag == TAG_E:
-                s = tables.shared_of(w0)
-                if s is None:
-                    corrupt += 1
-                else:
-                    append((w1, w2, s))
-            elif tag == TAG_X:
-                exits[w1] = w2
-                self.errors[w1] = tables.errors.get(w0 >> 8, "error")
-            elif tag == TAG_T or tag == TAG_C:
-                if tag == TAG_T:
-                    corrupt += text is not None   # a text record cut short by the next one
-                    text = _Text(w0, w1, w2)
-                elif text is None or not text.add(w0, w1, w2):
-                    corrupt += 1
-                    continue
-                if text.complete:
-                    corrupt += self._text(text.text())
-                    text = None
-                    tables = self.tables
-                    shared = tables.shared
-            else:
-                corrupt += 1
-        self.trace.corrupt_records += corrupt + (text is not None)
-        self._flush()
-
-    def _text(self, text: str) -> int:
-        bad = self.tables.define(text)
-        if self.tables.segment is not None:   # the next scenario: its ids are its own
-            self._flush()
-            self.tables = _Tables()
-        return bad
-
-    def _flush(self) -> None:
-        """Build the events of the segment read so far."""
-        events = self.trace.events
-        start = len(events)
-        append, exits, errors, rank, new = events.append, self.exits, self.errors, self.trace.rank, tuple.__new__
-        for key, t, (group, op, rest) in self.enters:
-            t_exit = exits.get(key)
-            append(new(Event, (rank, group, key & SEQ_MASK, op, t / 1e9, None if t_exit is None else t_exit / 1e9,
-                               errors.get(key) if errors else None) + rest))
-        if any(rest[_NATIVE] for _, _, rest in self.tables.shared.values()):
-            # C++-issued calls are written when the sidecar sees them, a little after they
-            # started: put them where they belong (the trace is in call order otherwise).
-            events[start:] = sorted(events[start:], key=_t_enter)
-        self.enters.clear()
-        self.exits.clear()
-        self.errors.clear()
-
-
-def _t_enter(e: Event) -> float:
-    return e.t_enter
-
-
-def split_segments(data: bytes) -> dict[str, bytes]:
-    """A batched launch's trace cut at its ``B`` records: {scenario name: its own trace file}."""
-    used = used_bytes(data)
-    words = _words(memoryview(data), used // SLOT)
-    header = text_slots(VERSION_LINE)
-    segments: dict[str, bytes] = {}
-    name, start = None, 0
-    for i, w0 in enumerate(words[0::4]):
-        if w0 & 0xFF != TAG_T:
-            continue
-        text, j = _text_at(words, i, len(words) // 4)
-        if text.complete and text.text().startswith("B\t"):
-            if name is not None:
-                segments[name] = header + data[start * SLOT:i * SLOT]
-            tables = _Tables()
-            tables.define(text.text())
-            name, start = tables.segment, j
-    if name is not None:
-        segments[name] = header + data[start * SLOT:used] + data[used:].rstrip(b"\0")
-    return segments
-
-
-def trace_path(trace_dir: Path, rank: int) -> Path:
-    return trace_dir / f"rank{rank}.trace"
-
-
-def read_trace_dir(trace_dir: Path) -> dict[int, RankTrace]:
-    """All rank traces in a directory, keyed by global rank."""
-    traces: dict[int, RankTrace] = {}
-    if not trace_dir.is_dir():
-        return traces
-    with _no_gc():
-        for path in sorted(trace_dir.glob("rank*.trace")):
-            try:
-                rank = int(path.stem.removeprefix("rank"))
-            except ValueError:
-                continue
-            traces[rank] = parse_trace(rank, path.read_bytes())
-    return traces
-
-
-# -- following a live file ---------------------------------------------------------------------
-
-
-class OpenCall(NamedTuple):
-    """A synchronous call a rank entered and has not left (yet)."""
-
-    op: str
-    group: str
-    seq: int
-    t_enter: float
-    label: str | None
-
-
-class TraceTail:
-    """Follows one rank's trace while the rank still writes it (the watchdog's view).
-
-    Each ``read`` takes only the slots written since the last one; a record
-    whose check fails (caught half-copied) or a text record not yet complete
-    is left for the next read. Tolerant on purpose: a record it cannot use is
-    skipped, since a live job must never fail on its own trace.
-    """
-
-    READ_BYTES = 1024 * 1024      # at most this much per read: the file's preallocated end is zeros
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.records = 0                                      # E and X records so far
-        self._open: dict[int, tuple[int, tuple]] = {}          # call key -> (t_enter_ns, shared), oldest first
-        self._offset = 0
-        self._tables = _Tables()
-
-    @property
-    def open(self) -> dict[int, OpenCall]:
-        return {key: _open_call(key, t, s) for key, (t, s) in self._open.items()}
-
-    @property
-    def newest_open(self) -> OpenCall | None:
-        if not self._open:
-            return None
-        key = next(reversed(self._open))
-        return _open_call(key, *self._open[key])
-
-    def read(self) -> TraceTail:
-        while True:
-            data = self._new_bytes()
-            n = len(data) // SLOT
-            if not n:
-                return self
-            done = self._take(_words(data, n), n)
-            self._offset += done * SLOT
-            if done < n or len(data) < self.READ_BYTES:
-                return self
-
-    def _new_bytes(self) -> bytes:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                return f.read(self.READ_BYTES)
-        except OSError:
-            return b""
-
-    def _take(self, words: array, n: int) -> int:
-        """Take complete records from ``words``; return how many slots were used up."""
-        good = _first_bad(words, 0, n)
-        opened, tables = self._open, self._tables
-        i = 0
-        while i < good:
-            b = 4 * i
-            w0, w1, w2 = words[b], words[b + 1], words[b + 2]
-            tag = w0 & 0xFF
-            if tag == TAG_X:
-                self.records += 1
-                opened.pop(w1, None)
-            elif tag == TAG_E:
-                self.records += 1
-                s = tables.shared.get(w0) or tables.shared_of(w0)
-                if s is not None and not s[2][_ASYNC]:   # async calls return at once; their wait is elsewhere
-                    opened[w1] = (w2, s)
-            elif tag == TAG_T:
-                text, j = _text_at(words, i, good)
-                if not text.complete:
-                    return i if j >= good else j   # the rest is not written yet / a broken record: skip it
-                tables.define(text.text())
-                if tables.segment is not None:
-                    self._tables = tables = _Tables()
-                i = j
-                continue
-            i += 1
-        return good
-
-
-def _open_call(key: int, t_enter_ns: int, shared: tuple) -> OpenCall:
-    group, op, rest = shared
-    return OpenCall(op, group, key & SEQ_MASK, t_enter_ns / 1e9, rest[_LABEL])

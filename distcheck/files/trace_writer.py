@@ -15,7 +15,7 @@ import threading
 import weakref
 from pathlib import Path
 
-from distcheck.files.trace import VERSION_LINE, complete_bytes, text_slots
+from distcheck.files.trace import SYNC_OFFSET, VERSION_LINE, complete_bytes, header_slots, sync_slot, text_slots
 
 
 class TraceWriter:
@@ -44,6 +44,7 @@ class TraceWriter:
         # A trace this rank's earlier process wrote (a restarted worker): go on after its whole records.
         existing = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
         used = complete_bytes(existing) if existing.startswith(text_slots(VERSION_LINE)) else 0
+        used = used if used >= len(header_slots()) else 0
         os.ftruncate(self.fd, used)   # anything else there is not a trace: start afresh
         self.mm: mmap.mmap | None = None
         try:
@@ -58,7 +59,7 @@ class TraceWriter:
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
             self.append = self._append_unmapped
         if used == 0:
-            self.write(text_slots(VERSION_LINE))
+            self.write(header_slots())
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (w := me()) is not None and w._forget())
 
@@ -76,6 +77,22 @@ class TraceWriter:
                         self._grow(len(record))
                     except (OSError, ValueError):   # a full disk: the trace ends here
                         return
+
+    def sync(self, t_sync_ns: int, recorder: bool, stack_digest: int = 0) -> None:
+        """Overwrite the Y record in place (the sidecar's: every call counted before t_sync_ns is written)."""
+        record = sync_slot(t_sync_ns, stack_digest, recorder)
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                if self.mm is not None:
+                    self.mm[SYNC_OFFSET:SYNC_OFFSET + len(record)] = record
+                else:
+                    with open(self.path, "r+b") as f:   # the append-only descriptor cannot write in place
+                        f.seek(SYNC_OFFSET)
+                        f.write(record)
+            except (OSError, ValueError, IndexError):
+                pass   # a sync that cannot be written leaves the watchdog waiting, never the rank failing
 
     def _append_unmapped(self, record: bytes) -> None:
         """``append`` without a mapping; raises only ValueError, as the mapping's ``write`` does."""

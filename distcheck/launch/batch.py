@@ -25,7 +25,7 @@ from distcheck.launch.launcher import LaunchOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.models import EndReason, Phase
 from distcheck.scenario import ScenarioSpec
-from distcheck.files.trace import split_segments
+from distcheck.files.trace_reader import split_segments
 from distcheck.launch.watchdog import WatchdogResult
 
 # Expectations whose scenarios end with a healthy process group.

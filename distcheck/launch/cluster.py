@@ -12,24 +12,23 @@ writes the full report; the other nodes print a pointer to it.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import functools
 import ipaddress
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import psutil
 
 from distcheck.errors import LaunchError, UsageError
-from distcheck.launch.rendezvous import bound_listener
+from distcheck.launch.rendezvous import bound_listener, listen_fd_backend
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.torch_features import quiet_native_stderr
 from distcheck.launch.watchdog import RankProgress
 
 DEFAULT_RDZV_PORT = 29500
@@ -167,21 +166,6 @@ def _resolve(host: str) -> list[tuple]:
                           "check --rdzv-endpoint (or --master-addr / MASTER_ADDR)") from None
 
 
-@contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
-    """c10d prints a C++ backtrace to fd 2 when a connection times out; our message says it better."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def _connect(host: str, port: int, timeout_s: float, slice_s: float = 1.0) -> Any:
     """A client of node 0's store, tried in short slices so that Ctrl-C is not held off
     for the whole timeout (Python runs signal handlers only between C calls)."""
@@ -191,7 +175,7 @@ def _connect(host: str, port: int, timeout_s: float, slice_s: float = 1.0) -> An
     while True:
         attempt = max(0.1, min(slice_s, deadline - time.monotonic()))
         try:
-            with _quiet_native_stderr():
+            with quiet_native_stderr():   # c10d prints a C++ backtrace when a connection times out
                 store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=attempt))
         except RuntimeError:
             if time.monotonic() >= deadline:
@@ -214,9 +198,13 @@ class ClusterStore:
         try:
             if leader:
                 # Listen on the endpoint's address only, not on every interface (TCPStore's default).
-                self._listener = bound_listener(host, port)
-                self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
-                                      master_listen_fd=self._listener.fileno())
+                fd = bound_listener(host, port).detach()   # the store owns the socket from here on
+                try:
+                    self.store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                          master_listen_fd=fd, use_libuv=listen_fd_backend())
+                except BaseException:
+                    socket.close(fd)
+                    raise
             else:
                 note(f"node {config.node_rank}: waiting for node 0's distcheck at {host}:{port} "
                      f"(up to {config.rdzv_timeout:g} s)")

@@ -22,10 +22,9 @@ from typing import Any, Callable
 
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.files.stacks import parse_dumps, signal_of
 from distcheck.launch import launcher, memory, procs
-from distcheck.launch.launcher import LaunchOutcome, RankFailure
-from distcheck.launch.watchdog import Decision, Limits, Watchdog, WatchdogResult
+from distcheck.launch.launcher import LaunchOutcome, RankFailure, rank_failures
+from distcheck.launch.watchdog import BUSY_CPU, Decision, Limits, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
 
 INJECT_DIR = Path(__file__).resolve().parent.parent / "rank" / "inject"
@@ -120,6 +119,8 @@ def refuse_self_spawning(path: Path, script_args: tuple[str, ...]) -> None:
 def command_env(files: LaunchFiles, flight_recorder: bool) -> dict[str, str]:
     """What the injection adds to the command's environment (the README lists it)."""
     env = dict(os.environ)
+    # The test a pytest around distcheck runs is not the command's: a pytest the command runs sets its own.
+    env.pop("PYTEST_CURRENT_TEST", None)
     env.update({
         "PYTHONPATH": os.pathsep.join([str(INJECT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "DISTCHECK_LAUNCH_DIR": str(files.root.resolve()),
@@ -202,24 +203,6 @@ def _stop(guard: subprocess.Popen, watchdog: Watchdog | None) -> None:
     guard.wait()
 
 
-def rank_failures(files: LaunchFiles, killed_by_us: tuple[int, ...] = ()) -> dict[int, RankFailure]:
-    """Ranks that recorded their own failure, and ranks that vanished mid-work (a signal, os._exit):
-    no launcher of ours saw their exit codes, so a fatal signal is read from faulthandler's dump."""
-    failures = {}
-    for r, s in files.read_statuses().items():
-        if s.phase == Phase.ERROR:
-            failures[r] = RankFailure(exit_code=s.exit_code if s.exit_code is not None else 1, signal=None, pid=s.pid)
-        elif s.phase in (Phase.STARTING, Phase.RUNNING) and r not in killed_by_us and not procs.is_alive(s.pid):
-            failures[r] = RankFailure(exit_code=None, signal=fatal_signal(files.stacks(r)), pid=s.pid)
-    return failures
-
-
-def fatal_signal(stacks: Path) -> str | None:
-    """What faulthandler's dump says ended a rank of the user's command (a peer the user's launcher
-    terminated after another one died shows SIGTERM: a consequence, not the cause)."""
-    return signal_of(parse_dumps(_read(stacks)))
-
-
 def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, RankFailure]) -> EndReason:
     if interrupted:
         return EndReason.INTERRUPTED
@@ -251,13 +234,37 @@ def _read(path: Path) -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One generation of the command's ranks (one ``init_process_group`` of each) and how it ended."""
+
+    index: int
+    launch_dir: Path
+    outcome: LaunchOutcome
+    test: str | None = None   # the pytest node id its ranks served
+
+
+@dataclass(frozen=True)
+class CommandOutcome:
+    """The whole command: its generations, and how the command itself ended."""
+
+    generations: tuple[Generation, ...]
+    end_reason: EndReason          # COMPLETED: it ended by itself; STALL, TIMEOUT, ...: distcheck ended it
+    started_at: float
+    ended_at: float
+    command_exit: int | None = None
+    why_ended: str | None = None   # what distcheck saw when it ended the command itself
+    output_tail: str = ""          # the command's last lines of output (pytest's summary line)
+
+
 def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_recorder: bool = True,
                    on_poll: Callable[..., Any] | None = None,
                    channel_for: Callable[[int], Any] | None = None) -> tuple[LaunchOutcome, Any]:
-    """Run the command to its end under the watchdog. Never leaves a process behind.
+    """Multi-node: one generation, every node's watchdog sharing node 0's decisions. Run the command
+    to its end under the watchdog; never leaves a process behind.
 
-    Multi-node: ``channel_for(world_size)`` opens this launch's channel to the other nodes once the
-    first rank told the world size; the outcome comes back with it (None on one node)."""
+    ``channel_for(world_size)`` opens this launch's channel to the other nodes once the first rank told
+    the world size; the outcome comes back with it."""
     files = LaunchFiles(launch_dir)
     files.make()
     memory.shield_from_oom_killer()
@@ -285,6 +292,185 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     failures = rank_failures(files, result.killed_ranks)
     return LaunchOutcome(_end_reason(result, interrupted, failures), started, time.time(), result, failures,
                          world_size=world or 0, command_exit=guard.returncode), channel
+
+
+# -- one node: generations of ranks --
+
+OUTPUT_TAIL_LINES = 12
+
+
+class Generations:
+    """Watches a command whose ranks may come and go: every generation that appears in the launch dir
+    gets a watchdog of its own (``Watchdog(generation=True)``). Between generations (every rank gone,
+    the command still running) nothing is stalled: it waits for the next one or for the command's end.
+    Only after distcheck ended a generation itself may the command be stuck waiting for ranks that
+    are gone (a pool's task): then a command without progress for --stall-timeout is ended too."""
+
+    def __init__(self, files: LaunchFiles, guard: subprocess.Popen, limits: Limits,
+                 on_poll: Callable[..., Any] | None, clock: float) -> None:
+        self.files, self.guard, self.limits, self.on_poll, self.clock = files, guard, limits, on_poll, clock
+        self.watchdogs: dict[int, Watchdog] = {}
+        self.quiet = CommandQuiet(limits.stall_timeout)
+        self.end_reason: EndReason = EndReason.COMPLETED
+        self.why_ended: str | None = None
+
+    def run(self) -> None:
+        """Until the command ends by itself, or distcheck ends it."""
+        while self.guard.poll() is None:
+            self.discover()
+            now = time.monotonic()
+            reason = self._limit_reached(now - self.clock)
+            if reason is None and self.active() == [] and self.ended_one():
+                if self.quiet.observe(now, _tree_cpu_seconds(self.guard.pid)):
+                    reason, self.why_ended = EndReason.STALL, (
+                        f"after distcheck ended a hung generation of ranks, the command made no progress for "
+                        f"{self.limits.stall_timeout:g} s and started no new ranks (it may wait for the ranks "
+                        "that were ended)")
+            elif self.active():
+                self.quiet.reset()
+            if reason is not None:
+                self._wait_for_watchdogs()
+                self.end_reason = reason
+                return
+            time.sleep(0.05)
+        self.discover()
+
+    def _limit_reached(self, elapsed: float) -> EndReason | None:
+        """--timeout and --max-duration: a generation's watchdog ends its ranks; the command ends with them."""
+        if self.limits.timeout is not None and elapsed >= self.limits.timeout:
+            self.why_ended = f"the command ran past its --timeout of {self.limits.timeout:g} s"
+            return EndReason.TIMEOUT
+        if self.limits.max_duration is not None and elapsed >= self.limits.max_duration:
+            self.why_ended = f"the pre-flight window of {self.limits.max_duration:g} s ended"
+            return EndReason.MAX_DURATION
+        return None
+
+    def discover(self, watch: bool = True) -> None:
+        """``watch=False``: after the end, generations that appeared too late to be watched (ranks that had
+        just initialized when Ctrl-C came) still get their outcome judged from what they wrote."""
+        for index in self.files.generations():
+            if index in self.watchdogs:
+                continue
+            files = self.files.generation(index)
+            world, _ = discovered_world(files)
+            if not world:
+                continue
+            watchdog = Watchdog(files, world, _remaining(self.limits, time.monotonic() - self.clock),
+                                on_poll=self.on_poll, generation=True)
+            if watch:
+                watchdog.start()
+            self.watchdogs[index] = watchdog
+
+    def active(self) -> list[int]:
+        return [i for i, w in self.watchdogs.items() if w.is_alive()]
+
+    def ended_one(self) -> bool:
+        """distcheck ended some generation itself (a stall, a limit)."""
+        return any(w.result.decision is not Decision.CONTINUE for w in self.watchdogs.values() if not w.is_alive())
+
+    def _wait_for_watchdogs(self, timeout_s: float = 30.0) -> None:
+        """A limit: each generation's watchdog saw it too and is taking its ranks' stacks."""
+        deadline = time.monotonic() + timeout_s
+        for watchdog in self.watchdogs.values():
+            watchdog.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def stop(self) -> None:
+        for watchdog in self.watchdogs.values():
+            watchdog.stop()
+        for watchdog in self.watchdogs.values():
+            watchdog.join(timeout=15)
+
+
+@dataclass
+class CommandQuiet:
+    """Whether the command made progress lately: CPU used by its process tree (a new process counts)."""
+
+    stall_timeout: float
+    since: float | None = None
+    last: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.since = None
+
+    def observe(self, now: float, used: dict[int, float]) -> bool:
+        """True once the tree used under ``BUSY_CPU`` cores for ``stall_timeout`` seconds."""
+        grew = sum(max(0.0, cpu - self.last.get(pid, 0.0)) for pid, cpu in used.items())
+        elapsed = now - self.since if self.since is not None else 0.0
+        if self.since is None or grew >= BUSY_CPU * max(elapsed, 0.1):
+            self.since, self.last = now, dict(used)
+            return False
+        return elapsed >= self.stall_timeout
+
+
+def _tree_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds used so far by ``pid`` and each process below it."""
+    import psutil
+
+    out = {}
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for proc in members:
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_recorder: bool = True,
+                       on_poll: Callable[..., Any] | None = None) -> CommandOutcome:
+    """Run the command to its end on this node, judging each generation of its ranks on its own.
+    Never leaves a process behind."""
+    files = LaunchFiles(launch_dir)
+    files.make()
+    memory.shield_from_oom_killer()
+    started, clock = time.time(), time.monotonic()
+    guard = start_guard(spec, files, flight_recorder)
+    watch = Generations(files, guard, limits, on_poll, clock)
+    interrupted = False
+    try:
+        watch.run()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        watch.stop()
+        _stop(guard, None)
+    watch.discover(watch=False)
+    generations = tuple(_generation_outcome(files, i, w, interrupted, guard.returncode, started)
+                        for i, w in sorted(watch.watchdogs.items()))
+    if not generations and interrupted:
+        raise KeyboardInterrupt   # before any rank: nothing to judge, but the run was still interrupted
+    if not generations:
+        raise _no_rank_error(spec, guard.returncode, files, watch.end_reason == EndReason.TIMEOUT)
+    end_reason = EndReason.INTERRUPTED if interrupted else watch.end_reason
+    return CommandOutcome(generations, end_reason, started, time.time(), command_exit=guard.returncode,
+                          why_ended=watch.why_ended, output_tail=command_output_tail(files))
+
+
+def _generation_outcome(files: LaunchFiles, index: int, watchdog: Watchdog, interrupted: bool,
+                        command_exit: int | None, started: float) -> Generation:
+    gen = files.generation(index)
+    gen.trim_traces()
+    statuses = gen.read_statuses()
+    result = watchdog.result
+    failures = rank_failures(gen, result.killed_ranks)
+    times = [s.t_start for s in statuses.values() if s.t_start] or [started]
+    ends = [s.t_update for s in statuses.values() if s.t_update] or [time.time()]
+    tests = [s.test for _, s in sorted(statuses.items()) if s.test]
+    outcome = LaunchOutcome(_end_reason(result, interrupted, failures), min(times),
+                            result.torn_down_at or max(ends), result, failures,
+                            world_size=watchdog.monitor.world_size, command_exit=command_exit)
+    return Generation(index, gen.root, outcome, test=tests[0] if tests else None)
+
+
+def command_output_tail(files: LaunchFiles, lines: int = OUTPUT_TAIL_LINES) -> str:
+    """The command's own last lines (pytest's summary line among them)."""
+    text = _read(files.root / "logs" / COMMAND_LOG)
+    return "\n".join([line.rstrip() for line in text.splitlines() if line.strip()][-lines:])
 
 
 def command_options(options: Any, launch_dir: Path, world: int | None = None) -> Any:

@@ -20,14 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from distcheck.launch import forkserver
 from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.launch import rendezvous
 from distcheck.launch.cluster import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.stacks import FATAL_SIGNALS, read_dumps, signal_of
+from distcheck.files.trace_tail import synced_at
 from distcheck.launch.watchdog import Decision, Limits, NodeChannel, RankProgress, Watchdog, WatchdogResult
-from distcheck.models import EndReason
+from distcheck.models import EndReason, Phase
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class LaunchSpec:
     rdzv_timeout: float = 300.0
     channel: NodeChannel | None = None    # multi-node: cluster.LaunchChannel
     flight_recorder: bool = True          # PyTorch's Flight Recorder on: C++-issued calls seen, dumped on a stall
+    forked: bool = False                  # ranks forked from a server that imported torch (``launch.forkserver``)
 
     @property
     def world_size(self) -> int:
@@ -126,18 +130,38 @@ def _restore_signal_handlers() -> Iterator[None]:
                 signal.signal(getattr(signal, name), handler)
 
 
+def rank_failures(files: LaunchFiles, killed_by_us: tuple[int, ...] = (), fatal_only: bool = False
+                  ) -> dict[int, RankFailure]:
+    """Ranks that recorded their own failure, and ranks that vanished mid-work (a signal, os._exit), for
+    ranks whose exit codes no launcher of ours saw: a fatal signal is read from faulthandler's dump.
+
+    ``fatal_only``: of the vanished ones, only those a fatal signal ended (SIGABRT, SIGSEGV...); a rank
+    with a plain dump was terminated after another one died (SIGTERM: a consequence, not the cause)."""
+    failures = {}
+    for r, s in files.read_statuses().items():
+        if s.phase == Phase.ERROR:
+            failures[r] = RankFailure(exit_code=s.exit_code if s.exit_code is not None else 1, signal=None, pid=s.pid)
+        elif s.phase in (Phase.STARTING, Phase.RUNNING) and r not in killed_by_us and not procs.is_alive(s.pid):
+            sig = signal_of(read_dumps(files.stacks(r)))
+            if not fatal_only or sig in FATAL_SIGNALS.values():
+                failures[r] = RankFailure(exit_code=None, signal=sig, pid=s.pid)
+    return failures
+
+
 def _failures(exc: BaseException) -> dict[int, RankFailure]:
-    out: dict[int, RankFailure] = {}
-    for rank, failure in getattr(exc, "failures", {}).items():
-        code = failure.exitcode
-        sig = None
-        if code is not None and code < 0:
-            try:
-                sig = signal.Signals(-code).name
-            except ValueError:
-                sig = f"signal {-code}"
-        out[int(rank)] = RankFailure(exit_code=code, signal=sig, pid=failure.pid)
-    return out
+    return {int(rank): _failure(failure.exitcode, failure.pid)
+            for rank, failure in getattr(exc, "failures", {}).items()}
+
+
+def _failure(code: int | None, pid: int | None) -> RankFailure:
+    """An exit code as the agent gives it (negative: the signal that ended the process)."""
+    sig = None
+    if code is not None and code < 0:
+        try:
+            sig = signal.Signals(-code).name
+        except ValueError:
+            sig = f"signal {-code}"
+    return RankFailure(exit_code=code, signal=sig, pid=pid)
 
 
 @functools.cache
@@ -184,7 +208,15 @@ def _launch_config(spec: LaunchSpec, files: LaunchFiles, endpoint: str) -> Any:
         rdzv_endpoint=endpoint, rdzv_configs=_rdzv_configs(spec),
         max_restarts=0, monitor_interval=0.05, local_addr=spec.local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(files.agent_logs)),
+        **({"start_method": forkserver.START_METHOD} if spec.forked else {}),
     )
+
+
+def _entrypoint(spec: LaunchSpec) -> tuple[Any, tuple[Any, ...]]:
+    """What torch's agent starts in each rank: a fork of the fork server, or a process of its own."""
+    if spec.forked:
+        return forkserver.entrypoint(spec.worker_args)
+    return sys.executable, ("-m", "distcheck.rank.worker", *spec.worker_args)
 
 
 # The Flight Recorder's ring when the user set none. The rank's sidecar reads it whenever the job runs
@@ -229,6 +261,65 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     return EndReason.COMPLETED
 
 
+# How long torch's agent is held after a rank failed, for the survivors' records (see below).
+SURVIVOR_SYNC_S = 2.0
+
+
+@contextlib.contextmanager
+def _survivors_record_first(files: LaunchFiles, exit_codes: dict[int, tuple[int, int]]) -> Iterator[None]:
+    """Hold torch's agent, once it saw a rank fail, until the survivors' records hold what they were in.
+    Also fills ``exit_codes`` with every forked rank's (``_forked_exit_codes``).
+
+    The agent stops the other ranks at its next look (every 0.05 s), often before their sidecars wrote
+    the C++-issued call they were waiting in, the very call that explains the failure (DDP's gradient
+    bucket against a peer's logging all_reduce). Each survivor's trace is synced after the failure
+    (by its sidecar's next poll, or by its own failure's flush) within a poll or two: the agent waits
+    for that, at most SURVIVOR_SYNC_S, then stops them as before.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._monitor_workers
+
+    def monitor_workers(agent: Any, worker_group: Any) -> Any:
+        result = original(agent, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            exit_codes.update(_forked_exit_codes(agent, worker_group))
+            _wait_for_synced_records(files, time.time(), SURVIVOR_SYNC_S)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_workers
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = original
+
+
+def _forked_exit_codes(agent: Any, worker_group: Any) -> dict[int, tuple[int, int]]:
+    """Global rank -> (exit code, pid) of every forked rank that ended by itself. torch's agent reports only the
+    first one its poll found (a peer's "Connection closed" exit 1 may come before the SIGKILL that caused
+    it); the processes it forked still know theirs. A rank the agent terminated itself shows SIGTERM: a
+    consequence, left out. Empty for ranks with processes of their own (the agent reports them all)."""
+    processes = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
+    ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+    return {ranks[i]: (p.exitcode, p.pid) for i, p in enumerate(processes)
+            if i in ranks and p.exitcode not in (None, 0, -signal.SIGTERM)}
+
+
+def _wait_for_synced_records(files: LaunchFiles, since: float, timeout_s: float) -> None:
+    """Until every live rank of this node synced its trace after ``since`` (or has ended), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(files.traces.glob("rank*.trace"))
+    while pending and time.monotonic() < deadline:
+        for path in list(pending):
+            rank = int(path.stem.removeprefix("rank"))
+            status = files.read_status(rank)
+            done = status is None or not procs.is_alive(status.pid) or status.phase in (Phase.ERROR, Phase.FINISHED)
+            if done or (synced_at(path) or 0.0) >= since:
+                pending.discard(path)
+        time.sleep(0.02)
+
+
 def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None) -> LaunchOutcome:
     """Run one job to its end under the watchdog. Never leaves a process behind."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -244,11 +335,14 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     oom_before = memory.oom_kills()
     interrupted = False
     failures: dict[int, RankFailure] = {}
+    exit_codes: dict[int, tuple[int, int]] = {}
     error = None
-    with _worker_environment(_worker_env(spec)), _quiet_elastic(), _restore_signal_handlers():
+    with (_worker_environment(_worker_env(spec)), _quiet_elastic(), _restore_signal_handlers(),
+          _survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
+        entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it
         watchdog.start()
         try:
-            elastic_launch(config, sys.executable)("-m", "distcheck.rank.worker", *spec.worker_args)
+            elastic_launch(config, entry)(*args)
         except (SignalException, KeyboardInterrupt):
             interrupted = True
         except LaunchError:       # e.g. the rendezvous port is taken: already a clear message
@@ -262,6 +356,9 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
             watchdog.join(timeout=15)
             procs.kill_descendants()
             files.trim_traces()
+    if spec.forked:   # torch's agent reports the first forked rank it saw fail; the others' ends are in their files
+        failures = {**rank_failures(files, watchdog.result.killed_ranks, fatal_only=True),
+                    **{r: _failure(code, pid) for r, (code, pid) in exit_codes.items()}, **failures}
     end_reason = _end_reason(watchdog.result, interrupted, failures, error, files)
     return LaunchOutcome(end_reason, started, time.time(), watchdog.result, failures, error,
                          oom_kills=memory.oom_kills_since(oom_before))

@@ -6,7 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import psutil
 
@@ -20,11 +20,21 @@ def is_alive(pid: int | None) -> bool:
         return False
 
 
+# Helpers that serve every launch of this distcheck run and end with it (``launch.forkserver``): never
+# terminated between launches, while the ranks forked from them are.
+_kept: set[int] = set()
+
+
+def keep(pid: int) -> None:
+    _kept.add(pid)
+
+
 def descendants(pid: int | None = None) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid or os.getpid()).children(recursive=True)
+        found = psutil.Process(pid or os.getpid()).children(recursive=True)
     except psutil.Error:
         return []
+    return [p for p in found if p.pid not in _kept]
 
 
 def catches(pid: int, sig: int) -> bool:
@@ -173,3 +183,85 @@ class CpuMeter:
         except psutil.Error:
             return None
         return times.user + times.system
+
+
+class ActivityMeter:
+    """Evidence that a rank outside every collective is making progress, not CPU alone.
+
+    Per rank and sample: CPU used by its whole process tree (a preprocessing subprocess, data-loader
+    workers and children already reaped count); bytes its tree read or wrote (``/proc/<pid>/io``
+    rchar/wchar: files and pipes); and how often its main thread woke up (the context switches of
+    ``/proc/<pid>/status``, the main thread's alone: a socket read, which rchar does not count, wakes it
+    each time data comes; a thread blocked for good on a lock, a queue or an event never wakes). Samples are at least
+    ``interval_s`` apart (a tree walk scans /proc); the children list is refreshed every
+    ``children_s``.
+    """
+
+    def __init__(self, interval_s: float = 0.5, children_s: float = 2.0) -> None:
+        self.interval_s = interval_s
+        self.children_s = children_s
+        self._last: dict[int, tuple[float, float, int, int]] = {}    # rank -> (when, cpu s, io bytes, wakeups)
+        self._tree: dict[int, tuple[float, list[psutil.Process]]] = {}
+        self.latest: dict[int, Activity] = {}
+
+    def sample(self, rank: int, pid: int | None, now: float) -> Activity | None:
+        """What the rank did since the last sample; None when not due yet (the previous one stays in
+        ``latest``) or when the process is gone."""
+        last = self._last.get(rank)
+        if last is not None and now - last[0] < self.interval_s:
+            return None
+        totals = self._totals(rank, pid, now)
+        if totals is None:
+            self._last.pop(rank, None)
+            return None
+        self._last[rank] = (now, *totals)
+        if last is None:
+            return None
+        span = now - last[0]
+        self.latest[rank] = Activity(now, span, max(0.0, totals[0] - last[1]) / span, max(0, totals[1] - last[2]),
+                                     max(0, totals[2] - last[3]))
+        return self.latest[rank]
+
+    def rebaseline(self, rank: int, pid: int | None, now: float) -> None:
+        """Forget what was counted so far (distcheck's own stack request made the rank write)."""
+        totals = self._totals(rank, pid, now)
+        if totals is not None:
+            self._last[rank] = (now, *totals)
+
+    def _totals(self, rank: int, pid: int | None, now: float) -> tuple[float, int, int] | None:
+        if not pid:
+            return None
+        when, tree = self._tree.get(rank, (0.0, []))
+        if not tree or tree[0].pid != pid or now - when >= self.children_s:
+            try:
+                root = psutil.Process(pid)
+                tree = [root] + root.children(recursive=True)
+            except psutil.Error:
+                return None
+            self._tree[rank] = (now, tree)
+        cpu, io, wakeups = 0.0, 0, 0
+        try:
+            switches = tree[0].num_ctx_switches()   # /proc/<pid>/status: the main thread's own
+            wakeups = switches.voluntary + switches.involuntary
+        except psutil.Error:
+            return None
+        for i, p in enumerate(tree):
+            try:
+                t = p.cpu_times()
+                cpu += t.user + t.system + t.children_user + t.children_system
+                c = p.io_counters()
+                io += c.read_chars + c.write_chars
+            except (psutil.Error, AttributeError):
+                if i == 0:
+                    return None
+        return cpu, io, wakeups
+
+
+class Activity(NamedTuple):
+    """What a rank's process tree did between two samples."""
+
+    at: float          # when the sample was taken (monotonic)
+    span: float        # over how many seconds
+    cores: float       # CPU of the whole tree
+    io_bytes: int      # read or written by the tree (files, pipes)
+    wakeups: int       # times the main thread woke up

@@ -1,29 +1,37 @@
 """The single-process reference for torchmetrics results (after the launch).
 
-Every rank recorded its metrics' ``update()`` inputs and ``compute()`` values
-(``rank.metrics``). Here one fresh process — the user's environment and
-``sys.path``, no process group — replays all ranks' updates into a fresh copy
-of each metric and computes what a single process would have. It runs the
-user's code (their Metric classes), so it is a subprocess with a hard timeout:
-``python -m distcheck.launch.replay IN OUT``. What it returns goes into the
-results of the lowest rank as ``metric_reference``; the pure rule that judges
-it is ``diagnose.metrics``.
+Every rank recorded its metrics' ``update()`` inputs, local states and
+``compute()`` values (``rank.metrics``); ``files.metric_records`` pairs the
+computes the ranks made together into chains. Here one fresh process — the
+user's environment and ``sys.path``, no process group — replays each chain: all
+ranks' updates go into one copy of the metric, and what a single process would
+have computed is set beside what the ranks got.
+
+The copies were pickled by value where their class is the user's own code, so
+the replay runs none of the user's scripts or modules' top levels (a script
+without a main guard initializes its process group there). It still runs the
+user's ``update``/``compute``, so it is a subprocess with a hard timeout and the
+job's memory standing: ``python -m distcheck.launch.replay IN OUT``. Its answer
+goes into the results of the lowest rank as ``metric_reference``, and is kept
+as ``metrics/replay-out.json`` for ``distcheck analyze``; the pure rule that
+judges it is ``diagnose.metrics``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.metric_records import REPLAY_IN, REPLAY_OUT, chain_key, chains, entries_by_rank, joint_computes
 
 REPLAY_TIMEOUT_S = 120.0
-MAX_COMPUTES = 50          # per metric: later compute() calls are not replayed
-# The launch's rendezvous: a user's module that initializes a process group on import must not find one.
+# The launch's rendezvous: the replay must never find (or join) the job's process group.
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
@@ -31,20 +39,23 @@ def with_metric_reference(results: Mapping[int, Mapping[str, Any]], launch_dir: 
                           timeout_s: float = REPLAY_TIMEOUT_S) -> dict[int, dict[str, Any]]:
     """``results`` plus the replay's answer under the lowest rank's ``metric_reference``."""
     out = {r: dict(res) for r, res in results.items()}
-    recorded = {r: res["metrics"] for r, res in results.items() if res.get("metrics")}
+    recorded = entries_by_rank(results)
     if not recorded:
         return out
+    planned = chains(joint_computes({r: list(ms.values()) for r, ms in recorded.items()}))
     sys_path = next(res.get("metrics_sys_path") or [] for res in results.values() if res.get("metrics"))
     folder = LaunchFiles(launch_dir).metrics_dir
-    src, dst = folder / "replay-in.json", folder / "replay-out.json"
+    src, dst = folder / REPLAY_IN, folder / REPLAY_OUT
     src.parent.mkdir(parents=True, exist_ok=True)
-    src.write_text(json.dumps({"ranks": {str(r): m for r, m in recorded.items()}, "sys_path": sys_path}))
-    out[min(recorded)]["metric_reference"] = _run(src, dst, timeout_s)
+    src.write_text(json.dumps({"ranks": {str(r): ms for r, ms in recorded.items()}, "sys_path": sys_path,
+                               "chains": planned}))
+    out[min(recorded)]["metric_reference"] = _run(src, dst, timeout_s) if planned else {"chains": {}}
     return out
 
 
 def _run(src: Path, dst: Path, timeout_s: float) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    env.pop("DISTCHECK_LAUNCH_DIR", None)   # the replay is not a rank of the user's command
     cmd = [sys.executable, "-m", "distcheck.launch.replay", str(src), str(dst)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -60,44 +71,12 @@ def _run(src: Path, dst: Path, timeout_s: float) -> dict[str, Any]:
 # -- inside the replay process ----------------------------------------------------------------
 
 
-def _load_module(name: str, file: str | None) -> Any:
-    """The module a recorded class lives in; a script's ``__main__`` is run as ``__mp_main__``,
-    like multiprocessing's spawn does, so its ``if __name__ == "__main__"`` block stays put."""
-    import importlib
-    import importlib.util
-
-    if name != "__main__":
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            if not file:
-                raise
-    alias = "__mp_main__" if name == "__main__" else name
-    spec = importlib.util.spec_from_file_location(alias, file)
-    module = importlib.util.module_from_spec(spec)   # type: ignore[arg-type]
-    sys.modules[alias] = module
-    spec.loader.exec_module(module)   # type: ignore[union-attr]
-    return module
-
-
-def _load(path: str, modules: dict[str, str | None]) -> Any:
-    """torch.load with the recorded classes found where the ranks had them (scripts, scenario files)."""
-    import pickle
-    import types
-
-    import torch
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if module in modules:
-                obj = _load_module(module, modules[module])
-                for part in name.split("."):
-                    obj = getattr(obj, part)
-                return obj
-            return super().find_class(module, name)
-
-    shim = types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pickle")
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=shim)
+def load(folders: list[Path], rel: str) -> Any:
+    """A recorded copy or chunk (pickled by value where the class is the user's: nothing of theirs runs),
+    from the first of ``folders`` that has it."""
+    path = next((f / rel for f in folders if (f / rel).is_file()), folders[0] / rel)
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def main(argv: list[str]) -> None:
@@ -107,16 +86,20 @@ def main(argv: list[str]) -> None:
     src, dst = Path(argv[0]), Path(argv[1])
     spec = json.loads(src.read_text())
     sys.path[:0] = [p for p in spec["sys_path"] if p and p not in sys.path]
-    from distcheck.launch.replay_metric import replay_metric
+    from distcheck.launch.replay_metric import replay_chain
 
-    ranks = {int(r): {m["id"]: m for m in ms} for r, ms in spec["ranks"].items()}
-    out: dict[str, Any] = {"metrics": {}}
-    for key in sorted({k for ms in ranks.values() for k in ms}):
-        per_rank = {r: ms[key] for r, ms in sorted(ranks.items()) if key in ms}
+    entries = {int(r): ms for r, ms in spec["ranks"].items()}
+    out: dict[str, Any] = {"chains": {}}
+    for chain in spec["chains"]:
+        members = [entries[r][key] for r, key in chain["members"]]
+        if len({m["qualname"] for m in members}) > 1:   # crossed metrics: the judge names them, nothing to replay
+            continue
         try:
-            out["metrics"][key] = replay_metric(per_rank, _load, MAX_COMPUTES)
+            folders = [src.parent, *(Path(m["written_in"]) for m in members if m.get("written_in"))]
+            result = replay_chain(chain, members, lambda rel, folders=folders: load(folders, rel))
         except Exception as exc:   # one metric's replay failing says nothing about the others
-            out["metrics"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        out["chains"][chain_key(chain)] = result
     tmp = dst.with_suffix(".tmp")
     tmp.write_text(json.dumps(out))
     os.replace(tmp, dst)

@@ -18,21 +18,35 @@ from typing import Any, Callable, Mapping, Protocol
 from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
-from distcheck.files.stacks import main_stack, parse_dumps, torch_dir, user_top
-from distcheck.files.trace import TraceTail
+from distcheck.files.stacks import main_stack, read_dumps, torch_dir, user_top
+from distcheck.files.trace_tail import TraceTail
+from distcheck.launch.waitfor import CertainHang, certain_hang
 from distcheck.models import EndReason, Phase
+from distcheck.text import size
 
 STARTED_PHASES = (Phase.RUNNING, Phase.FINISHED, Phase.ERROR)
 # A rank using this much of a core is computing, not blocked: a Python loop uses ~1.0 (still ~0.3
 # with 4 ranks busy on 2 cores), a rank asleep or blocked in a C call (or idle after finishing)
 # ~0.0, distcheck's own sidecars < 0.02.
 BUSY_CPU = 0.1
+# How long a stall verdict waits for a rank's sidecar to sync its record (a C++-issued call it made may be
+# missing until then): on a loaded node the sidecar thread can be descheduled for seconds.
+SYNC_GRACE_S = 5.0
+# A certain hang is taken when two polls this far apart agree on it (a record read between two writes).
+CONFIRM_S = 0.2
+# ... and where the verdict rests on ranks that are all still inside calls (a cycle, fingerprints that cannot
+# match), this far apart: a call that was completing can look open that long on a loaded node, when its rank
+# is descheduled right after it returned and before it wrote its exit record.
+CONFIRM_BLOCKED_S = 0.8
+# A stack that changed this recently is progress.
+STACK_MOVED_S = 1.5
 
 
 class Decision(enum.Enum):
     CONTINUE = "continue"
     RELEASE = "release"          # every rank finished: let them exit
     STALL = "stall"              # no progress while someone waits or died
+    DEADLOCK = "deadlock"        # a certain hang: nothing can release the waiting ranks (launch.waitfor)
     TIMEOUT = "timeout"          # the run's --timeout
     MAX_DURATION = "max_duration"  # the pre-flight window ended
     FAILED = "failed"            # the watchdog itself failed: end the job rather than hang
@@ -43,7 +57,7 @@ class Decision(enum.Enum):
         return _END_REASONS.get(self)
 
 
-_END_REASONS = {Decision.STALL: EndReason.STALL, Decision.TIMEOUT: EndReason.TIMEOUT,
+_END_REASONS = {Decision.STALL: EndReason.STALL, Decision.DEADLOCK: EndReason.STALL, Decision.TIMEOUT: EndReason.TIMEOUT,
                 Decision.MAX_DURATION: EndReason.MAX_DURATION}
 
 
@@ -60,16 +74,34 @@ class RankProgress:
     peak_rss_bytes: int | None = None  # the most it was seen using
     cpu: float | None = None           # CPU it used lately, in cores (None: not measured yet)
     busy_at: str | None = None         # file:line:function it was busy at while others waited (a stack sample)
+    # The wait-for graph (launch.waitfor): (group, seq, members, signature) of each blocking call it is in,
+    # the highest seq it entered per group, and whether its record is settled (synced after its newest record).
+    waits: tuple = ()
+    entered: Mapping[str, int] = field(default_factory=dict)
+    left: tuple = ()             # (group, seq, signature) of the newest blocking calls it left
+    settled: bool = False
+    # Progress outside the collectives, in words ("read or wrote 41.0 KiB in the last 0.5 s"), and how many seconds ago
+    # it was seen; None: none seen lately.
+    evidence: str | None = None
+    evidence_age: float = 0.0
 
     @property
     def dead(self) -> bool:
         return not self.alive or self.phase == Phase.ERROR
 
     @property
+    def finished(self) -> bool:
+        return self.alive and self.phase == Phase.FINISHED
+
+    @property
+    def outside(self) -> bool:
+        """Running user code, in no collective."""
+        return self.alive and self.phase == Phase.RUNNING and self.open_collectives == 0
+
+    @property
     def late(self) -> bool:
-        """Outside every collective and using the CPU: busy in user code, so it may yet arrive."""
-        return (self.alive and self.phase == Phase.RUNNING and self.open_collectives == 0
-                and self.cpu is not None and self.cpu >= BUSY_CPU)
+        """Outside every collective and making progress (CPU of its tree, I/O, a moving stack): it may yet arrive."""
+        return self.outside and self.evidence is not None
 
 
 @dataclass(frozen=True)
@@ -89,7 +121,10 @@ class StallDetector:
     limits: Limits
     start: float
     last_progress: float = 0.0
+    certain: CertainHang | None = None      # the certain hang a DEADLOCK decision rests on
+    last_evidence: dict[int, float] = field(default_factory=dict)   # rank -> when it last showed progress
     _last_state: tuple | None = None
+    _pending: tuple[tuple, float] | None = None    # a certain hang seen once, and when
 
     def __post_init__(self) -> None:
         self.last_progress = self.start
@@ -112,23 +147,54 @@ class StallDetector:
             if any(p.dead for p in ranks.values()):
                 return Decision.STALL if idle >= min(self.limits.stall_timeout, 5.0) else Decision.CONTINUE
             return Decision.STALL if idle >= self.limits.startup_timeout else Decision.CONTINUE
+        if self._certain(now, ranks):
+            return Decision.DEADLOCK
+        for r, p in ranks.items():
+            if p.late:
+                self.last_evidence[r] = max(self.last_evidence.get(r, float("-inf")), now - p.evidence_age)
         someone_waits = any(p.open_collectives > 0 and p.alive for p in ranks.values())
         someone_died = any(p.dead for p in ranks.values())
-        if someone_died and idle >= min(self.limits.stall_timeout, 5.0):
+        if someone_died and idle >= min(self.limits.stall_timeout, 5.0) and self._synced(idle, ranks):
             return Decision.STALL   # normally the agent tears down first; this is the backstop
         if someone_waits and idle >= self.limits.stall_timeout:
-            # Late is not hung: while a rank computes outside the collectives, it may still arrive.
-            if idle < self.limits.busy_timeout and any(p.late for p in ranks.values()):
+            # Late is not hung: while a rank makes progress outside the collectives, it may still arrive.
+            if idle < self.limits.busy_timeout and self.late_ranks(now, ranks):
                 return Decision.CONTINUE
-            return Decision.STALL
+            return Decision.STALL if self._synced(idle, ranks) else Decision.CONTINUE
         return Decision.CONTINUE
 
+    def _certain(self, now: float, ranks: Mapping[int, RankProgress]) -> bool:
+        """A hang nothing can release, seen on two polls at least CONFIRM_S apart."""
+        hang = certain_hang(ranks)
+        if hang is None:
+            self._pending = None
+            return False
+        key = (hang.ranks, hang.waiting, hang.reason)
+        if self._pending is None or self._pending[0] != key:
+            self._pending = (key, now)
+            return False
+        if now - self._pending[1] < (CONFIRM_BLOCKED_S if hang.reason in ("cycle", "clash") else CONFIRM_S):
+            return False
+        self.certain = hang
+        return True
+
+    def _synced(self, idle: float, ranks: Mapping[int, RankProgress]) -> bool:
+        """Every live rank's record is settled, or distcheck waited SYNC_GRACE_S more for it: a sidecar
+        descheduled on a loaded node delays the verdict instead of making it wrong."""
+        behind = [r for r, p in ranks.items() if p.alive and p.phase == Phase.RUNNING and not p.settled]
+        return not behind or idle >= self.limits.stall_timeout + SYNC_GRACE_S
+
+    def late_ranks(self, now: float, ranks: Mapping[int, RankProgress]) -> list[int]:
+        """Ranks outside the collectives that made progress within the last stall timeout."""
+        return sorted(r for r, p in ranks.items()
+                      if p.outside and now - self.last_evidence.get(r, float("-inf")) < self.limits.stall_timeout)
+
     def waiting_for_late(self, now: float, ranks: Mapping[int, RankProgress]) -> list[int]:
-        """Ranks distcheck is waiting for past the stall timeout because they are busy."""
+        """Ranks distcheck is waiting for past the stall timeout because they make progress."""
         waits = any(p.open_collectives > 0 and p.alive for p in ranks.values())
         if not waits or now - self.last_progress < self.limits.stall_timeout:
             return []
-        return sorted(r for r, p in ranks.items() if p.late)
+        return self.late_ranks(now, ranks)
 
 
 class RankMonitor:
@@ -141,6 +207,8 @@ class RankMonitor:
         self.status: dict[int, RankStatus] = {}
         self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
         self._cpu = procs.CpuMeter()
+        self._activity = procs.ActivityMeter()
+        self._stacks: dict[int, tuple[int, float]] = {}   # rank -> (main-stack digest, when it last changed)
         self.busy_at: dict[int, str] = {}             # rank -> where a stack sample found it busy
 
     def _sample_memory(self, rank: int, pid: int | None) -> tuple[int | None, int | None]:
@@ -166,22 +234,56 @@ class RankMonitor:
                 continue
             call = tail.newest_open
             alive = procs.is_alive(status.pid) if status else True
-            rss, peak = self._sample_memory(rank, status.pid if status and alive else None)
-            cpu = self._cpu.cores(rank, status.pid if status and alive else None, time.monotonic())
+            pid = status.pid if status and alive else None
+            rss, peak = self._sample_memory(rank, pid)
+            now = time.monotonic()
+            cpu = self._cpu.cores(rank, pid, now)
+            opened = tail.open.values()
             out[rank] = RankProgress(
-                records=tail.records, open_collectives=len(tail.open),
+                records=tail.records, open_collectives=len(opened),
                 phase=status.phase if status else None, alive=alive,
                 current=f"{call.op} #{call.seq} [group {call.group}]" if call else None,
                 since=call.t_enter if call else None, label=call.label if call else None,
                 rss_bytes=rss, peak_rss_bytes=peak, cpu=cpu, busy_at=self.busy_at.get(rank),
+                waits=tuple((c.group, c.seq, c.members, c.signature) for c in opened),
+                entered=dict(tail.entered), settled=tail.settled,
+                left=tuple((group, seq, sig) for (group, seq), sig in tail.left.items()),
+                **self._evidence(rank, pid, tail.stack_digest, now, outside=not opened),
             )
         return out
+
+    def _evidence(self, rank: int, pid: int | None, digest: int | None, now: float, outside: bool) -> dict:
+        """What shows the rank making progress outside the collectives (``evidence``, in words) and how
+        long ago it was seen (``evidence_age``); nothing when nothing does."""
+        self._activity.sample(rank, pid, now)
+        if digest is not None:
+            old = self._stacks.get(rank)
+            if old is None or old[0] != digest:
+                self._stacks[rank] = (digest, now if old is not None else float("-inf"))
+        if not outside:
+            return {}
+        said, ages = [], []
+        act = self._activity.latest.get(rank)
+        if act is not None and now - act.at < STACK_MOVED_S:
+            if act.cores >= BUSY_CPU:
+                said.append(f"its processes used {act.cores:.1f} cores")
+            if act.io_bytes:
+                said.append(f"read or wrote {size(act.io_bytes)} in the last {act.span:.1f} s")
+            if act.wakeups and not said:
+                said.append(f"its main thread woke {act.wakeups} times in the last {act.span:.1f} s")
+            ages += [now - act.at] if said else []
+        moved_at = self._stacks.get(rank, (0, float("-inf")))[1]
+        if now - moved_at < STACK_MOVED_S:
+            said.append("its stack moved")
+            ages.append(now - moved_at)
+        return {"evidence": ", ".join(said), "evidence_age": min(ages)} if said else {}
 
     def sample_stacks(self, ranks: list[int]) -> None:
         """Where each of ``ranks`` is busy: a faulthandler sample (it works with the GIL held in C)."""
         pids = {r: pid for r, pid in self.pids().items() if r in ranks}
         procs.request_stacks(pids, self.files.stack_sample, wait_s=0.5, sig=signal.SIGUSR2)
-        for rank in pids:
+        for rank, pid in pids.items():
+            self._activity.rebaseline(rank, pid, time.monotonic())   # the dump it just wrote is ours, not progress
             where = busy_line(self.files.stack_sample(rank), self.status[rank].main_thread)
             if where:
                 self.busy_at[rank] = where
@@ -189,10 +291,7 @@ class RankMonitor:
 
 def busy_line(path: Path, main_thread: int | None) -> str | None:
     """file:line:function of the user's innermost frame in the newest dump of ``path``."""
-    try:
-        dumps = parse_dumps(path.read_text(encoding="utf-8", errors="replace"))
-    except OSError:
-        return None
+    dumps = read_dumps(path)
     thread = main_stack(dumps[-1], main_thread) if dumps else None
     frame = user_top(thread.frames, torch_dir()) if thread else None
     return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
@@ -222,6 +321,10 @@ class WatchdogResult:
     last_progress: dict[int, RankProgress] = field(default_factory=dict)
     # (rank, wall time, file:line:function): where a late rank was busy while others waited
     busy_samples: list[tuple[int, float, str]] = field(default_factory=list)
+    # Why the run was ended, as the live view and the report say it: "certain: ranks 1-3 finished",
+    # "stuck: no progress for 5.0 s ...". None while it was not ended by distcheck's verdict.
+    evidence: str | None = None
+    late_evidence: dict[int, str] = field(default_factory=dict)   # rank -> the progress a late rank showed
 
 
 class Watchdog(threading.Thread):
@@ -232,10 +335,14 @@ class Watchdog(threading.Thread):
         on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         channel: NodeChannel | None = None,
+        generation: bool = False,
     ) -> None:
         super().__init__(name="distcheck-watchdog", daemon=True)
         self.files = files
         self.channel = channel   # multi-node: cluster.LaunchChannel; None on a single node
+        # One generation of a command that may go on (``launch.command``): the watch ends once its ranks
+        # are released or all gone, and a teardown ends only its own ranks, not the command.
+        self.generation = generation
         self.monitor = RankMonitor(files, world_size)
         self.clock = clock
         self.detector = StallDetector(world_size, limits, start=clock())
@@ -276,6 +383,10 @@ class Watchdog(threading.Thread):
                 if not self._released:
                     self.files.release.touch()
                     self._released = True
+                if self.generation:
+                    return   # every rank finished: nothing of this generation is left to judge
+            elif self.generation and generation_over(progress, self.monitor.world_size):
+                return   # every rank left by itself: it ended, nothing stalled (see launch.command)
             elif self.channel is not None and not self.channel.is_leader:
                 # Node 0 decides for the whole job, so every node tears down for the same reason.
                 posted = self.channel.decision()
@@ -287,6 +398,7 @@ class Watchdog(threading.Thread):
                     return
             elif decision is not Decision.CONTINUE:
                 self.result.decision = decision
+                self.result.evidence = self._evidence(decision, now, progress)
                 self.result.stall_onset = self.detector.last_progress + wall_offset
                 self.result.detected_at = time.time()
                 if self.channel is not None:
@@ -295,9 +407,21 @@ class Watchdog(threading.Thread):
                 return
             self._stop_event.wait(self.poll_s)
 
+    def _evidence(self, decision: Decision, now: float, progress: Mapping[int, RankProgress]) -> str | None:
+        if decision is Decision.DEADLOCK and self.detector.certain is not None:
+            return self.detector.certain.evidence
+        if decision is Decision.STALL:
+            idle = now - self.detector.last_progress
+            return (f"stuck: no rank made progress for {idle:.1f} s (no collective, no CPU, I/O or stack change "
+                    f"outside the collectives)")
+        return None
+
     def _sample_late(self, now: float, progress: Mapping[int, RankProgress]) -> None:
         """Once per rank and wait: where a rank that others wait for is busy (for the live view and the report)."""
         waiting_for = self.detector.waiting_for_late(now, progress)
+        for rank in waiting_for:
+            if progress[rank].evidence:
+                self.result.late_evidence[rank] = progress[rank].evidence
         for rank in [r for r in self.monitor.busy_at if r not in waiting_for]:
             del self.monitor.busy_at[rank]   # it arrived: a later wait for it is sampled again
         late = [r for r in waiting_for if r not in self.monitor.busy_at]
@@ -316,5 +440,11 @@ class Watchdog(threading.Thread):
                               if r in self.monitor.status and self.monitor.status[r].flight_recorder],
                              timeout_s=2.0)
         procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)])
-        procs.kill_descendants()
+        if not self.generation:
+            procs.kill_descendants()
         self.result.torn_down_at = time.time()
+
+
+def generation_over(ranks: Mapping[int, RankProgress], world_size: int) -> bool:
+    """Every rank of a generation has been seen, and none is alive any more."""
+    return len(ranks) == world_size and not any(p.alive for p in ranks.values())

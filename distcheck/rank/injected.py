@@ -12,6 +12,13 @@ A traced rank's end follows the worker's contract: its failure is recorded (unca
 exception, or one ``torch.multiprocessing.spawn`` catches), and when it exits normally it
 writes "finished" and idles until the watchdog releases the launch — so a rank that
 finished early still looks like the healthy peer of a rank stuck in a collective.
+
+Generations: every ``init_process_group`` starts one (a test suite spawns fresh ranks per
+test, or a pool worker re-initializes under another rank). The ranks of one generation
+agree on its number through their own store (``_generation``), and write into that
+generation's files only (``LaunchFiles.generation``): no file is shared with another
+process, and no record is read with another generation's definitions. The default group's
+``destroy_process_group`` ends the process's generation: "finished", and its tracer stops.
 """
 
 from __future__ import annotations
@@ -27,8 +34,15 @@ from typing import Any, Callable
 LAUNCH_DIR_ENV = "DISTCHECK_LAUNCH_DIR"
 LAUNCHER_PID_ENV = "DISTCHECK_LAUNCHER_PID"
 
-_RUNTIME: Any = None        # worker.RankRuntime once this process became a rank
+_RUNTIME: Any = None        # worker.RankRuntime of this process's current generation
 _ENDED = False
+_TRACED_ONCE = False        # worker.trace_rank ran in this process (its one-time hooks are in place)
+# Keys in the job's own store (under torch's "default_pg/" prefix): arrivals count the ranks that
+# initialized on this store, the generation key names the files their generation writes.
+ARRIVALS_KEY = "distcheck/arrivals"
+GENERATION_KEY = "distcheck/generation"
+GENERATION_WAIT_S = 60.0    # how long a rank waits for its generation's first rank to name it
+PYTEST_TEST_ENV = "PYTEST_CURRENT_TEST"
 
 
 def activate() -> None:
@@ -67,13 +81,46 @@ def _patch_c10d(c10d: Any) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and getattr(dist, "init_process_group", None) is original:
         dist.init_process_group = init_process_group
+    _patch_destroy(c10d)
+
+
+def _patch_destroy(c10d: Any) -> None:
+    """Destroying the default group ends this process's generation (a pool worker then waits for
+    its next task, perhaps to come back under another rank)."""
+    original = c10d.destroy_process_group
+    if getattr(original, "__distcheck_generation__", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if group is None or _is_default(c10d, group):
+            try:
+                _end_generation()
+            except Exception as exc:   # never keep the user's call from running
+                sys.stderr.write(f"distcheck: could not end this rank's generation: {type(exc).__name__}: {exc}\n")
+        return original(group, *args, **kwargs)
+
+    destroy_process_group.__distcheck_generation__ = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = destroy_process_group
+
+
+def _is_default(c10d: Any, group: Any) -> bool:
+    try:
+        return group is c10d.GroupMember.WORLD or group is c10d._get_default_group()
+    except Exception:   # no default group (any more): nothing of ours to end
+        return False
 
 
 def _become_rank() -> None:
-    """Right after init: trace this process as the global rank it just became."""
-    global _RUNTIME
+    """Right after init: trace this process as the global rank it just became, in its generation."""
+    global _RUNTIME, _TRACED_ONCE
+    if _own_worker():
+        return   # a rank of a distcheck launch inside the command (the pytest plugin): traced by that launch
     if _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
-        return   # a second process group: the first one's rank keeps its files
+        _end_generation()   # re-initialized without destroy_process_group (through a wrapper we missed)
     import multiprocessing.util
 
     import torch.distributed as dist
@@ -83,30 +130,160 @@ def _become_rank() -> None:
     from distcheck.rank import worker
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    files = LaunchFiles(Path(os.environ[LAUNCH_DIR_ENV]))
+    launch = LaunchFiles(Path(os.environ[LAUNCH_DIR_ENV]))
+    files = launch.generation(_generation(launch, world))
     worker.redirect_output(files.log(rank))   # from here on, this rank's output is its own log
-    runtime = worker.trace_rank(files, rank, script=True, main_thread=threading.get_ident())
+    main = threading.get_ident()
+    if _TRACED_ONCE:
+        runtime = _trace_again(files, rank, main)
+    else:
+        runtime = worker.trace_rank(files, rank, script=True, main_thread=main)
     runtime.status.update(phase=Phase.RUNNING, pg_initialized=True, world_size=world,
-                          backend=str(dist.get_backend()))
+                          backend=str(dist.get_backend()), test=current_test(launch))
     _RUNTIME = runtime
+    if _TRACED_ONCE:
+        return
+    _TRACED_ONCE = True
     sys.excepthook = _recording_excepthook(sys.excepthook)
+    if not getattr(sys.exit, "__distcheck__", False):
+        sys.exit = _recording_exit(sys.exit)
     # atexit for exec'd and spawned processes; multiprocessing's finalizers for forked ones,
     # which leave through os._exit and never run atexit.
     atexit.register(_at_exit)
     multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
 
 
-def _record(exc: BaseException) -> None:
+def _own_worker() -> bool:
+    """This process is distcheck's own rank (``python -m distcheck.rank.worker``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == "distcheck.rank.worker"
+
+
+def _generation(launch: Any, world: int) -> int:
+    """The generation this init starts, agreed through the job's own store without a collective:
+    the ranks that arrive count themselves, and the first of each ``world`` arrivals claims the
+    next generation and names it to the others. A store the job re-uses keeps counting; a fresh
+    store (a new TCPStore, a new FileStore per test) starts at its own first key."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        store = c10d._get_default_store()
+    except Exception as exc:   # a backend without a store: this rank's files are its own
+        sys.stderr.write(f"distcheck: no store to agree on this rank's generation ({type(exc).__name__}: {exc}); "
+                         "it is traced alone\n")
+        return launch.claim_generation()
+    return generation_on(store, launch, world)
+
+
+def generation_on(store: Any, launch: Any, world: int, wait_s: float = GENERATION_WAIT_S) -> int:
+    """``_generation`` on a given c10d store (any: TCPStore, FileStore, HashStore)."""
+    from datetime import timedelta
+
+    try:
+        arrived = int(store.add(ARRIVALS_KEY, 1)) - 1
+    except Exception as exc:
+        sys.stderr.write(f"distcheck: the store did not count this rank ({type(exc).__name__}: {exc}); "
+                         "it is traced alone\n")
+        return launch.claim_generation()
+    key = f"{GENERATION_KEY}/{arrived // world}"
+    if arrived % world == 0:
+        index = launch.claim_generation()
+        store.set(key, str(index))
+        return index
+    try:
+        store.wait([key], timedelta(seconds=wait_s))
+        return int(store.get(key))
+    except Exception as exc:
+        sys.stderr.write(f"distcheck: the first rank of this generation never named it within "
+                         f"{wait_s:g} s ({type(exc).__name__}); this rank is traced alone\n")
+        return launch.claim_generation()
+
+
+def _trace_again(files: Any, rank: int, main_thread: int) -> Any:
+    """A later generation of this process: its own status, stacks, trace and sidecar. The process-wide
+    hooks (DataLoader passes, torchmetrics, Lightning) stay and write into this generation's files."""
+    from distcheck.models import Phase
+    from distcheck.rank import metrics, samples, tracer, worker
+
+    status = worker.STATUS = worker.Status(files, rank, main_thread)
+    status.update(phase=Phase.STARTING)
+    worker.install_stack_dumps(files.stacks(rank), files.stack_sample(rank))
+    if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
+        worker.start_flight_recorder_sidecar(files, rank)
+        status.update(flight_recorder=True)
+    traced = tracer.install(files.trace(rank), rank)
+    watcher = worker.watch_native_collectives(traced, main_thread)
+    if samples.ACTIVE is not None:
+        samples.ACTIVE.path = files.samples(rank)
+        files.samples(rank).parent.mkdir(parents=True, exist_ok=True)
+    if metrics.RECORDER is not None:
+        metrics.RECORDER = metrics.MetricRecorder(files.metrics(rank), metrics.cap_bytes())
+    return worker.RankRuntime(files, status, traced, watcher)
+
+
+def _end_generation() -> None:
+    """This process's generation is over: "finished" (unless it failed), and its tracer and sidecar
+    write nothing more, so a later generation's calls never land in this generation's trace."""
+    global _RUNTIME
     from distcheck.models import Phase
     from distcheck.rank import worker
 
     runtime = _RUNTIME
     if runtime is None or runtime.status.data.pid != os.getpid():
         return
+    _RUNTIME = None
+    if runtime.status.data.phase == Phase.RUNNING:
+        worker.finish_rank(runtime, {})
+    runtime.tracer.uninstall()
+    with runtime.tracer.lock:
+        # Its thread polls on: it must not read the next generation's groups, nor keep this one's alive.
+        runtime.watcher.groups = lambda: ()
+        runtime.watcher.pgs = {}
+    runtime.tracer.close()   # calls through a wrapper bound earlier are dropped, not written here
+    # Forget every group it cached: a group kept alive keeps its store, and a TCPStore server kept
+    # listening takes the port the next generation's rank 0 binds (the pool re-inits on one port).
+    runtime.tracer.begin_segment("generation ended")
+
+
+def current_test(launch: Any) -> str | None:
+    """The pytest node id this rank serves: what the nearest pytest process above it said it runs
+    (distcheck's plugin writes it; a pool worker's environment is as old as the pool), else
+    PYTEST_CURRENT_TEST in this process's environment ("path::test (call)")."""
+    for pid in _ancestors():
+        test = launch.read_current_test(pid)
+        if test:
+            return test
+    value = os.environ.get(PYTEST_TEST_ENV, "")
+    return value.rsplit(" (", 1)[0] or None
+
+
+def _ancestors() -> list[int]:
+    """This process's parent, grandparent, ... (read from /proc; empty elsewhere)."""
+    out, pid = [], os.getppid()
+    while pid > 1 and len(out) < 32:
+        out.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def _record(exc: BaseException, exit_code: int = 1) -> None:
+    from distcheck.models import Phase
+    from distcheck.rank import worker
+
+    runtime = _RUNTIME
+    if runtime is None or runtime.status.data.pid != os.getpid():
+        return
+    if runtime.status.data.phase == Phase.ERROR:
+        return   # the first failure recorded is the rank's own (a harness may exit twice on its way out)
     if isinstance(exc, KeyboardInterrupt):   # Ctrl-C is not this rank's failure
         runtime.status.update(phase=Phase.INTERRUPTED, collectives=runtime.tracer.count)
     else:
-        worker.record_failure(runtime.status, exc, runtime.tracer.count, exit_code=1)
+        worker.flush_native(runtime, exc)   # its C++-issued calls are in the trace before it counts as failed
+        worker.record_failure(runtime.status, exc, runtime.tracer.count, exit_code=exit_code)
 
 
 def _recording_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
@@ -117,6 +294,26 @@ def _recording_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
             previous(exc_type, exc, tb)
 
     return excepthook
+
+
+def _recording_exit(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``sys.exit(code)`` from an ``except`` block: a test harness that catches the rank's exception
+    and exits with a code of its own (``MultiProcessTestCase`` exits 10). The exception it handles
+    is the rank's failure, with its line; without one, the exit code is."""
+    @functools.wraps(previous)
+    def exit(code: Any = None) -> None:
+        failed = code not in (None, 0) and not isinstance(code, str)
+        if failed and _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
+            try:
+                handled = sys.exc_info()[1]
+                _record(handled if handled is not None else SystemExit(code),
+                        exit_code=code if isinstance(code, int) else 1)
+            except Exception:   # never keep the process from exiting
+                pass
+        previous(code)
+
+    exit.__distcheck__ = True  # type: ignore[attr-defined]
+    return exit
 
 
 def _patch_spawn(spawn: Any) -> None:

@@ -3,29 +3,41 @@
 When (and only when) the user's code imports torchmetrics, a post-import hook
 wraps ``Metric.update``/``forward``/``compute``/``reset`` (through
 ``Metric._wrap_update``/``_wrap_compute``, which every instance goes through)
-and the same methods of ``MetricCollection`` (compute groups included: the
-collection's own update is what is recorded). Each recorded object keeps:
+and the same methods of ``MetricCollection``. Updates are credited to the object
+whose state they change: every metric records its own (a composite's children,
+a wrapper's inner metric), except the members of a ``MetricCollection``, whose
+updates are the collection's (compute groups share states between members).
+A ``compute()`` inside another recorded one (a collection's members) is the outer
+one's. Each recorded object keeps:
 
-* a pickled fresh copy, taken before its first update (the replay's starting point);
-* every ``update()``'s arguments as detached CPU copies (``torch.save``\\d to the
-  launch dir at each ``compute()``), tagged with how many resets came before;
-* every ``compute()``'s value and the user's line that asked for it.
+* a copy taken before its first update, pickled *by value* when its class lives in
+  the user's own code (a script without a main guard, a class inside a function,
+  a module loaded from a path): the replay never runs the user's script again;
+* every ``update()``'s arguments as detached CPU copies, tagged with how many
+  resets came before;
+* every ``compute()``: its value, the user's line, the object's local (pre-sync)
+  state, and the sync point (process group, its sequence number before and
+  after, this rank's rank in it, the time) by which ``files.metric_records``
+  pairs it with the other ranks' computes.
 
 The metric itself is never touched: inputs are copied, the original call runs
-unchanged. Recorded inputs are capped per rank (``DISTCHECK_METRIC_MEMORY_MB``, default
-256); past the cap the inputs are dropped with a note and
-only the cross-rank comparison of results remains.
+unchanged. Recorded inputs and states are capped per rank
+(``DISTCHECK_METRIC_MEMORY_MB``, default 256); past the cap they are dropped with
+a note and only the cross-rank comparison of results remains.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import os
+import pickle
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
+
+from distcheck.files.metric_records import pack
 
 MEMORY_ENV = "DISTCHECK_METRIC_MEMORY_MB"
 DEFAULT_MEMORY_MB = 256
@@ -41,20 +53,18 @@ class _Entry:
         self.key, self.obj, self.collection = key, obj, collection
         self.info: dict[str, Any] = {
             "id": key, "class": cls.__name__, "module": cls.__module__, "qualname": cls.__qualname__,
-            "file": getattr(sys.modules.get(cls.__module__), "__file__", None), "collection": collection,
-            "sync_on_compute": getattr(obj, "sync_on_compute", None), "fresh": None, "chunks": [],
+            "collection": collection, "sync_on_compute": _sync_on_compute(obj), "fresh": None, "chunks": [],
             "updates": 0, "computes": [], "note": None,
         }
         self.epoch = 0            # resets so far
         self.in_epoch = 0         # updates since the last reset
-        self.pending: list[tuple[int, Any, Any]] = []
+        self.pending: list[tuple] = []   # ("u", epoch, args, kwargs) and ("s", compute index, local state)
 
 
 class MetricRecorder:
     def __init__(self, directory: Path, cap_bytes: int) -> None:
         self.dir, self.cap = directory, cap_bytes
         self.entries: dict[int, _Entry] = {}
-        self.members: set[int] = set()       # metrics updated through a collection: the collection is checked
         self.bytes = 0
         self.over_cap: str | None = None
         self._local = threading.local()
@@ -63,44 +73,78 @@ class MetricRecorder:
 
     # -- the wrapped calls -------------------------------------------------------------
 
-    def busy(self) -> bool:
-        return getattr(self._local, "depth", 0) > 0
+    def _stack(self) -> list[tuple[Any, str]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _credited_elsewhere(self, obj: Any, kind: str) -> bool:
+        """Whether a recorded call already running accounts for this one: the same object's
+        (forward's own update/compute/reset), a collection's update of its members, or any
+        compute() around this compute()."""
+        stack = self._stack()
+        if any(o is obj for o, _ in stack):
+            return True
+        if kind == "compute":
+            return any(k == "compute" for _, k in stack)
+        return any(_is_collection(o) for o, _ in stack)
 
     def call(self, obj: Any, kind: str, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
              collection: bool = False) -> Any:
-        """Run the user's call; record it unless it is nested in another recorded call."""
-        if self.busy() or type(obj).__module__.split(".")[0] in _LIBRARY_METRICS:
+        """Run the user's call; record it unless another recorded call accounts for it."""
+        if type(obj).__module__.split(".")[0] in _LIBRARY_METRICS or not _judged(obj) \
+                or self._credited_elsewhere(obj, kind):
             return call()
-        self._local.depth = 1
+        stack = self._stack()
+        stack.append((obj, kind))
         try:
             entry = self._entry(obj, collection)
-            copied = self._copy_inputs(args, kwargs or {}) if kind == "update" and entry else None
+            if kind == "compute":
+                return self._compute(entry, call)
+            copied = self._copy_inputs(args, kwargs or {}) if kind == "update" else None
             result = call()
-            if entry is not None:
-                self._after(entry, kind, copied, result)
+            self._after(entry, kind, copied)
             return result
         finally:
-            self._local.depth = 0
+            stack.pop()
 
-    def _after(self, entry: _Entry, kind: str, copied: Any, result: Any) -> None:
+    def _after(self, entry: _Entry, kind: str, copied: Any) -> None:
         if kind == "update":
             entry.info["updates"] += 1
             entry.in_epoch += 1
             if copied is not None and self.over_cap is None:
-                entry.pending.append((entry.epoch, *copied))
-            if entry.collection:
-                self.members.update(id(m) for m in entry.obj.values())
+                entry.pending.append(("u", entry.epoch, *copied))
         elif kind == "reset":
             entry.epoch, entry.in_epoch = entry.epoch + 1, 0
-        elif kind == "compute" and id(entry.obj) not in self.members:
-            self._flush(entry)
-            entry.info["computes"].append({"epoch": entry.epoch, "updates": entry.in_epoch,
-                                           "callsite": user_callsite(), "value": jsonable(result)})
 
-    def _entry(self, obj: Any, collection: bool) -> _Entry | None:
+    def _compute(self, entry: _Entry, call: Callable[[], Any]) -> Any:
+        k = len(entry.info["computes"])
+        state = self._copy_state(entry.obj)
+        point = _sync_point(entry.obj)
+        t0 = time.time()
+        result = call()
+        value = jsonable(result)   # reading the value waits for an asynchronous backend's sync (NCCL)
+        t1 = time.time()
+        sync = None
+        if point is not None:
+            pg, ranks, seq, group_rank, rank = point
+            sync = {"ranks": ranks, "seq": seq, "after": _seq(pg, seq), "group_rank": group_rank, "rank": rank,
+                    "t0": t0, "t1": t1}
+        if state is not None and self.over_cap is None:
+            entry.pending.append(("s", k, state))
+        self._flush(entry)
+        entry.info["computes"].append({"epoch": entry.epoch, "updates": entry.in_epoch, "callsite": user_callsite(),
+                                       "value": value, "sync": sync})
+        return result
+
+    def _entry(self, obj: Any, collection: bool) -> _Entry:
         entry = self.entries.get(id(obj))
-        if entry is None:
-            entry = self.entries[id(obj)] = _Entry(f"m{len(self.entries)}", obj, collection)
+        if entry is None or entry.obj is not obj:   # an id reused after the first object was freed
+            entry = self.entries[id(obj)] = _Entry(f"m{self._drains}-{len(self.entries)}", obj, collection)
+            # Files are named relative to the launch's metrics folder (another node's arrive there); where
+            # they were written is kept too (a batched scenario's launch dir is not the one they were written in).
+            entry.info["written_in"] = str(self.dir.parent)
             entry.info["fresh"] = self._save_fresh(entry)
         return entry
 
@@ -108,77 +152,237 @@ class MetricRecorder:
 
     def _save_fresh(self, entry: _Entry) -> str | None:
         """The object as it is before its first update (its initial state), pickled for the replay."""
-        import torch
-
-        buf = io.BytesIO()
         try:
-            torch.save(entry.obj, buf)
+            data = dumps_by_value(entry.obj)
         except Exception as exc:   # an unpicklable user attribute: no reference for this one
-            entry.info["note"] = f"could not copy it for the replay ({type(exc).__name__}: {exc})"[:300]
+            entry.info["note"] = (f"could not copy it for the replay ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})")[:300]
             return None
-        path = self.dir / f"{self._drains}-{entry.key}-fresh.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(buf.getvalue())
-        return str(path)
+        name = f"{entry.key}-fresh.pkl"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / name).write_bytes(data)
+        return f"{self.dir.name}/{name}"
 
     def _copy_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
         if self.over_cap is not None:
             return None
         size = [0]
         copied = (_detached(args, size), _detached(kwargs, size))
-        if self.bytes + size[0] > self.cap:
-            self._drop_inputs()
+        return copied if self._count(size[0]) else None
+
+    def _copy_state(self, obj: Any) -> dict[str, Any] | None:
+        """The object's local states before compute() syncs them (a collection's by member)."""
+        if self.over_cap is not None:
             return None
-        self.bytes += size[0]
-        return copied
+        size = [0]
+        state = {}
+        for member, m in metrics_of(obj).items():
+            for attr in getattr(m, "_defaults", {}):
+                state[f"{member}.{attr}".lstrip(".")] = _detached(getattr(m, attr), size)
+        return state if self._count(size[0]) else None
+
+    def _count(self, nbytes: int) -> bool:
+        if self.bytes + nbytes > self.cap:
+            self._drop_inputs()
+            return False
+        self.bytes += nbytes
+        return True
 
     def _drop_inputs(self) -> None:
         """Past the cap: forget every recorded input (never an OOM), keep results for the cross-rank check."""
         mb = self.cap / 2**20
-        self.over_cap = (f"recorded update() inputs passed this rank's {mb:g} MiB cap ({MEMORY_ENV}), "
-                         f"so the single-process reference was skipped")
+        self.over_cap = (f"the recorded update() inputs passed this rank's {mb:g} MiB cap (--metric-memory-mb, "
+                         f"{MEMORY_ENV}), so they were dropped")
         for entry in self.entries.values():
             entry.pending.clear()
             entry.info["note"] = entry.info["note"] or self.over_cap
 
     def _flush(self, entry: _Entry) -> None:
-        import torch
-
         if not entry.pending or self.over_cap is not None:
             return
-        path = self.dir / f"{self._drains}-{entry.key}-updates-{self._chunks}.pt"
+        name = f"{entry.key}-records-{self._chunks}.pkl"
         self._chunks += 1
-        torch.save(entry.pending, path)
-        entry.info["chunks"].append(str(path))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / name, "wb") as f:
+            _pickler(f).dump(entry.pending)
+        entry.info["chunks"].append(f"{self.dir.name}/{name}")
         entry.pending = []
 
     def drain(self) -> list[dict[str, Any]]:
         """Every recorded object so far, forgotten afterwards (one scenario's, or the script's)."""
         out = []
         for entry in self.entries.values():
-            if id(entry.obj) in self.members and not entry.info["computes"]:
-                continue
-            self._flush(entry)
+            try:
+                self._flush(entry)
+            except Exception as exc:   # an input that cannot be pickled: this object goes unchecked
+                entry.info["note"] = entry.info["note"] or f"could not save its inputs ({type(exc).__name__}: {exc})"
             if self.over_cap:
                 entry.info["note"] = entry.info["note"] or self.over_cap
             out.append(entry.info)
-        self.entries, self.members = {}, set()
+        self.entries = {}
         self._drains += 1
         return out
 
 
-def _detached(x: Any, size: list[int]) -> Any:
-    """A CPU copy of every tensor in ``x`` (never the caller's tensor), counting its bytes."""
-    import torch
+def _is_collection(obj: Any) -> bool:
+    return type(obj).__name__ == "MetricCollection" or any(c.__name__ == "MetricCollection"
+                                                           for c in type(obj).__mro__)
 
-    if isinstance(x, torch.Tensor):
+
+@functools.lru_cache(maxsize=None)
+def _judged_class(cls: type) -> bool:
+    """Whether compute() of this class syncs through ``Metric._wrap_compute`` (a composite's or a
+    wrapper's does not: their inner metrics sync, and are recorded themselves)."""
+    if any(c.__name__ == "MetricCollection" for c in cls.__mro__):
+        return True
+    return getattr(getattr(cls, "_wrap_compute", None), "__distcheck__", False)
+
+
+def _judged(obj: Any) -> bool:
+    """A collection is judged as a whole only when each member is: a collection of wrappers (a
+    ``Running`` window) has no single-process equivalent as a whole, its members' metrics have."""
+    if not _judged_class(type(obj)):
+        return False
+    return not _is_collection(obj) or all(_judged(m) for m in obj._modules.values())
+
+
+def metrics_of(obj: Any) -> dict[str, Any]:
+    """name -> Metric: the object itself, or a collection's members as it holds them (no state copies)."""
+    if _is_collection(obj):
+        return dict(obj._modules.items())
+    return {"": obj}
+
+
+def _sync_on_compute(obj: Any) -> bool | None:
+    if _is_collection(obj):
+        flags = {getattr(m, "sync_on_compute", None) for m in obj._modules.values()}
+        return flags.pop() if len(flags) == 1 else None
+    return getattr(obj, "sync_on_compute", None)
+
+
+def _sync_point(obj: Any) -> tuple[Any, list[int], int, int, int] | None:
+    """(group, its global ranks, its sequence number, this rank's rank in it, global rank), or None
+    without a process group."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        pg = next((getattr(m, "process_group", None) for m in metrics_of(obj).values()
+                   if getattr(m, "process_group", None) is not None), None) or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        return pg, list(ranks), pg._get_sequence_number_for_group(), dist.get_rank(pg), dist.get_rank()
+    except Exception:   # a group this torch cannot count: the compute is not paired
+        return None
+
+
+def _seq(pg: Any, default: int) -> int:
+    try:
+        return pg._get_sequence_number_for_group()
+    except Exception:   # the group was destroyed inside compute()
+        return default
+
+
+# -- pickling by value -------------------------------------------------------------------------
+
+
+def _user_modules(obj: Any) -> list[Any]:
+    """Modules of the user's own code that define the classes ``obj`` is made of."""
+    from distcheck.files.stacks import USER, classify_file, torch_dir
+
+    tdir = torch_dir()
+    found = {}
+    parts = list(obj.modules()) if hasattr(obj, "modules") else [obj]
+    for part in parts:
+        for cls in type(part).__mro__:
+            mod = sys.modules.get(cls.__module__)
+            file = getattr(mod, "__file__", None)
+            if mod is not None and mod.__name__ not in found and file and classify_file(file, tdir) == USER:
+                found[mod.__name__] = mod
+    return list(found.values())
+
+
+def _pickler(f: Any) -> pickle.Pickler:
+    """A pickler that takes the user's classes by value (cloudpickle), and drops process groups."""
+    try:
+        import cloudpickle
+    except ImportError:
+        base: type = pickle.Pickler
+    else:
+        base = cloudpickle.CloudPickler
+    group = _process_group_type()
+
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+
+    class Pickler(base):   # type: ignore[misc, valid-type]
+        def reducer_override(self, obj: Any) -> Any:
+            if group is not None and isinstance(obj, group):
+                return type(None), ()   # a process group means nothing in the replay
+            if tensor is not None and isinstance(obj, tensor) and obj.device.type not in ("cpu", "meta"):
+                # The replay runs on the CPU, with the CPU copies of the inputs.
+                return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            parent = getattr(super(), "reducer_override", None)
+            return parent(obj) if parent is not None else NotImplemented
+
+    return Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _process_group_type() -> type | None:
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    return getattr(c10d, "ProcessGroup", None)
+
+
+def dumps_by_value(obj: Any) -> bytes:
+    """``obj`` pickled with the classes of the user's own code by value, so that loading it runs
+    none of that code: a script's top level (no main guard, ``init_process_group`` there), a class
+    defined inside a function, a module loaded from a path all load in a bare process."""
+    import io
+
+    try:
+        import cloudpickle
+    except ImportError:
+        cloudpickle = None
+    modules = _user_modules(obj)
+    if cloudpickle is None:
+        if modules:
+            raise RuntimeError(f"its class comes from {modules[0].__name__} (the user's code), and pickling it by "
+                               f"value needs cloudpickle: pip install cloudpickle")
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    registered = []
+    for mod in modules:
+        if sys.modules.get(mod.__name__) is mod and mod.__name__ not in ("__main__",):
+            try:
+                cloudpickle.register_pickle_by_value(mod)
+                registered.append(mod)
+            except (ValueError, TypeError):
+                pass   # already registered, or not importable by name: cloudpickle takes it by value anyway
+    try:
+        buf = io.BytesIO()
+        _pickler(buf).dump(obj)
+        return buf.getvalue()
+    finally:
+        for mod in registered:
+            cloudpickle.unregister_pickle_by_value(mod)
+
+
+def _detached(x: Any, size: list[int]) -> Any:
+    """A packed CPU copy of every tensor in ``x`` (never the caller's tensor), counting its bytes.
+    On every update: no imports here, and exact types tried first."""
+    kind = type(x)
+    if kind is tuple or kind is list:
+        return kind(_detached(v, size) for v in x)
+    if kind is dict:
+        return {k: _detached(v, size) for k, v in x.items()}
+    if _TENSOR is not None and isinstance(x, _TENSOR):
         size[0] += x.numel() * x.element_size()
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detached(v, size) for v in x) if type(x) in (list, tuple) else [_detached(v, size) for v in x]
+        return pack(x)
+    if isinstance(x, (list, tuple)):   # a named tuple or a list subclass: kept as a plain list
+        return [_detached(v, size) for v in x]
     if isinstance(x, dict):
         return {k: _detached(v, size) for k, v in x.items()}
     return x
+
+
+_TENSOR: type | None = None   # torch.Tensor, once torchmetrics (hence torch) is imported
 
 
 def jsonable(value: Any) -> Any:
@@ -212,10 +416,12 @@ def user_callsite() -> str | None:
 
 
 RECORDER: MetricRecorder | None = None
-_MODULES = ("torchmetrics.metric", "torchmetrics.collections")
 
 
-def _patch_metric(module: Any) -> None:
+def _patch_metric(module: Any, existing: bool = False) -> None:
+    """Record every Metric from now on; ``existing``: torchmetrics was in use before (instances may exist)."""
+    global _TENSOR
+    _TENSOR = sys.modules["torch"].Tensor
     cls = getattr(module, "Metric", None)
     if cls is None or getattr(cls._wrap_update, "__distcheck__", False):
         return
@@ -223,11 +429,15 @@ def _patch_metric(module: Any) -> None:
 
     def _wrap_update(self: Any, update: Callable) -> Callable:
         inner = wrap_update(self, update)
-        return functools.wraps(inner)(lambda *a, **k: _record(self, "update", lambda: inner(*a, **k), a, k))
+        recorded = functools.wraps(inner)(lambda *a, **k: _record(self, "update", lambda: inner(*a, **k), a, k))
+        recorded.__distcheck__ = True
+        return recorded
 
     def _wrap_compute(self: Any, compute: Callable) -> Callable:
         inner = wrap_compute(self, compute)
-        return functools.wraps(inner)(lambda *a, **k: _record(self, "compute", lambda: inner(*a, **k)))
+        recorded = functools.wraps(inner)(lambda *a, **k: _record(self, "compute", lambda: inner(*a, **k)))
+        recorded.__distcheck__ = True
+        return recorded
 
     @functools.wraps(forward)
     def recorded_forward(self: Any, *a: Any, **k: Any) -> Any:   # forward = one update (plus a batch value)
@@ -237,9 +447,35 @@ def _patch_metric(module: Any) -> None:
     def recorded_reset(self: Any) -> None:
         return _record(self, "reset", lambda: reset(self))
 
-    _wrap_update.__distcheck__ = True   # type: ignore[attr-defined]
+    _wrap_update.__distcheck__ = _wrap_compute.__distcheck__ = True   # type: ignore[attr-defined]
     cls._wrap_update, cls._wrap_compute, cls.forward, cls.reset = (_wrap_update, _wrap_compute, recorded_forward,
                                                                    recorded_reset)
+    if existing:
+        _rewrap_existing(cls)
+
+
+def _rewrap_existing(cls: type) -> None:
+    """Metrics made before recording began (a rank of the user's own command becomes one at its
+    ``init_process_group``; Lightning builds the model before that) hold update/compute wrapped
+    at their ``__init__``: wrap them again, from the methods inside, so they are recorded too."""
+    import gc
+
+    classes, todo = set(), [cls]
+    while todo:   # by exact type: isinstance() on every object of the heap takes seconds
+        c = todo.pop()
+        if c not in classes:
+            classes.add(c)
+            todo.extend(c.__subclasses__())
+    for obj in gc.get_objects():
+        if type(obj) not in classes:
+            continue
+        for name, wrap in (("update", obj._wrap_update), ("compute", obj._wrap_compute)):
+            bound = obj.__dict__.get(name)
+            inner = getattr(bound, "__wrapped__", None)
+            if inner is not None and not getattr(bound, "__distcheck__", False):
+                wrapped = wrap(inner)
+                wrapped.__distcheck__ = True
+                object.__setattr__(obj, name, wrapped)
 
 
 def _patch_collection(module: Any) -> None:
@@ -280,7 +516,7 @@ def install(directory: Path) -> None:
     hooks = {"torchmetrics.metric": _patch_metric, "torchmetrics.collections": _patch_collection}
     for name, hook in hooks.items():
         if name in sys.modules:
-            hook(sys.modules[name])
+            hook(sys.modules[name], existing=True) if hook is _patch_metric else hook(sys.modules[name])
     sys.meta_path.insert(0, _PostImportHook(hooks))
 
 

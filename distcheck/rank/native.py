@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from distcheck import torch_features
 from distcheck.files import trace as records
 from distcheck.files.flight_recorder import DTYPES, op_name
-from distcheck.files.stacks import USER, classify_file, torch_dir
+from distcheck.files.stacks import TORCH, USER, classify_file, torch_dir
 from distcheck.models import UNKNOWN_OP
 from distcheck.rank.groups import members_of, process_groups
 
@@ -84,6 +85,23 @@ def issuer_label(op: str, shapes: tuple[tuple[int, ...], ...], frames: list[tupl
     return text
 
 
+def inside_issuer(frames: list[tuple[str, int, str]]) -> bool:
+    """The stack is inside something that issues collectives from C++ (DDP, autograd, FSDP, DTensor, funcol),
+    and its innermost frame is torch's own: a call into C++ that may be waiting. A thread that runs an
+    import or the user's code (a hook) is busy there, not waiting in a collective."""
+    return (bool(frames) and classify_file(frames[0][0], torch_dir()) == TORCH
+            and any(frag in file for file, _, _ in frames for frag, _ in _ISSUERS))
+
+
+def unknown_call_label(frames: list[tuple[str, int, str]], recorder: bool) -> str:
+    """A C++-issued call without a recorder entry: what issued it, and that nothing says which call it was."""
+    if recorder:
+        return "C++-issued call (no Flight Recorder entry)"
+    issuer = issuer_label(UNKNOWN_OP, (), frames).removesuffix(f" {UNKNOWN_OP}")
+    issuer = {"autograd": "DDP's reducer in backward()", "C++-issued": "C++ code"}.get(issuer, issuer)
+    return f"{issuer} (a collective issued from C++; without a Flight Recorder nothing says which)"
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -109,14 +127,33 @@ def stack_of(thread_id: int | None) -> list[tuple[str, int, str]]:
     return out
 
 
+def stack_digest(thread_id: int | None) -> int:
+    """A 64-bit digest of a thread's stack (code objects and lines): it changes when the thread moves on."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    parts = []
+    while frame is not None and len(parts) < 200:
+        parts.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+    return hash(tuple(parts)) & (1 << 64) - 1
+
+
+def traceback_frames(tb: Any) -> list[tuple[str, int, str]]:
+    """A traceback's frames, innermost first, as ``stack_of`` gives them: where a call that raised was issued."""
+    out = []
+    while tb is not None:
+        out.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    return out[::-1]
+
+
 def flight_recorder_calls() -> dict[tuple[str, int], NativeCall] | None:
-    """{(group name, collective seq): call} from the Flight Recorder; None without one."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-    except ImportError:
+    """{(group name, collective seq): call} from the Flight Recorder; None where it cannot describe this
+    rank's collectives (no recorder, or gloo on a torch whose recorder is NCCL's alone)."""
+    dump_fr_trace = torch_features.fr_dump_function()
+    if dump_fr_trace is None or torch_features.recorder_problem(_backend()) is not None:
         return None
     try:
-        dump = pickle.loads(_dump_fr_trace(True, False, False))
+        dump = pickle.loads(dump_fr_trace(True, False, False))
     except Exception:    # no process group yet, or a torch whose recorder is off
         return None
     out = {}
@@ -134,12 +171,20 @@ def flight_recorder_calls() -> dict[tuple[str, int], NativeCall] | None:
     return out
 
 
+def _backend() -> str | None:
+    """The default group's backend (None before init_process_group)."""
+    try:
+        import torch.distributed as dist
+        return str(dist.get_backend()) if dist.is_initialized() else None
+    except Exception:   # a backend torch cannot name: let the recorder answer for it
+        return None
+
+
 def recorder_problem() -> str | None:
     """Why the Flight Recorder cannot show C++-issued calls here (None: it can)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # noqa: F401
-    except ImportError:
-        return "this torch has no Flight Recorder (torch 2.5 or newer has one)"
+    problem = torch_features.recorder_problem(_backend())
+    if problem:
+        return problem
     size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
     if not size.strip().isdigit() or int(size) <= 0:
         return "the Flight Recorder is off (--no-flight-recorder, or TORCH_FR_BUFFER_SIZE=0)"
@@ -181,6 +226,7 @@ class NativeWatcher:
     python: dict[str, set[int]] = field(default_factory=dict)  # group → absolute seqs above ``seen`` the tracer wrote
     open: dict[str, list[_Open]] = field(default_factory=dict)
     gids: dict[str, int] = field(default_factory=dict)       # group → its id in the trace (the sidecar's own ids)
+    pgs: dict[str, Any] = field(default_factory=dict)        # group → the process group read last time
     fps: dict[tuple, int] = field(default_factory=dict)
     sites: dict[tuple, str] = field(default_factory=dict)
     recorder: bool = field(default_factory=lambda: recorder_problem() is None)   # False: counted, not watched
@@ -190,28 +236,32 @@ class NativeWatcher:
     _pending_since: dict[tuple[str, int], float] = field(default_factory=dict)
     _torch: str = field(default_factory=torch_dir)
 
-    def flush(self) -> None:
+    def flush(self, frames: list[tuple[str, int, str]] | None = None) -> None:
         """Record every call the groups ran so far, and close them all: the caller's work is over
-        (the end of a scenario or script), so each call it made has returned."""
+        (the end of a scenario or script, a failure, or a group about to be destroyed), so each
+        call it made has returned. ``frames``: the stack the calls were issued from, where the main
+        thread has left it (a failure's traceback), innermost first."""
         with self.tracer.lock:
-            self.end_segment()
+            self.end_segment(frames)
 
-    def end_segment(self) -> None:
+    def end_segment(self, frames: list[tuple[str, int, str]] | None = None) -> None:
         """``flush`` with the tracer's lock held (a batched launch's segment ends here)."""
         now = time.time()
         calls = self.calls() if self.recorder else None
         out = records.RecordBatch()
-        new = self._new_numbers()
+        new, gone = self._new_numbers()
         if new and calls is None:
             self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
         for key, pg, todo, upto in new:
-            self._record_new(key, pg, todo, upto, calls or {}, now, out, final=True)
+            self._record_new(key, pg, todo, upto, calls or {}, now, out, final=True, frames=frames)
         for key, opened in self.open.items():
             for o in opened:
                 out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e9)))
             opened.clear()
         if out:
             self.tracer.writer.write(out.data())
+        self._forget(gone)
+        self._synced(now)
 
     def reset(self) -> None:
         """A new trace segment: numbers restart, definitions are written again."""
@@ -222,36 +272,76 @@ class NativeWatcher:
         self.sites.clear()
 
     def poll(self, now: float | None = None) -> None:
+        """Record what the groups ran since the last poll, then say so in the trace's sync word.
+
+        ``now`` is read before the counters: every call a group counted by then is in the trace
+        once the sync word says ``now`` (the watchdog judges a rank only on a record that new).
+        """
         now = time.time() if now is None else now
         with self.tracer.lock:
-            new = self._new_numbers()
-            if not new and not any(self.open.values()):
-                return
-            if now - self._last_detail < self.detail_interval_s:
-                return    # rate limit; the numbers wait in the group's counter
-            self._last_detail = now
-            calls = self.calls() if self.recorder else None
-            if calls is None:
-                self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
-            out = records.RecordBatch()
-            for key, pg, todo, upto in new:
-                self._record_new(key, pg, todo, upto, calls or {}, now, out)
-            self._retire(calls, now, out)
-            if out:
-                self.tracer.writer.write(out.data())
+            new, gone = self._new_numbers()
+            if new or any(self.open.values()):
+                # Rate limit (a dump costs ~2 ms): the numbers wait in the group's counter, and the
+                # sync word stays behind, so nobody reads the record as complete meanwhile. A group
+                # that was destroyed cannot wait: its counter is read for the last time.
+                if now - self._last_detail < self.detail_interval_s and not any(k in gone for k, *_ in new):
+                    self._forget(gone)
+                    return
+                self._last_detail = now
+                if not self._record(new, gone, now):
+                    self._forget(gone)
+                    return   # a counted call waits for its recorder entry: the record is not whole yet
+            self._forget(gone)
+            self._synced(now)
+
+    def _record(self, new: list, gone: set[str], now: float) -> bool:
+        """Write what ``new`` holds; False when a call was left for the next poll (not in the record yet)."""
+        calls = self.calls() if self.recorder else None
+        if calls is None and new:
+            self._unwatched(recorder_problem() or "the Flight Recorder could not be read")
+        out = records.RecordBatch()
+        whole = True
+        for key, pg, todo, upto in new:
+            whole &= self._record_new(key, pg, todo, upto, calls or {}, now, out, final=key in gone)
+        self._retire(calls, now, out)
+        if out:
+            self.tracer.writer.write(out.data())
+        return whole
+
+    def _synced(self, now: float) -> None:
+        """Tell the watchdog that every call counted up to ``now`` is in the trace."""
+        sync = getattr(self.tracer.writer, "sync", None)
+        if sync is not None:
+            sync(int(now * 1e9), self.recorder, stack_digest(self.main_thread))
+
 
     def _unwatched(self, why: str) -> None:
         if self.recorder or not self._told:
             self.recorder = False
             self._told = True
             self.on_unwatched(f"collectives issued from C++ (DDP, FSDP2, functional collectives) were counted "
-                              f"but not watched: {why}, so a hang inside one is not seen")
+                              f"but not watched: {why}, so a hang inside one is found from the rank's stack "
+                              f"and the report cannot say which collective it was")
 
-    def _new_numbers(self) -> list[tuple[str, Any, list[int], int]]:
-        """(group, pg, numbers no one recorded yet, the group's counter) for each group with some."""
+    def _live_and_gone_groups(self) -> tuple[list[tuple[str, Any]], set[str]]:
+        """The groups to read now: the ones that exist, and, one last time, those destroyed since the
+        last read (their counter and the Flight Recorder's entries outlive them; measured, torch
+        2.13). A script's ``destroy_process_group()`` at its end no longer takes its last calls along."""
+        current = list(self.groups())
+        live = {key: pg for key, pg in current}
+        gone = {key for key, pg in self.pgs.items() if live.get(key) is not pg}
+        # A group re-made under the same name is read from the next poll on, counting afresh.
+        groups = [(key, self.pgs[key]) for key in gone] + [(key, pg) for key, pg in current if key not in gone]
+        self.pgs = live
+        return groups, gone
+
+    def _new_numbers(self) -> tuple[list[tuple[str, Any, list[int], int]], set[str]]:
+        """(group, pg, numbers no one recorded yet, the group's counter) for each group with some, and the
+        names of the groups read for the last time (destroyed)."""
         busy = self.tracer.busy_group          # read before the numbers (see the class docstring)
         new = []
-        for key, pg in self.groups():
+        groups, gone = self._live_and_gone_groups()
+        for key, pg in groups:
             try:
                 seq = pg._get_sequence_number_for_group()
             except Exception:    # a backend without sequence numbers: nothing to learn here
@@ -267,39 +357,52 @@ class NativeWatcher:
                 self._advance(key, seq)
                 continue
             new.append((key, pg, todo, seq))
-        return new
+        return new, gone
+
+    def _forget(self, gone: set[str]) -> None:
+        """After their last read: a new group under the same name (a re-init) counts from zero again."""
+        for key in gone:
+            self.seen.pop(key, None)
+            self.python.pop(key, None)
 
     def _advance(self, key: str, seq: int) -> None:
         self.seen[key] = max(self.seen.get(key, 0), seq)
         self.python[key] = {s for s in self.python.get(key, ()) if s > self.seen[key]}
 
     def _record_new(self, key: str, pg: Any, todo: list[int], upto: int, calls: dict, now: float,
-                    out: records.RecordBatch, final: bool = False) -> None:
+                    out: records.RecordBatch, final: bool = False,
+                    frames: list[tuple[str, int, str]] | None = None) -> bool:
+        """Write the calls ``todo`` of group ``key``; False when the newest waits for its recorder entry."""
         base = self.tracer.seq_base(key)
-        frames = stack_of(self.main_thread)
+        frames = frames or stack_of(self.main_thread)
         for seq in todo:
             call = calls.get((key, seq))
             if call is None and self.recorder and not final and seq == upto and now - self._pending_since.setdefault(
                     (key, seq), now) < 1.0:
                 self._advance(key, seq - 1)
-                return   # the recorder has not shown the newest call yet: next poll
+                return False   # the recorder has not shown the newest call yet: next poll
             self._pending_since.pop((key, seq), None)
             gid = self._define_group(key, pg, out)
             fp = self._fingerprint(call, frames, out)
             t_enter = call.t_created if call and call.t_created else now
             out.add(records.enter_slot(gid, fp, seq - base, int(t_enter * 1e9)))
-            if call is None or call.retired or final:
+            # Without a recorder entry the main thread's stack is the evidence: still inside what issued
+            # the call (DDP's backward, FSDP, a functional collective's wait), it may be waiting in it.
+            if final or (call.retired if call else self.recorder or not inside_issuer(frames)):
                 out.add(records.exit_slot(records.call_key(gid, seq - base), int(now * 1e9)))
             else:
                 self.open.setdefault(key, []).append(_Open(seq, seq - base))
         self._advance(key, upto)
+        return True
 
     def _retire(self, calls: dict | None, now: float, out: records.RecordBatch) -> None:
+        # No recorder: every call the main thread issued is over once its stack has left the issuer.
+        left = calls is None and any(self.open.values()) and not inside_issuer(stack_of(self.main_thread))
         for key, opened in self.open.items():
             still = []
             for o in opened:
                 call = calls.get((key, o.seq)) if calls is not None else None
-                if call is None or call.retired:   # retired, or so old it left the ring
+                if left if calls is None else (call is None or call.retired):   # retired, or so old it left the ring
                     out.add(records.exit_slot(records.call_key(self.gids[key], o.shown), int(now * 1e9)))
                 else:
                     still.append(o)
@@ -316,7 +419,7 @@ class NativeWatcher:
         op = call.op if call else UNKNOWN_OP
         shapes = call.shapes if call else ()
         dtypes = call.dtypes if call else ()
-        label = issuer_label(op, shapes, frames) if call else "C++-issued call (no Flight Recorder entry)"
+        label = issuer_label(op, shapes, frames) if call else unknown_call_label(frames, self.recorder)
         site_key = (user_line(frames, self._torch), label)
         site = self.sites.get(site_key)
         if site is None:

@@ -110,7 +110,7 @@ class Tracer:
 
         Sequence numbers restart (counted from each group's counter now) and every
         definition is written again after the ``B`` record, so each part parses on
-        its own (``distcheck.files.trace.split_segments``).
+        its own (``distcheck.files.trace_reader.split_segments``).
         """
         with self.lock:
             for listener in self.segment_listeners:
@@ -249,6 +249,7 @@ class Tracer:
             if local.active:
                 return original(p2p_op_list, *args, **kwargs)
             local.active = True
+            claims: list[tuple[tuple, int]] = []
             try:
                 frame = sys._getframe(1)
                 keys = []
@@ -257,6 +258,7 @@ class Tracer:
                         keys.append(self._enter_p2p_op(p2p, frame))
                     except Exception:
                         pass
+                claims = self._batch_counters(p2p_op_list)
                 try:
                     result = original(p2p_op_list, *args, **kwargs)
                 except BaseException as exc:
@@ -267,10 +269,41 @@ class Tracer:
                     self._exit(key, None)
                 return result
             finally:
+                self._claim_batch(claims)
                 local.active = False
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
+
+    def _batch_counters(self, p2p_op_list: list) -> list[tuple[tuple, int]]:
+        """(group entry, its counter now) for each group a batch of P2P ops runs on, the group marked busy.
+
+        A batch advances its groups' collective counters by a number the backend decides (gloo: one per
+        op), and the sidecar must not take those numbers for C++-issued collectives."""
+        claims = []
+        defs = RecordBatch()
+        with self._defining:
+            for pg in {id(p.group): p.group for p in p2p_op_list}.values():
+                try:
+                    entry = self._group(pg, defs)
+                    if entry[3] is not None:
+                        claims.append((entry, entry[3]()))
+                        self.busy_group = entry[0]
+                except Exception:
+                    continue
+            if defs:
+                self.writer.write(defs.data())
+        return claims
+
+    def _claim_batch(self, claims: list[tuple[tuple, int]]) -> None:
+        """After the batch: every number its groups counted meanwhile is the batch's (written by Python)."""
+        for entry, before in claims:
+            try:
+                after = entry[3]()
+            except Exception:
+                continue
+            entry[5].extend(range(before - entry[4] + 1, after - entry[4] + 1))
+        self.busy_group = None   # after the numbers: the sidecar reads it first
 
     # -- records ------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck import torch_features
 from distcheck.rank import integrations, metrics, native, samples
 from distcheck.rank.callsite import USER, classify_file
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -241,11 +242,12 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
     def serve() -> None:
         while not files.flight_recorder_request.exists():
             time.sleep(0.05)
+        dump_json = torch_features.fr_dump_json_function()
         try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json
-
-            data = _dump_fr_trace_json()
-        except Exception as exc:   # an old torch, or no process group yet
+            if dump_json is None:
+                raise RuntimeError(torch_features.recorder_problem(None) or "no Flight Recorder")
+            data = dump_json()
+        except Exception as exc:   # no process group yet, or a recorder that is off
             data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
         path = files.flight_recorder(rank)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,8 +263,34 @@ def watch_native_collectives(tracer: Any, main_thread: int | None = None) -> nat
     watcher = native.NativeWatcher(tracer, main_thread=main_thread or threading.main_thread().ident,
                                    on_unwatched=lambda why: STATUS.update(unwatched=why))
     tracer.segment_listeners.append(watcher)
+    flush_before_destroy(watcher)
     native.start(watcher)
     return watcher
+
+
+def flush_before_destroy(watcher: native.NativeWatcher) -> None:
+    """A script that ends with ``destroy_process_group()`` would take its groups' last C++-issued calls
+    along before "finished" is written: record them first (and the sidecar reads a group it finds gone
+    one last time, for a destroy that bypasses this wrapper)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+    if getattr(original, "__distcheck__", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:
+            watcher.flush()
+        except Exception:   # never keep the user's call from running
+            pass
+        return original(*args, **kwargs)
+
+    destroy_process_group.__distcheck__ = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    if getattr(dist, "destroy_process_group", None) is original:
+        dist.destroy_process_group = destroy_process_group
 
 
 def wait_for_release(files: LaunchFiles, still_wanted: Callable[[], bool] = lambda: True) -> None:
@@ -303,9 +331,18 @@ def trace_rank(files: LaunchFiles, rank: int, *, script: bool, main_thread: int 
     return RankRuntime(files, status, tracer, watcher)
 
 
+def flush_native(runtime: RankRuntime, exc: BaseException | None = None) -> None:
+    """The rank's C++-issued calls are all in its trace (before it says it finished or failed).
+    A failure's traceback says where the call that raised was issued (``loss.backward()``)."""
+    try:
+        runtime.watcher.flush(native.traceback_frames(exc.__traceback__) if exc is not None else None)
+    except Exception:   # a failing flush must not hide the rank's own end
+        pass
+
+
 def finish_rank(runtime: RankRuntime, results: dict[str, Any]) -> None:
     """The rank's work is done: its last C++-issued calls are in the trace before "finished"."""
-    runtime.watcher.flush()
+    flush_native(runtime)
     if samples.ACTIVE is not None:
         samples.ACTIVE.flush()   # passes cut short whose iterators are still alive
     results = {**results, **metrics.results()}   # a script's metrics (a scenario's went with its results)
@@ -326,7 +363,42 @@ def record_failure(status: Status, exc: BaseException, collectives: int, exit_co
 STATUS: Status
 
 
-def main(argv: list[str] | None = None) -> None:
+# The environment this module was imported with: in the fork server (``launch.forkserver``), the one
+# the server started with, so a forked rank can tell what torch's agent set for it.
+_SERVER_ENV = dict(os.environ)
+
+
+def run_forked(env: dict[str, str], *argv: str) -> None:
+    """A rank forked from the fork server: the launcher's environment at this launch (``env``) and what
+    torch's agent set for this rank, then ``main``. It returns where ``main`` would exit 0, so that the
+    agent gets the rank's return value; the process then ends at once, as ``main``'s own ``os._exit(0)``
+    would (no waiting for threads left running)."""
+    import multiprocessing.util
+
+    _let_the_server_go()
+    agent = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(agent)
+    multiprocessing.util.Finalize(None, os._exit, args=(0,), exitpriority=100)   # the first thing at exit
+    if os.getcwd() not in sys.path:   # as ``python -m distcheck.rank.worker`` would have it: modules beside the run
+        sys.path.insert(0, os.getcwd())
+    main(list(argv), forked=True)
+
+
+def _let_the_server_go() -> None:
+    """The fork server lives while any process holds the write end of its "alive" pipe, and hands that
+    end to every process it forks: a rank holding it would keep the server alive after distcheck died,
+    and the server's death is what kills the rank (``die_with_parent``). Only distcheck keeps it."""
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def main(argv: list[str] | None = None, forked: bool = False) -> None:
     take_job_standing()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ["RANK"])
@@ -345,23 +417,25 @@ def main(argv: list[str] | None = None) -> None:
             results = run_script(args)
     except SystemExit as exc:
         if exc.code not in (0, None):
-            _fail(exc, tracer, exit_code=exc.code if isinstance(exc.code, int) else 1)
+            _fail(exc, runtime, exit_code=exc.code if isinstance(exc.code, int) else 1)
         results = {}
     except KeyboardInterrupt:     # the launcher forwards Ctrl-C: not this rank's failure
         STATUS.update(phase=Phase.INTERRUPTED, collectives=tracer.count)
         os._exit(130)
     except BaseException as exc:  # the rank's own failure: report it, then die like the job would
-        _fail(exc, tracer, exit_code=1)
+        _fail(exc, runtime, exit_code=1)
     finish_rank(runtime, results)
     wait_for_release(files)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if not forked:
+        os._exit(0)
 
 
-def _fail(exc: BaseException, tracer: Any, exit_code: int) -> None:
+def _fail(exc: BaseException, runtime: RankRuntime, exit_code: int) -> None:
     sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    record_failure(STATUS, exc, tracer.count, exit_code)
+    flush_native(runtime, exc)
+    record_failure(STATUS, exc, runtime.tracer.count, exit_code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

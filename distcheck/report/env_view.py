@@ -8,6 +8,11 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.envinfo import EnvInfo
+from distcheck.torch_features import LABELS, SINCE
+
+
+def _since(name: str) -> str:
+    return f"  (torch {SINCE[name]} or newer)" if name in SINCE else ""
 
 
 def _yes(flag: bool) -> Text:
@@ -25,12 +30,16 @@ def renderable(info: EnvInfo) -> Group:
     if info.torch is None:
         facts.add_row("torch", Text(f"not importable: {info.torch_error}", style="bold red"))
     else:
-        facts.add_row("torch", info.torch)
+        facts.add_row("torch", Text(info.torch) + (Text(f"  {info.torch_problem}", style="bold red")
+                                                    if info.torch_problem else Text("")))
         facts.add_row("CUDA", _yes(info.cuda_available) + Text(f"  (built for {info.cuda_version})"
                                                                 if info.cuda_version else "  (CPU build)", style="dim"))
         for name, available in info.backends.items():
             extra = f"  {info.nccl_version}" if name == "nccl" and info.nccl_version else ""
             facts.add_row(name, _yes(available) + Text(extra, style="dim"))
+        for name, available in info.torch_features.items():
+            facts.add_row(LABELS.get(name, name), _yes(available) + Text(_since(name) if not available else "",
+                                                                          style="dim"))
         if info.gpus:
             for g in info.gpus:
                 mem = f", {g.memory_gib} GiB" if g.memory_gib is not None else ""

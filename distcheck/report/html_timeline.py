@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 from distcheck.models import Event, Report, ScenarioResult
 from distcheck.text import short_path
+from distcheck.torch_features import describe
 from distcheck.report.timeline import Marker, ScenarioTimeline, Slice, build_all
 
 WIDTH = 1180
@@ -342,6 +343,7 @@ def render(report: Report, events: Mapping[str, Mapping[int, Sequence[Event]]]) 
         f"started {escape(run.started_at)} on {escape(run.hostname or '?')} · {run.duration_s:.1f} s"
         + (" · interrupted" if report.interrupted else "") + "</div>",
         f'<div class="meta">command: <code>{escape(run.command)}</code></div>',
+        f'<div class="meta">{escape(describe(run.torch_version, run.torch_features))}</div>' if run.torch_features else "",
         LEGEND,
     ]
     for result in report.scenarios:

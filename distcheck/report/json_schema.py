@@ -65,6 +65,7 @@ REPORT = {
                 "distcheck_version": {"type": "string"}, "command": {"type": "string"},
                 "run_dir": {"type": "string"}, "seed": {"type": "integer"},
                 "duration_s": {"type": "number", "minimum": 0},
+                "torch_features": {"type": "object", "additionalProperties": {"type": "boolean"}},
             },
         },
         "scenarios": {"type": "array", "items": SCENARIO},

@@ -2,6 +2,8 @@
 
 ``testsuites > testsuite(name, tests, failures, errors, skipped, time,
 timestamp, hostname) > properties + testcase(classname, name, file, time)``.
+Under ``run -- pytest`` each test whose ranks ran is one testcase, named as pytest
+names it, and the suite's ``<system-out>`` carries the command's last lines.
 A scenario that did not behave as expected is a ``<failure>`` whose message is
 the first finding's summary and whose text lists every finding with its
 per-rank detail; an interrupted one is an ``<error>``; a skipped one is
@@ -15,6 +17,7 @@ import xml.etree.ElementTree as ET
 
 from distcheck.models import Finding, Report, ScenarioResult
 from distcheck.text import short_path
+from distcheck.torch_features import LABELS
 
 # characters XML 1.0 cannot carry, even escaped (pytest's bin_xml_escape does the same)
 _ILLEGAL = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -68,10 +71,21 @@ def _ranks_text(result: ScenarioResult) -> str:
     return "\n".join(lines)
 
 
+def test_names(nodeid: str) -> tuple[str, str, str]:
+    """(classname, name, file) of a pytest node id, as pytest's own junitxml writes them
+    ("tests/test_x.py::TestA::test_b[1]" → "tests.test_x.TestA", "test_b[1]", "tests/test_x.py")."""
+    path, *parts = nodeid.split("::")
+    module = path[:-3] if path.endswith(".py") else path
+    names = [module.replace("/", ".").replace("\\", "."), *parts[:-1]]
+    return ".".join(names), parts[-1] if parts else nodeid, path
+
+
 def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None:
+    name, file = result.name, short_path(result.source)
+    if result.test:   # one testcase per pytest test, named as pytest's own JUnit XML names it
+        classname, name, file = test_names(result.test)
     case = ET.SubElement(suite, "testcase", {
-        "classname": classname, "name": _x(result.name), "file": _x(short_path(result.source)),
-        "time": f"{result.duration_s:.3f}",
+        "classname": _x(classname), "name": _x(name), "file": _x(file), "time": f"{result.duration_s:.3f}",
     })
     expected = "+".join(result.expected) or "pass"
     observed = "+".join(result.observed) or "pass"
@@ -117,6 +131,7 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
         "seed": run.seed, "backend": run.backend, "world_size": run.world_size, "nnodes": run.nnodes,
         "nproc_per_node": run.nproc_per_node, "torch": run.torch_version, "distcheck": run.distcheck_version,
         "python": run.python_version, **{name: v for name, v in sorted(run.versions.items())},
+        **{f"torch feature: {LABELS.get(name, name)}": "yes" if ok else "no" for name, ok in run.torch_features.items()},
         "command": run.command, "run_dir": run.run_dir, "verdict": report.verdict,
     }
     for name, value in values.items():
@@ -129,5 +144,7 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
         case = ET.SubElement(suite, "testcase", {"classname": classname, "name": "(run interrupted)", "time": "0.000"})
         ET.SubElement(case, "error", {"type": "distcheck.interrupted",
                                       "message": "the run was interrupted before every scenario ran"})
+    if run.command_output:   # the command's own last lines (pytest's summary), beside distcheck's verdicts
+        ET.SubElement(suite, "system-out").text = _x("the command's last output:\n" + run.command_output)
     ET.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

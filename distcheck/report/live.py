@@ -46,6 +46,8 @@ class RankProgress(Protocol):
     def late(self) -> bool: ...
     @property
     def busy_at(self) -> str | None: ...
+    @property
+    def evidence(self) -> str | None: ...   # the progress a rank outside the collectives shows
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def rank_state(p: RankProgress) -> tuple[str, str]:
     if p.dead:
         return "dead", "bold red"
     if p.late:
-        return "busy (late, not hung)", "magenta"
+        return f"late, not hung: {p.evidence}", "magenta"
     if p.open_collectives:
         return "waiting", "yellow"
     if p.phase is None or p.phase == "starting":

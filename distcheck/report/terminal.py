@@ -12,6 +12,7 @@ from rich.text import Text
 
 from distcheck.models import Finding, RankOutcome, Report, ScenarioResult
 from distcheck.text import rank_list, short_path
+from distcheck.torch_features import describe
 
 KIND_STYLE = {
     "hang": "bold red", "crash": "bold red", "mismatch": "bold magenta", "order": "bold magenta",
@@ -28,7 +29,8 @@ def script_name(result: ScenarioResult) -> str:
 def _script_line(result: ScenarioResult, mark: tuple[str, str]) -> Text:
     """A script declares no expectation: say what it showed ("train.py: hang")."""
     observed = "ran clean" if result.observed == ("pass",) else "+".join(result.observed)
-    return Text.assemble(mark, (script_name(result), "bold"), ": ", (observed, "green" if result.ok else "red"),
+    return Text.assemble(mark, (result.test or script_name(result), "bold"), ": ",
+                         (observed, "green" if result.ok else "red"),
                          (f"  ({result.duration_s:.1f} s)", "dim"))
 
 
@@ -116,7 +118,7 @@ def scenario_block(result: ScenarioResult, verbose: bool = False) -> Group:
     parts.extend(scenario_table(t) for t in result.tables)
     for finding in result.findings:
         parts.append(finding_block(finding))
-    if result.findings or verbose or not result.ok:
+    if result.ranks and (result.findings or verbose or not result.ok):
         parts.append(_rank_table(result.ranks))
     if not result.ok and result.log_tail:
         parts.append(Text("    log tail:", style="dim"))
@@ -130,17 +132,36 @@ def summary_line(report: Report) -> Text:
     skipped = len(report.scenarios) - len(ran)
     verdict = ("PASS", "bold green") if report.verdict == "pass" else ("FAIL", "bold red")
     extra = " (interrupted)" if report.interrupted else ""
-    if ran and all(s.script for s in ran):
-        what = "; ".join(f"{script_name(s)}: {'ran clean' if s.observed == ('pass',) else '+'.join(s.observed)}"
-                         for s in ran)
-        counts = f"  {what}"
+    tests = [s for s in ran if s.test]
+    if tests:
+        clean = sum(1 for s in tests if s.ok)
+        rest = [s for s in ran if not s.test]
+        counts = f"  {clean}/{len(tests)} tests' ranks ran clean" + "".join(f"; {_shown(s)}" for s in rest)
+    elif ran and all(s.script for s in ran):
+        counts = "  " + "; ".join(_shown(s) for s in ran)
     else:
         counts = f"  {ok}/{len(ran)} scenarios behaved as expected"
     return Text.assemble(
-        verdict, counts, f", {skipped} skipped" if skipped else "", extra,
+        command_output(report), verdict, counts, f", {skipped} skipped" if skipped else "", extra,
         (f"  · {report.run.backend} × {report.run.world_size} ranks · {report.run.duration_s:.1f} s", "dim"),
         (f"\n      run dir: {short_path(report.run.run_dir)}", "dim"),
+        (f"\n      {torch_line}" if (torch_line := describe(report.run.torch_version, report.run.torch_features))
+         else "", "dim"),
     )
+
+
+def _shown(result: ScenarioResult) -> str:
+    """A script's or command's verdict in the summary line ("train.py: ran clean")."""
+    return f"{script_name(result)}: {'ran clean' if result.observed == ('pass',) else '+'.join(result.observed)}"
+
+
+def command_output(report: Report) -> Text:
+    """``run -- CMD``: the command's own last lines (pytest's "16 passed"), right above the verdict."""
+    lines = (report.run.command_output or "").splitlines()[-6:]
+    if not lines:
+        return Text("")
+    body = "\n".join("      " + line[:200] for line in lines)
+    return Text.assemble(("    the command's last output:\n", "dim"), (body + "\n", "dim"))
 
 
 def render(report: Report, console: Console, verbose: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""The pytest plugin's working half (``pytest_plugin`` is the hooks): running a group of
+"""The pytest plugin's working half (``plugin`` is the hooks, ``plan`` the plan): running a group of
 marked tests as scenarios of one ``run_targets`` call, and turning each result into
 the test's outcome. Imported only once a marked test runs, since it loads torch.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from distcheck.errors import DistcheckError
-from distcheck.pytest_plugin import Outcome, Planned, PluginState
+from distcheck.pytest.plan import Outcome, Planned, PluginState
 
 if TYPE_CHECKING:
     from distcheck.models import ScenarioResult

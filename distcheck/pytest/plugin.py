@@ -16,64 +16,17 @@ distcheck installed loads it.
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-MARK = "distributed"
-# What the mark takes, besides nproc: each overrides the command line's option for that test.
-MARK_KEYS = ("nproc", "stall_timeout", "timeout", "busy_timeout", "backend", "device", "expect")
-SCOPES = ("module", "session", "test")
+from distcheck.pytest.plan import MARK, SCOPES, PluginState, plan_item
 
-
-@dataclass(frozen=True)
-class LaunchKey:
-    """Tests with the same key may share one launch (one ``run_targets`` call)."""
-
-    scope: str              # the module's path, "session", or the test's node id
-    nproc: int
-    backend: str
-    device: str
-    stall_timeout: float
-    busy_timeout: float
-    timeout: float | None
-
-
-@dataclass
-class Planned:
-    """One marked test as a scenario of a generated file."""
-
-    item: pytest.Item
-    name: str               # the scenario's (and launch dir's) name
-    key: LaunchKey
-    expect: tuple[str, ...]
-    params: dict[str, Any]
-    problem: str | None = None   # why it cannot run on the ranks (reported as its failure)
-
-
-@dataclass
-class Outcome:
-    """What became of one test: the result, or why there is none."""
-
-    result: Any = None      # ScenarioResult
-    error: str | None = None
-    run_dir: str | None = None
-
-
-@dataclass
-class PluginState:
-    run_base: Path
-    planned: dict[str, Planned] = field(default_factory=dict)     # by node id
-    outcomes: dict[str, Outcome] = field(default_factory=dict)    # by node id
-    launches: int = 0
-    groups: int = 0
-    seconds: float = 0.0
+# Set by ``distcheck run -- CMD`` for everything the command starts (launch.command).
+LAUNCH_DIR_ENV = "DISTCHECK_LAUNCH_DIR"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -132,75 +85,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("dist_nproc", list(nproc), ids=[f"nproc{n}" for n in nproc])
 
 
-def _mark_value(item: pytest.Item, key: str, option: str | None, default: Any) -> Any:
-    """The mark's value, else the command line's, else distcheck run's default."""
-    mark = item.get_closest_marker(MARK)
-    if mark is not None and mark.kwargs.get(key) is not None:
-        return mark.kwargs[key]
-    given = item.config.getoption(option) if option else None
-    return default if given is None else given
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Under ``distcheck run -- pytest``: say which test this process runs now. The ranks a test
+    starts (or a pool's workers it hands work to) read it when they initialize, so each generation
+    of ranks is judged as that test's (``rank.injected.current_test``)."""
+    launch_dir = os.environ.get(LAUNCH_DIR_ENV)
+    if not launch_dir:
+        yield
+        return
+    from distcheck.files.launch_dir import LaunchFiles   # no torch: only the launch dir's layout
 
-
-def _nproc(item: pytest.Item) -> int:
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if params.get("dist_nproc") is not None:
-        return int(params["dist_nproc"])
-    mark = item.get_closest_marker(MARK)
-    positional = mark.args[0] if mark is not None and mark.args else None
-    value = _mark_value(item, "nproc", "--distcheck-nproc", positional or 4)
-    return int(value)
-
-
-def _scope(item: pytest.Item) -> str:
-    scope = item.config.getoption("--distcheck-scope")
-    if hasattr(item.config, "workerinput"):
-        # Under pytest-xdist each worker gets tests one by one and cannot know which of a
-        # module's tests will come to it: sharing a launch would run tests of other workers.
-        scope = "test"
-    return {"module": str(item.path), "session": "session"}.get(scope, item.nodeid)
-
-
-def launch_key(item: pytest.Item) -> LaunchKey:
-    stall = float(_mark_value(item, "stall_timeout", "--distcheck-stall-timeout", 10.0))
-    return LaunchKey(
-        scope=_scope(item), nproc=_nproc(item),
-        backend=str(_mark_value(item, "backend", "--distcheck-backend", "auto")),
-        device=str(_mark_value(item, "device", None, "auto")), stall_timeout=stall,
-        busy_timeout=float(_mark_value(item, "busy_timeout", "--distcheck-busy-timeout", 600.0)),
-        timeout=_mark_value(item, "timeout", "--distcheck-timeout", None),
-    )
-
-
-def _scenario_name(item: pytest.Item, index: int) -> str:
-    """A Python identifier (the generated function) that also names the launch dir."""
-    return f"{re.sub(r'[^0-9A-Za-z_]+', '_', item.name).strip('_')}__{index}"
-
-
-def _problem(item: pytest.Item, params: dict[str, Any]) -> str | None:
-    """Why a marked test cannot run on the ranks, or None."""
-    if not isinstance(item, pytest.Function) or item.cls is not None:
-        return "a distributed test must be a module-level function (the ranks import it by name)"
-    own = set(item._fixtureinfo.argnames) - {"dist_ctx", "dist_nproc"} - set(params)
-    if own:
-        return (f"a distributed test takes dist_ctx and parametrize arguments only; {', '.join(sorted(own))} "
-                "would be a fixture of the pytest process, which never runs the test's body")
-    for name, value in params.items():
-        try:
-            same = ast.literal_eval(repr(value)) == value
-        except (ValueError, SyntaxError):
-            same = False
-        if not same:
-            return f"parametrize value {name}={value!r} is not a literal: the ranks cannot rebuild it"
-    return None
-
-
-def plan_item(item: pytest.Item, index: int) -> Planned:
-    params = dict(getattr(getattr(item, "callspec", None), "params", {}))
-    params.pop("dist_nproc", None)
-    expect = _mark_value(item, "expect", None, "pass")
-    expect = (expect,) if isinstance(expect, str) else tuple(expect)
-    return Planned(item=item, name=_scenario_name(item, index), key=launch_key(item), expect=expect,
-                   params=params, problem=_problem(item, params))
+    files = LaunchFiles(Path(launch_dir))
+    files.write_current_test(os.getpid(), item.nodeid)
+    try:
+        yield
+    finally:
+        files.write_current_test(os.getpid(), None)
 
 
 @pytest.hookimpl(trylast=True)
@@ -218,14 +119,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     planned = state.planned.get(pyfuncitem.nodeid)
     if planned is None:
         return None
-    from distcheck import pytest_runner   # imports torch: only once a marked test runs
+    from distcheck.pytest import runner   # imports torch: only once a marked test runs
 
     if pyfuncitem.nodeid not in state.outcomes:
-        pytest_runner.run_group(state, planned)
+        runner.run_group(state, planned)
     outcome = state.outcomes[pyfuncitem.nodeid]
     if outcome.run_dir:   # JUnit XML carries it as a property: CI can link the artifact
         pyfuncitem.user_properties.append(("distcheck_run_dir", outcome.run_dir))
-    pytest_runner.judge(pyfuncitem, outcome)
+    runner.judge(pyfuncitem, outcome)
     return True
 
 

@@ -1,0 +1,176 @@
+"""Following one rank's trace while the rank still writes it: the watchdog's view (open calls, what
+the rank entered, its sync record). The format is ``distcheck.files.trace``'s."""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from pathlib import Path
+from typing import NamedTuple
+
+from distcheck.files.trace import (NONE, SEQ_MASK, SHARED_ASYNC, SHARED_LABEL, SHARED_MEMBERS, SLOT, SYNC_OFFSET,
+                                   TAG_E, TAG_T, TAG_X, Tables, encode_shapes, first_bad, read_sync, slot_words,
+                                   text_at)
+
+
+class OpenCall(NamedTuple):
+    """A synchronous call a rank entered and has not left (yet)."""
+
+    op: str
+    group: str
+    seq: int
+    t_enter: float
+    label: str | None
+    members: tuple[int, ...] = ()     # the group's ranks (a P2P pair: sender, receiver)
+    signature: str = ""               # what must match across its ranks: op, shapes, dtypes, root, members
+
+
+class TraceTail:
+    """Follows one rank's trace while the rank still writes it (the watchdog's view).
+
+    Each ``read`` takes only the slots written since the last one; a record
+    whose check fails (caught half-copied) or a text record not yet complete
+    is left for the next read. Tolerant on purpose: a record it cannot use is
+    skipped, since a live job must never fail on its own trace.
+    """
+
+    READ_BYTES = 1024 * 1024      # at most this much per read: the file's preallocated end is zeros
+    LEFT_KEPT = 32                # blocking calls left, remembered for peers still waiting in one of them
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records = 0                                      # E and X records so far
+        self.entered: dict[str, int] = {}                     # group -> the highest seq the rank entered
+        self.last_record_ns = 0                               # the newest time an E or X record carries
+        self._open: dict[int, tuple[int, tuple]] = {}          # call key -> (t_enter_ns, shared), oldest first
+        # (group, seq) -> signature of the newest blocking calls the rank left: a peer still waiting in one
+        # of them with a signature that can never pair is a certain hang (``launch.waitfor``)
+        self.left: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._offset = 0
+        self._tables = Tables()
+        # The rank's last Y record: (wall time, recorder) — every call its groups counted before that
+        # time is in the file (see the module docstring). None: no sidecar has synced (yet).
+        self.sync: tuple[float, bool, int] | None = None
+
+    @property
+    def synced_at(self) -> float | None:
+        return self.sync[0] if self.sync and self.sync[0] > 0 else None
+
+    @property
+    def settled(self) -> bool:
+        """The sidecar synced after the newest record: what the file shows is the rank's whole state
+        (no C++-issued call it made since is missing)."""
+        return self.synced_at is not None and self.synced_at * 1e9 >= self.last_record_ns
+
+    @property
+    def stack_digest(self) -> int | None:
+        """A digest of the main thread's stack at the last sync (progress evidence: it changes when the
+        rank's Python code moves on)."""
+        return self.sync[2] if self.sync else None
+
+    @property
+    def open(self) -> dict[int, OpenCall]:
+        return {key: _open_call(key, t, s) for key, (t, s) in self._open.items()}
+
+    @property
+    def newest_open(self) -> OpenCall | None:
+        if not self._open:
+            return None
+        key = next(reversed(self._open))
+        return _open_call(key, *self._open[key])
+
+    def read(self) -> TraceTail:
+        while True:
+            data = self._new_bytes()
+            n = len(data) // SLOT
+            if not n:
+                return self
+            done = self._take(slot_words(data, n), n)
+            self._offset += done * SLOT
+            if done < n or len(data) < self.READ_BYTES:
+                return self
+
+    def _new_bytes(self) -> bytes:
+        try:
+            with open(self.path, "rb") as f:
+                # The Y record first: a sync read before the new records can only be older than them.
+                f.seek(SYNC_OFFSET)
+                self.sync = read_sync(f.read(SLOT)) or self.sync
+                f.seek(self._offset)
+                return f.read(self.READ_BYTES)
+        except OSError:
+            return b""
+
+    def _take(self, words: array, n: int) -> int:
+        """Take complete records from ``words``; return how many slots were used up."""
+        good = first_bad(words, 0, n)
+        opened, tables = self._open, self._tables
+        i = 0
+        while i < good:
+            b = 4 * i
+            w0, w1, w2 = words[b], words[b + 1], words[b + 2]
+            tag = w0 & 0xFF
+            if tag == TAG_X:
+                self.records += 1
+                call = opened.pop(w1, None)
+                if call is not None:
+                    self._remember_left(w1, call[1])
+                self.last_record_ns = max(self.last_record_ns, w2)
+            elif tag == TAG_E:
+                self.records += 1
+                self.last_record_ns = max(self.last_record_ns, w2)
+                s = tables.shared.get(w0) or tables.shared_of(w0)
+                if s is not None:
+                    seq = w1 & SEQ_MASK
+                    if seq > self.entered.get(s[0], 0):
+                        self.entered[s[0]] = seq
+                    if not s[2][SHARED_ASYNC]:   # async calls return at once; their wait is elsewhere
+                        opened[w1] = (w2, s)
+            elif tag == TAG_T:
+                text, j = text_at(words, i, good)
+                if not text.complete:
+                    return i if j >= good else j   # the rest is not written yet / a broken record: skip it
+                tables.define(text.text())
+                if tables.segment is not None:   # the next scenario of a batch: its numbers restart
+                    self._tables = tables = Tables()
+                    self.entered = {}
+                    self.left.clear()
+                i = j
+                continue
+            i += 1
+        return good
+
+    def _remember_left(self, key: int, shared: tuple) -> None:
+        self.left[(shared[0], key & SEQ_MASK)] = _signature(shared[1], shared[2])
+        if len(self.left) > self.LEFT_KEPT:
+            self.left.popitem(last=False)
+
+
+def _signature(op: str, rest: tuple) -> str:
+    """What must be the same on every rank: op, shapes, dtypes, root, and the members a new_group asks for
+    (``pairing_of`` reads it back)."""
+    return f"{op} {encode_shapes(rest[1])} {';'.join(rest[2]) or NONE} {rest[4]} {rest[SHARED_MEMBERS]}"
+
+
+def pairing_of(signature: str) -> tuple[str, str]:
+    """(op, members asked for) of a signature: what decides whether two calls can pair at all."""
+    parts = signature.split(" ")
+    return parts[0], parts[-1]
+
+
+def _open_call(key: int, t_enter_ns: int, shared: tuple) -> OpenCall:
+    group, op, rest = shared
+    return OpenCall(op, group, key & SEQ_MASK, t_enter_ns / 1e9, rest[SHARED_LABEL], tuple(rest[5]),
+                    _signature(op, rest))
+
+
+def synced_at(path: Path) -> float | None:
+    """The time of a trace's sync record alone (every call its rank's groups counted before it is in the
+    file); None when there is none yet or it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(SYNC_OFFSET)
+            sync = read_sync(f.read(SLOT))
+    except OSError:
+        return None
+    return sync[0] if sync and sync[0] > 0 else None

@@ -1,0 +1,201 @@
+"""The running job's wait-for graph: a hang that nothing can release is certain now. Pure.
+
+A rank waiting in a collective (group, seq) waits for the members of the group
+that have not entered that call yet; a P2P call (group ``p2p:src>dst``, the
+same number on both sides) waits for its peer's matching call. The hang is
+*certain* when no future can release the waiting rank: everything it waits
+for, followed through the graph, is
+
+* finished or dead (it will never come), or
+* itself waiting, in a way that leads back (a cycle: send/send, two groups
+  entered in opposite orders), or
+* in the very same call with a fingerprint that cannot match, or already
+  out of that call after one that can never pair with it (a ``new_group``
+  that asked for other members, or a collective where it created a group).
+
+A rank that is running outside every collective, or one whose record is not
+*settled* (its sidecar has not synced since its newest record, so a
+C++-issued call it made may be missing), leaves the question open: that is
+the stall timeout's case, not this module's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+from distcheck.files.trace_tail import pairing_of
+from distcheck.text import rank_list
+
+# Groups whose waits cannot be followed: a receive from any source has no one peer to wait for.
+_ANY_SOURCE = "p2p:any>"
+
+
+class Waiter(Protocol):
+    """What the graph reads of one rank (the watchdog's ``RankProgress`` satisfies it)."""
+
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def dead(self) -> bool: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def settled(self) -> bool: ...
+    # (group, seq, members, signature) of every blocking call the rank is in
+    @property
+    def waits(self) -> Sequence[Sequence]: ...
+    @property
+    def entered(self) -> Mapping[str, int]: ...   # group -> the highest seq it entered
+    @property
+    def left(self) -> Sequence[Sequence]: ...      # (group, seq, signature) of the newest blocking calls it left
+
+
+@dataclass(frozen=True)
+class CertainHang:
+    """Why a hang is certain, in words a person reads in the live view and the report."""
+
+    ranks: tuple[int, ...]      # every rank the verdict rests on: the waiting ones and those they wait for
+    waiting: tuple[int, ...]
+    reason: str                 # "finished" | "dead" | "cycle" | "clash"
+    evidence: str               # "certain: ranks 1-3 finished"
+
+
+def certain_hang(ranks: Mapping[int, Waiter]) -> CertainHang | None:
+    """The first certain hang among the waiting ranks, or None while any of them may yet be released.
+
+    Each call (group, seq) is looked at once per poll, whatever the number of its waiting members,
+    and a rank found free ends every search that reaches it: linear in ranks x members of their calls.
+    """
+    graph = _Graph(ranks)
+    for rank in sorted(ranks):
+        p = ranks[rank]
+        if p.waits and not p.dead and rank not in graph.free:
+            found = graph.closure(rank)
+            if found is not None:
+                return found
+    return None
+
+
+class _Graph:
+    """One poll's wait-for graph, with each call's absent members worked out once."""
+
+    def __init__(self, ranks: Mapping[int, Waiter]) -> None:
+        self.ranks = ranks
+        self.free: set[int] = set()                      # ranks that may yet move (and all that wait on them)
+        self._absent: dict[tuple, frozenset[int] | None] = {}
+        self._clash: dict[tuple, str | None] = {}
+
+    def absent(self, group: str, seq: int, members: Sequence[int]) -> frozenset[int] | None:
+        """Members that have not entered (group, seq); None when that cannot be told."""
+        key = (group, seq)
+        if key not in self._absent:
+            self._absent[key] = _absent(group, seq, members, self.ranks)
+        return self._absent[key]
+
+    def waits_for(self, rank: int) -> set[int] | None:
+        """The ranks this one waits for (empty: every member is in its call); None when that cannot be told."""
+        out: set[int] = set()
+        for group, seq, members, _ in self.ranks[rank].waits:
+            absent = self.absent(group, seq, members)
+            if absent is None:
+                return None
+            out |= absent - {rank}
+        return out
+
+    def closure(self, root: int) -> CertainHang | None:
+        return _closure(root, self.ranks, self)
+
+    def clash(self, rank: int) -> str | None:
+        """``_clash`` once per call: every member of a call sees the same answer."""
+        key = tuple((w[0], w[1]) for w in self.ranks[rank].waits)
+        if key not in self._clash:
+            self._clash[key] = _clash(rank, self.ranks)
+        return self._clash[key]
+
+
+def _absent(group: str, seq: int, members: Sequence[int], ranks: Mapping[int, Waiter]) -> frozenset[int] | None:
+    if str(group).startswith(_ANY_SOURCE):
+        return None
+    out = set()
+    for m in members:
+        peer = ranks.get(m)
+        if peer is None:
+            return None   # a member nobody reported yet (still starting, another node not heard from)
+        if peer.entered.get(group, 0) < seq:
+            out.add(m)
+    return frozenset(out)
+
+
+def _clash(rank: int, ranks: Mapping[int, Waiter]) -> str | None:
+    """Why the rank's call can never complete though every member entered it: all still wait there with
+    fingerprints that differ, or one left it after a call that can never pair with the rank's (it will
+    not come back to that number). None: the call may be completing."""
+    for group, seq, members, signature in ranks[rank].waits:
+        others = []
+        for m in members:
+            peer = ranks.get(m)
+            same = [w for w in (peer.waits if peer else ()) if w[0] == group and w[1] == seq]
+            if same:
+                others.append(same[0][3])
+                continue
+            left = next((w[2] for w in (peer.left if peer else ()) if w[0] == group and w[1] == seq), None)
+            if left is not None and _never_pair(signature, left):
+                return (f"certain: rank {rank} waits in {pairing_of(signature)[0]} #{seq}, which rank {m} left "
+                        f"after a call that cannot pair with it")
+            return None   # a member already left the call, as its partner: the call is completing
+        if len(set(others)) > 1:
+            return f"certain: {rank_list(sorted(members))} wait in one call with fingerprints that cannot match"
+    return None
+
+
+def _never_pair(mine: str, theirs: str) -> bool:
+    """Two calls under one number that no backend pairs: creating groups of other members, or creating a
+    group against a collective (a store handshake on one side, the backend's transport on the other).
+    Other differences (shapes, dtypes) may still complete or abort the rank: those are left to the stall."""
+    (op_a, members_a), (op_b, members_b) = pairing_of(mine), pairing_of(theirs)
+    return "new_group" in (op_a, op_b) and (op_a, members_a) != (op_b, members_b)
+
+
+def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHang | None:
+    """Follow what ``root`` waits for; certain when every rank reached is settled and can never move."""
+    seen, todo = {root}, [root]
+    gone: dict[int, str] = {}
+    waiting: list[int] = []
+    clash: str | None = None
+    while todo:
+        r = todo.pop()
+        p = ranks[r]
+        if p.dead or p.finished:
+            gone[r] = "dead" if p.dead else "finished"
+            continue
+        if not p.waits or not p.settled or r in graph.free:
+            graph.free |= {root, r}    # running, or its record may miss a call it made: it may yet arrive
+            return None
+        awaited = graph.waits_for(r)
+        if awaited is None:
+            graph.free |= {root, r}
+            return None
+        if not awaited:
+            clash = graph.clash(r)
+            if clash is None:
+                graph.free |= {root, r}   # every member is in the call: it is completing
+                return None
+        waiting.append(r)
+        for a in sorted(awaited - seen):
+            seen.add(a)
+            todo.append(a)
+    return _verdict(tuple(sorted(seen)), tuple(sorted(waiting)), gone, clash)
+
+
+def _verdict(ranks: tuple[int, ...], waiting: tuple[int, ...], gone: Mapping[int, str], clash: str | None
+             ) -> CertainHang:
+    if clash is not None:
+        return CertainHang(ranks, waiting, "clash", clash)
+    if len(waiting) > 1 and not gone:
+        return CertainHang(ranks, waiting, "cycle", f"certain: {rank_list(waiting)} wait for each other (a cycle)")
+    dead = sorted(r for r, why in gone.items() if why == "dead")
+    finished = sorted(r for r, why in gone.items() if why == "finished")
+    parts = ([f"{rank_list(finished)} finished"] if finished else []) + ([f"{rank_list(dead)} died"] if dead else [])
+    reason = "dead" if dead else "finished"
+    return CertainHang(ranks, waiting, reason, f"certain: {' and '.join(parts)}")
