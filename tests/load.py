@@ -15,7 +15,9 @@ import subprocess
 import sys
 from typing import Iterator
 
-BUSY_LOOP = "import os\nos.nice(0)\nwhile True:\n    pass\n"
+# Ends by itself once its parent is gone (reparented), so a test killed from outside leaves no hog.
+BUSY_LOOP = ("import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
+             "    for _ in range(100_000):\n        pass\n")
 
 
 def default_hogs() -> int:
