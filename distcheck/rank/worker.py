@@ -160,11 +160,12 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
     """One scenario, or several in a row on the same process group (a batched launch).
 
     In a batch every scenario's calls go to their own self-contained part of the
-    trace. The ranks wait for each other before each scenario's body through the
-    c10d store — never through a collective, which would pair with the scenarios'
-    own: a rank still loading the scenario on a loaded node would otherwise miss
-    a crash its peers cause at once (gloo aborts a receiver of the wrong size and
-    the job is torn down before the slow rank records its call).
+    trace, and the ranks wait for each other between scenarios. They also wait for
+    each other right before each scenario's body: a rank still loading the scenario
+    on a loaded node would otherwise miss a crash its peers cause at once (gloo
+    aborts a receiver of the wrong size, and the job is torn down before the slow
+    rank records its call). Both waits go through the c10d store, never through a
+    collective, which would pair with the scenarios' own.
     """
     import torch
     import torch.distributed as dist
@@ -186,7 +187,7 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
                               device=device, seed=args.seed, options=parse_options(args.option))
         ctx.generator = ctx.generator_for(rank)
         torch.manual_seed(args.seed * 100_003 + rank)
-        _wait_for_peers(dist, world, rank, index, args.pg_timeout)
+        _wait_for_peers(dist, world, rank, f"start/{index}", args.pg_timeout)
         started, before = time.time(), tracer.count
         fn(ctx)
         # Lightning's Trainer restores the Python-level handlers it saw at its start at teardown, which
@@ -197,13 +198,14 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
                       "t_start": started, "t_end": time.time()}
         if batch:
             STATUS.update(scenarios=done)
+            _wait_for_peers(dist, world, rank, f"end/{index}", args.pg_timeout)
     return results
 
 
-def _wait_for_peers(dist: Any, world: int, rank: int, index: int, timeout_s: float) -> None:
+def _wait_for_peers(dist: Any, world: int, rank: int, point: str, timeout_s: float) -> None:
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"distcheck/batch/{index}/{rank}", "1")
-    store.wait([f"distcheck/batch/{index}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+    store.set(f"distcheck/batch/{point}/{rank}", "1")
+    store.wait([f"distcheck/batch/{point}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
 
 
 def note_process_group_init() -> None:
