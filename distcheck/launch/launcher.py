@@ -270,29 +270,40 @@ def _survivors_record_first(files: LaunchFiles, exit_codes: dict[int, tuple[int,
     """Hold torch's agent, once it saw a rank fail, until the survivors' records hold what they were in.
     Also fills ``exit_codes`` with every forked rank's (``_forked_exit_codes``).
 
-    The agent stops the other ranks at its next look (every 0.05 s), often before their sidecars wrote
-    the C++-issued call they were waiting in, the very call that explains the failure (DDP's gradient
-    bucket against a peer's logging all_reduce). Each survivor's trace is synced after the failure
-    (by its sidecar's next poll, or by its own failure's flush) within a poll or two: the agent waits
-    for that, at most SURVIVOR_SYNC_S, then stops them as before.
+    The agent's process context stops the other ranks in the very poll (every 0.05 s) that finds a
+    rank failed (``PContext._poll`` calls ``close()``), often before their sidecars wrote the
+    C++-issued call they were waiting in, the very call that explains the failure (DDP's gradient
+    bucket against a peer's logging all_reduce). So ``close()`` after a failure first waits until each
+    survivor's trace is synced after the failure (by its sidecar's next poll, or by its own failure's
+    flush; a poll or two), at most SURVIVOR_SYNC_S, then stops them as before. A close without a
+    failure (every rank finished, Ctrl-C) does not wait.
     """
+    import torch.multiprocessing as mp
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
 
-    original = LocalElasticAgent._monitor_workers
+    original_monitor, original_close = LocalElasticAgent._monitor_workers, PContext.close
 
     def monitor_workers(agent: Any, worker_group: Any) -> Any:
-        result = original(agent, worker_group)
+        result = original_monitor(agent, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             exit_codes.update(_forked_exit_codes(agent, worker_group))
-            _wait_for_synced_records(files, time.time(), SURVIVOR_SYNC_S)
         return result
 
-    LocalElasticAgent._monitor_workers = monitor_workers
+    def close(pcontext: Any, *args: Any, **kwargs: Any) -> None:
+        # SubprocessContext keeps its failures; MultiprocessContext closes while handling the exception
+        failed = getattr(pcontext, "_failures", None) or isinstance(
+            sys.exc_info()[1], (mp.ProcessRaisedException, mp.ProcessExitedException))
+        if failed:
+            _wait_for_synced_records(files, time.time(), SURVIVOR_SYNC_S)
+        original_close(pcontext, *args, **kwargs)
+
+    LocalElasticAgent._monitor_workers, PContext.close = monitor_workers, close
     try:
         yield
     finally:
-        LocalElasticAgent._monitor_workers = original
+        LocalElasticAgent._monitor_workers, PContext.close = original_monitor, original_close
 
 
 def _forked_exit_codes(agent: Any, worker_group: Any) -> dict[int, tuple[int, int]]:
@@ -314,7 +325,8 @@ def _wait_for_synced_records(files: LaunchFiles, since: float, timeout_s: float)
         for path in list(pending):
             rank = int(path.stem.removeprefix("rank"))
             status = files.read_status(rank)
-            done = status is None or not procs.is_alive(status.pid) or status.phase in (Phase.ERROR, Phase.FINISHED)
+            # only a rank in its process group has a sidecar that syncs (one still starting has no calls)
+            done = status is None or not procs.is_alive(status.pid) or status.phase is not Phase.RUNNING
             if done or (synced_at(path) or 0.0) >= since:
                 pending.discard(path)
         time.sleep(0.02)
