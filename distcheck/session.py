@@ -40,7 +40,7 @@ from distcheck.files.launch_dir import LaunchFiles, write_json_atomic
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.options import RunOptions
 from distcheck.scenario import OPTIONAL_LIBRARIES, ScenarioSpec, skip_reason
-from distcheck.text import plural
+from distcheck.text import plural, rank_list
 from distcheck.launch.watchdog import Limits, NodeChannel
 
 LOG_TAIL_LINES = 40
@@ -139,6 +139,9 @@ def judged_across_nodes(spec: Target, options: RunOptions, launch_dir: Path, out
         if not channel.is_leader:
             return ScenarioResult.from_dict(channel.result(timeout_s=timeout_s))
         outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=timeout_s))
+        if channel.lost_nodes:
+            outcome = dataclasses.replace(outcome, records_lost=tuple(
+                r for r in range(options.world_size) if not files.trace(r).exists()))
     result = result_of_launch(spec, options, launch_dir, outcome)
     if channel is not None:
         channel.post_result(result.to_dict())
@@ -214,8 +217,10 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills,
                      command_exit=outcome.command_exit, evidence=outcome.watchdog.evidence,
-                     late_evidence=outcome.watchdog.late_evidence)
+                     late_evidence=outcome.watchdog.late_evidence, records_lost=outcome.records_lost)
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
+                        why_ended=f"the records of {rank_list(outcome.records_lost)} went with their lost node"
+                        if outcome.records_lost else None,
                         # the replay (a subprocess) only where every compute() could finish
                         results=with_metric_reference(run.results, launch_dir)
                         if outcome.end_reason == EndReason.COMPLETED else run.results,

@@ -129,6 +129,11 @@ def test_a_silent_node_counts_as_dead_even_when_nobody_waits_for_it(tmp_path):
         [(rc0, out0, err0), _] = _finish(procs, 120)       # without heartbeats: no end at all
     assert rc0 == 3, out0[-2000:] + err0[-2000:]
     assert "node 1 went silent during node_1_computes_long" in err0
+    [scenario] = json.loads((tmp_path / "node0" / "report.json").read_text())["scenarios"]
+    # Ranks 0 and 1 returned from the all_reduce: ranks 2 and 3 entered it; only their records are lost.
+    [finding] = scenario["findings"]
+    assert "the records of ranks 2, 3 went with their lost node" in finding["summary"], finding
+    assert not finding["waiting_ranks"] and not finding["absent_ranks"]
     assert not survivors(str(tmp_path))
 
 

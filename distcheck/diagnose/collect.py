@@ -110,7 +110,10 @@ def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
 def _another_failed_first(files: LaunchFiles, launch: LaunchOutcome, rank: int) -> bool:
     """Another rank failed on its own (a signal, or an error that is not a reaction to a peer's end).
     torch's launcher then stops the other ranks itself (seen on torch 2.6 and 2.9, not on 2.13): they are
-    that failure's consequence, not ranks that left with code 0 by themselves."""
+    that failure's consequence, not ranks that left with code 0 by themselves. A node lost mid-run took
+    its ranks' ends with it: the first failure may have been one of them (its peers then fail as reactions)."""
+    if launch.records_lost:
+        return True
     for r, failure in launch.failures.items():
         if r == rank:
             continue

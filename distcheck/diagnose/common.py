@@ -39,6 +39,7 @@ class RunFacts:
     command_exit: int | None = None      # ``run -- CMD``: the command's own exit status
     evidence: str | None = None          # why distcheck ended the run ("certain: ranks 1-3 finished")
     late_evidence: Mapping[int, str] | None = None   # rank -> the progress a late rank showed
+    records_lost: tuple[int, ...] = ()   # ranks whose records went with a lost node: what they did is unknown
 
 
 

@@ -45,9 +45,12 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
         if not present:
             continue
         absent = sorted(m for m in members if m not in present)
+        if set(absent) <= set(facts.records_lost) and all(e.completed for e in present.values()):
+            continue   # they returned, so the absent entered it: only their records are missing (a lost node)
         last = {r: seqs[reached[r]][r] for r in absent if reached[r]}
         cause = next((m for m in mismatches if (m.group, m.seq) == (group, seq)), None)
-        findings.append(_hang_finding(group, seq, present, absent, outcomes, last, cause, detected_after))
+        findings.append(_hang_finding(group, seq, present, absent, outcomes, last, cause, detected_after,
+                                      facts.records_lost))
     findings = merge_cycles(findings)
     if facts.evidence:
         findings = [dataclasses.replace(f, summary=f"{f.summary} Decided: {facts.evidence}.",
@@ -124,13 +127,16 @@ def _group_words(group: str | None) -> str:
     return f"group {group}"
 
 
+_LOST = "their records went with their lost node"
+
+
 def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: list[int],
                   outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event], cause: Finding | None,
-                  detected_after: float | None) -> Finding:
+                  detected_after: float | None, records_lost: tuple[int, ...] = ()) -> Finding:
     waiting = sorted(present)
     op = Counter(e.op for e in present.values()).most_common(1)[0][0]
     ref = next(e for _, e in sorted(present.items()) if e.op == op)
-    where = {r: whereabouts(r, outcomes.get(r), last.get(r)) for r in absent}
+    where = {r: _LOST if r in records_lost else whereabouts(r, outcomes.get(r), last.get(r)) for r in absent}
     details = [detail(r, "waiting", present[r], state=outcomes[r].state if r in outcomes else None) for r in waiting]
     details += [RankDetail(rank=r, role="absent", state=outcomes[r].state if r in outcomes else None,
                            where=outcomes[r].where if r in outcomes else None, note=where[r]) for r in absent]
@@ -141,7 +147,8 @@ def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: li
         groups: dict[str, list[int]] = defaultdict(list)
         for r in absent:
             groups[where[r]].append(r)
-        summary += "; " + "; ".join(f"{rank_list(rs)} never entered it ({w})" for w, rs in groups.items())
+        summary += "; " + "; ".join(f"{rank_list(rs)} never entered it ({w})" if w != _LOST else
+                                    f"{rank_list(rs)}: not known ({w})" for w, rs in groups.items())
         summary += ". Every rank must issue the same collectives in the same order: call it on all ranks."
     elif cause is not None:
         summary += (f"; every rank entered it but it never completed, most likely because of the "
@@ -159,8 +166,8 @@ def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: li
 def find_startup_hang(outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
     if facts.end_reason not in (EndReason.STALL, EndReason.TIMEOUT):
         return []
-    starting = sorted(r for r in range(facts.world_size)
-                      if r not in outcomes or outcomes[r].phase in (None, Phase.STARTING))
+    starting = sorted(r for r in range(facts.world_size) if r not in facts.records_lost
+                      and (r not in outcomes or outcomes[r].phase in (None, Phase.STARTING)))
     if not starting:
         return []
     ready = sorted(set(range(facts.world_size)) - set(starting))

@@ -302,6 +302,11 @@ class LaunchChannel:
     def is_leader(self) -> bool:
         return self.config.node_rank == 0
 
+    @property
+    def lost_nodes(self) -> list[int]:
+        """Nodes that went silent before sending this launch's traces (known on node 0 after ``gather``)."""
+        return self.liveness.lost
+
     def publish(self, progress: Mapping[int, RankProgress]) -> None:
         data = {str(r): asdict(p) for r, p in progress.items()}
         self.store.set(f"progress/{self.config.node_rank}", json.dumps(data))
@@ -320,6 +325,11 @@ class LaunchChannel:
                 merged[int(r)] = replace(RankProgress(**p), alive=False) if node in silent \
                     else RankProgress(**p)
         merged.update(local)
+        if silent:
+            # A node can go silent before its watchdog published its ranks (killed right after they
+            # started, its machine lost during the start). torch's rendezvous, not --node-rank, places
+            # ranks on nodes, so the ranks nobody reports are the silent nodes' ones: dead too.
+            merged.update({r: RankProgress(alive=False) for r in range(self.world_size) if r not in merged})
         return merged
 
     def post_decision(self, decision: str, stall_onset: float | None, detected_at: float | None) -> None:

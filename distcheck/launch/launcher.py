@@ -74,6 +74,7 @@ class LaunchOutcome:
     oom_kills: int | None = None          # OOM kills in distcheck's memory cgroup during the launch
     world_size: int | None = None         # ranks found (a command's ranks are counted, not planned)
     command_exit: int | None = None       # ``run -- CMD``: the command's own exit status
+    records_lost: tuple[int, ...] = ()    # ranks whose traces went with a node that went silent
 
 
 _workers_cpp_log_level: str | None = None
