@@ -43,3 +43,16 @@ def test_a_beating_node_whose_ranks_are_not_published_yet_is_waited_for():
     store.add("heartbeat/1", 1)
     merged = channel.everyone(local)
     assert sorted(merged) == [0, 1, 2, 3] and not any(p.dead for p in merged.values())
+
+
+def test_a_node_that_has_not_arrived_yet_is_not_taken_for_a_lost_one():
+    # Node 1 starts late (a SLURM step starting later): no heartbeat yet, however long node 0 waits.
+    # Its ranks are not dead: torch's rendezvous timeout says whether it ever comes.
+    store = HashStore()
+    channel = _channel(store)
+    local = {0: RankProgress(phase=Phase.STARTING), 1: RankProgress(phase=Phase.STARTING)}
+    for _ in range(3):
+        assert sorted(channel.everyone(local)) == [0, 1]
+    store.add("heartbeat/1", 1)                   # it arrives, then beats no more: now it is lost
+    channel.everyone(local)
+    assert [r for r, p in channel.everyone(local).items() if p.dead] == [2, 3]

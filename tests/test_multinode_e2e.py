@@ -12,7 +12,7 @@ import pytest
 
 from conftest import (free_port, kill_tree, listening_sockets, process_groups_initialized, process_tree, survivors,
                       wait_for)
-from distcheck.launch.cluster import check_endpoint_address, node_address, node_config
+from distcheck.launch.cluster import SILENT_AFTER_S, check_endpoint_address, node_address, node_config
 from distcheck.errors import LaunchError, UsageError
 
 pytestmark = pytest.mark.e2e
@@ -135,6 +135,34 @@ def test_a_silent_node_counts_as_dead_even_when_nobody_waits_for_it(tmp_path):
     assert "the records of ranks 2, 3 went with their lost node" in finding["summary"], finding
     assert not finding["waiting_ranks"] and not finding["absent_ranks"]
     assert not survivors(str(tmp_path))
+
+
+def test_a_node_that_starts_later_than_the_silence_limit_still_joins_and_passes(tmp_path):
+    # A node started late (a SLURM step starting later) has sent no heartbeat yet: not a lost node.
+    port = free_port()
+    targets = ["collectives_sanity", "--stall-timeout", "5"]
+    procs = [_node(0, port, tmp_path, *targets)]
+    try:
+        assert procs[0].stdout.readline().startswith("distcheck ")
+        assert "RUN  collectives_sanity" in procs[0].stdout.readline()   # node 0 now waits in the rendezvous
+        # past the silence limit, and the 5 s a stall with dead ranks waits
+        assert not _exited_within(procs[0], SILENT_AFTER_S + 8)
+        procs.append(_node(1, port, tmp_path, *targets))
+    finally:
+        results = _finish(procs, 180)
+    [(rc0, out0, err0), (rc1, out1, err1)] = results
+    assert rc0 == 0, out0[-2000:] + err0[-2000:]
+    assert rc1 == 0, out1[-2000:] + err1[-2000:]
+    assert json.loads((tmp_path / "node0.json").read_text())["scenarios"][0]["ok"]
+    assert not survivors(str(tmp_path))
+
+
+def _exited_within(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def test_losing_node_0_mid_run_stops_the_other_node_at_once_with_a_clear_error(tmp_path):

@@ -269,6 +269,11 @@ class NodeLiveness:
                 out.append(node)
         return out
 
+    def arrived(self, node: int) -> bool:
+        """Whether ``node``'s distcheck has beaten at least once (as of the last ``silent``): one that never did
+        has not joined yet (a node started late); torch's rendezvous timeout, not silence, tells if it never will."""
+        return self._seen[node][0] > 0
+
 
 def wait_for_keys(store: Any, keys: list[str], timeout_s: float, poll_s: float = 0.1) -> bool:
     """Wait until every key is set, polling: Python runs signal handlers only between C
@@ -297,6 +302,7 @@ class LaunchChannel:
         self.world_size = world_size
         self.liveness = liveness
         self._nodes = [f"progress/{n}" for n in range(config.nnodes)]
+        self._gathered: list[int] = []   # the nodes whose bundles node 0 got: they wait for its result
 
     @property
     def is_leader(self) -> bool:
@@ -325,7 +331,7 @@ class LaunchChannel:
                 merged[int(r)] = replace(RankProgress(**p), alive=False) if node in silent \
                     else RankProgress(**p)
         merged.update(local)
-        if silent:
+        if any(self.liveness.arrived(n) for n in silent):
             # A node can go silent before its watchdog published its ranks (killed right after they
             # started, its machine lost during the start). torch's rendezvous, not --node-rank, places
             # ranks on nodes, so the ranks nobody reports are the silent nodes' ones: dead too.
@@ -353,7 +359,8 @@ class LaunchChannel:
         """Node 0: every other node's bundle, written into this launch's directory.
 
         A node whose distcheck went silent (killed, its machine gone) is not waited for:
-        it is added to ``liveness.lost`` and its ranks are left without traces.
+        it is added to ``liveness.lost`` and its ranks are left without traces. Nor is one that
+        never arrived (Ctrl-C while the rendezvous waited for it), which is not lost.
         """
         deadline = time.monotonic() + timeout_s
         pending = list(range(1, self.config.nnodes))
@@ -366,11 +373,13 @@ class LaunchChannel:
                 raise LaunchError(f"node(s) {', '.join(map(str, pending))} sent no traces within {timeout_s:g} s",
                                   "check that distcheck is still running there")
             wait_for_keys(self.store, [f"bundle/{n}" for n in pending], min(1.0, timeout_s))
-        self.liveness.lost = sorted(set(self.liveness.lost) | set(pending))
+        # A pending node that never beat never joined (the launch ended while it was awaited): no records are lost.
+        self.liveness.lost = sorted(set(self.liveness.lost) | {n for n in pending if self.liveness.arrived(n)})
         summaries = []
         for node in range(1, self.config.nnodes):
-            if node in self.liveness.lost:
+            if node in pending:
                 continue
+            self._gathered.append(node)
             bundle = json.loads(self.store.get(f"bundle/{node}"))
             for rel, data in bundle["files"].items():
                 path = files.root / rel
@@ -383,8 +392,7 @@ class LaunchChannel:
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
         """Publish the verdict, then stay until every live node has read it: the store ends with node 0."""
         self.store.set("result", json.dumps(result))
-        readers = [n for n in range(1, self.config.nnodes) if n not in self.liveness.lost]
-        wait_for_keys(self.store, [f"read/{n}" for n in readers], timeout_s)
+        wait_for_keys(self.store, [f"read/{n}" for n in self._gathered], timeout_s)
         # (a node that went away says so itself)
 
     def result(self, timeout_s: float) -> dict[str, Any]:
