@@ -146,7 +146,7 @@ def test_a_node_that_starts_later_than_the_silence_limit_still_joins_and_passes(
         assert procs[0].stdout.readline().startswith("distcheck ")
         assert "RUN  collectives_sanity" in procs[0].stdout.readline()   # node 0 now waits in the rendezvous
         # past the silence limit, and the 5 s a stall with dead ranks waits
-        assert not _exited_within(procs[0], SILENT_AFTER_S + 8)
+        assert not wait_for(lambda: procs[0].poll() is not None, SILENT_AFTER_S + 8)
         procs.append(_node(1, port, tmp_path, *targets))
     finally:
         results = _finish(procs, 180)
@@ -155,14 +155,6 @@ def test_a_node_that_starts_later_than_the_silence_limit_still_joins_and_passes(
     assert rc1 == 0, out1[-2000:] + err1[-2000:]
     assert json.loads((tmp_path / "node0.json").read_text())["scenarios"][0]["ok"]
     assert not survivors(str(tmp_path))
-
-
-def _exited_within(proc: subprocess.Popen, seconds: float) -> bool:
-    try:
-        proc.wait(timeout=seconds)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
 
 
 def test_losing_node_0_mid_run_stops_the_other_node_at_once_with_a_clear_error(tmp_path):
