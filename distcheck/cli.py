@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import shlex
-import signal
+import os
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Optional
 
-import typer
-from rich.console import Console
+from distcheck import interrupt
 
-from distcheck import __version__
-from distcheck.errors import DistcheckError, ExitCode, UsageError
-from distcheck.models import EndReason, Report
+if os.path.basename(sys.argv[0]) == "distcheck":   # the console script: Ctrl-C honoured before the imports below
+    interrupt.install()
+
+import shlex  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Optional  # noqa: E402
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from distcheck import __version__  # noqa: E402
+from distcheck.errors import DistcheckError, ExitCode, UsageError  # noqa: E402
+from distcheck.models import EndReason, Report  # noqa: E402
 
 if TYPE_CHECKING:
     from distcheck.discovery import Target
@@ -52,10 +58,6 @@ def _console(json_path: str | None) -> Console:
     return Console(stderr=json_path == "-", highlight=False, width=None if stream.isatty() else 140)
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 @app.command(epilog=EXIT_CODES_HELP)
 def run(
     targets: list[str] = typer.Argument(None, help="Built-in scenario names, scenario files or folders (none: all built-ins)."),
@@ -83,7 +85,7 @@ def run(
     master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port with --master-addr (default 29500)."),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address, where its stores listen (default: the one it reaches the endpoint from)."),
     store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
-    min_busbw: Optional[float] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor."),
+    min_busbw: Optional[str] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor: one number for every op, or per op (all_reduce=10,all_gather=8)."),
     option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
     flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
     isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
@@ -114,7 +116,8 @@ def run(
 
 
 def _run_live(specs: list[Target], options: RunOptions, console: Console, verbose: bool) -> Report:
-    """``session.run_targets`` under the live view; SIGTERM ends it like Ctrl-C (a report is still written)."""
+    """``session.run_targets`` under the live view; SIGTERM ends it like Ctrl-C (``distcheck.interrupt``:
+    a report is still written)."""
     from distcheck.report.live import LiveView
     from distcheck.session import RunHooks, run_targets
 
@@ -133,12 +136,8 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
     view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
                      on_poll=view.on_poll, note=view.note)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        with view:
-            return run_targets(specs, options, hooks)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with view:
+        return run_targets(specs, options, hooks)
 
 
 def _print_run_end(report: Report, options: RunOptions, console: Console) -> None:
@@ -319,10 +318,11 @@ def env_cmd(
 
 def main() -> None:
     """Entry point: one error boundary mapping known failures to a line and an exit code."""
-    from distcheck.session import prepare_process
-
-    prepare_process()
+    interrupt.install()   # again: a caller that imported distcheck.cli itself (its argv is not 'distcheck')
     try:
+        from distcheck.session import prepare_process
+
+        prepare_process()
         code = app(standalone_mode=False)   # returns the typer.Exit code instead of exiting
         sys.exit(code if isinstance(code, int) else 0)
     except DistcheckError as exc:
@@ -333,7 +333,7 @@ def main() -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        Console(stderr=True).print("distcheck: interrupted")
+        sys.stderr.write("distcheck: interrupted\n")
         sys.exit(int(ExitCode.INTERRUPTED))
     except Exception as exc:
         # click's usage errors (typer vendors click) arrive here with standalone_mode=False

@@ -71,7 +71,7 @@ class RunFlags:
     master_port: int | None = None
     local_addr: str | None = None
     store_port: int | None = None
-    min_busbw: float | None = None
+    min_busbw: str | None = None      # GB/s, or OP=GB/s,... (bandwidth.parse_floors)
     option: tuple[str, ...] = ()     # KEY=VALUE
     flight_recorder: bool | None = None
     isolate: bool = False
@@ -127,7 +127,7 @@ def run_options(flags: RunFlags, nodes: NodeConfig) -> RunOptions:
     )
 
 
-def scenario_options(pairs: tuple[str, ...] | list[str], min_busbw: float | None) -> tuple[tuple[str, str], ...]:
+def scenario_options(pairs: tuple[str, ...] | list[str], min_busbw: str | None) -> tuple[tuple[str, str], ...]:
     options = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -135,7 +135,12 @@ def scenario_options(pairs: tuple[str, ...] | list[str], min_busbw: float | None
             raise UsageError(f"--option needs KEY=VALUE (got {pair!r})")
         options.append((key, value))
     if min_busbw is not None:
-        positive("--min-busbw", min_busbw)
+        from distcheck.bandwidth import parse_floors
+
+        try:
+            parse_floors(min_busbw)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         options.append(("min_busbw", str(min_busbw)))
     return tuple(options)
 

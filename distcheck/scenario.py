@@ -190,13 +190,18 @@ class ScenarioContext:
         """Record which sample ids this rank evaluated (duplicates/missing analysis)."""
         self.samples.append(SampleRecord(dataset, int(dataset_size), [int(i) for i in ids], note))
 
-    def report_table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
-        """A table for the report (e.g. bandwidth per message size); rank 0's is shown."""
-        self.tables.append({"title": title, "columns": list(columns), "rows": [list(r) for r in rows]})
+    def report_table(self, title: str, columns: list[str], rows: list[list[Any]],
+                     records: list[dict[str, Any]] | None = None) -> None:
+        """A table for the report (e.g. bandwidth per message size); rank 0's is shown. ``records``: the
+        same results with named fields and full precision, for the JSON report."""
+        table = {"title": title, "columns": list(columns), "rows": [list(r) for r in rows]}
+        self.tables.append({**table, "records": list(records)} if records is not None else table)
 
-    def require(self, name: str, ok: bool, summary: str, **data: Any) -> bool:
-        """A health requirement of this node (e.g. a bandwidth floor); a failed one is a `health` finding."""
-        self.requirements.append({"name": name, "ok": bool(ok), "summary": summary, "data": data})
+    def require(self, name: str, ok: bool, summary: str, severity: str = "error", **data: Any) -> bool:
+        """A health requirement of this node (e.g. a bandwidth floor); a failed one is a `health` finding
+        of ``severity`` (an "info" one is shown, but does not fail the scenario)."""
+        self.requirements.append({"name": name, "ok": bool(ok), "summary": summary, "severity": severity,
+                                  "data": data})
         return bool(ok)
 
     def results(self) -> dict[str, Any]:

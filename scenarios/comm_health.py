@@ -1,77 +1,143 @@
-"""Node communication health: correctness and bus bandwidth of the main collectives per message size."""
+"""The node check: every collective's results and bus bandwidth per message size, as nccl-tests reports
+them, and each ordered pair's send/recv bandwidth, with the slow rank or link named.
+
+--option keys (nccl-tests' flag in brackets): min_bytes [-b], max_bytes [-e], step_factor [-f],
+iters [-n], warmup [-w], check [-c], average [-a], ops (comma-separated), pair_bytes, pair_rounds,
+pairs (0: no pairwise matrix), slow_ratio, slow_link_fails (1: a slow link fails the
+node on CPU tensors too). Fault injection, to see the slow-link finding:
+inject_slow_send_rank=R makes rank R sleep inject_slow_send_ms (default 20) before each pairwise send.
+"""
 
 from distcheck import scenario
 
-# float32 elements per message: 4 KiB, 256 KiB, 4 MiB
-SIZES = (1 << 10, 1 << 16, 1 << 20)
-WARMUP, ITERS = 2, 5
-# nccl-tests' bus bandwidth factors: what each rank's links carry relative to the message
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
+# Defaults: nccl-tests' -w 5 -n 20, swept to 1 GiB where the links plateau; on CPU tensors a short
+# sweep, because the check runs in the default catalogue.
+GPU = {"min_bytes": 64, "max_bytes": 1 << 30, "step_factor": 4, "warmup": 5, "iters": 20, "pair_bytes": 64 << 20}
+CPU = {"min_bytes": 4 << 10, "max_bytes": 1 << 20, "step_factor": 16, "warmup": 1, "iters": 5, "pair_bytes": 1 << 20}
 
 
-def _run(op, n, rank, count, dev):
-    import torch
-    import torch.distributed as dist
+def _settings(ctx) -> dict:
+    from distcheck import bandwidth
 
-    if op == "all_reduce":
-        t = torch.full((count,), float(rank + 1), device=dev)
-        dist.all_reduce(t)
-        return bool((t == n * (n + 1) / 2).all())
-    if op == "all_gather":
-        out = torch.empty(count * n, device=dev)
-        dist.all_gather_into_tensor(out, torch.full((count,), float(rank), device=dev))
-        return bool((out.view(n, count) == torch.arange(n, device=dev).view(n, 1).float()).all())
-    t = torch.full((count,), float(rank), device=dev)
-    dist.broadcast(t, src=0)
-    return bool((t == 0).all())
-
-
-def _time(op, n, rank, count, dev):
-    """Seconds per call on the slowest rank (what every rank waits for), and whether results were right."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    ok = all(_run(op, n, rank, count, dev) for _ in range(WARMUP))
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(ITERS):
-        ok &= _run(op, n, rank, count, dev)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    per_call = torch.tensor([(time.perf_counter() - start) / ITERS])
-    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
-    return per_call.item(), ok
+    o = {**(GPU if ctx.device.type == "cuda" else CPU), **ctx.options}
+    ops = [op.strip() for op in str(o.get("ops", ",".join(bandwidth.OPS))).split(",") if op.strip()]
+    for op in ops:
+        bandwidth.bus_factor(op, 2)   # an unknown op: one clear error before anything runs
+    return {
+        "sizes": bandwidth.sweep(bandwidth.parse_size(o["min_bytes"]), bandwidth.parse_size(o["max_bytes"]),
+                                 float(o["step_factor"])),
+        "warmup": int(o["warmup"]), "iters": max(1, int(o["iters"])), "check": bool(int(o.get("check", 1))),
+        "average": int(o.get("average", 1)), "ops": ops,
+        "pair_count": bandwidth.parse_size(o["pair_bytes"]) // 4, "pair_rounds": int(o.get("pair_rounds", 3)),
+        "pairs": bool(int(o.get("pairs", 1))), "slow_ratio": float(o.get("slow_ratio", 0.7)),
+        "slow_rank": int(o["inject_slow_send_rank"]) if "inject_slow_send_rank" in o else None,
+        "slow_s": float(o.get("inject_slow_send_ms", 20)) / 1e3,
+        "floors": bandwidth.parse_floors(o["min_busbw"]) if "min_busbw" in o else {},
+    }
 
 
-@scenario(expect="pass")
-def comm_health(ctx):
-    """Checks all_reduce, all_gather and broadcast results and measures their bus bandwidth per message
-    size (nccl-tests' formulas); --min-busbw GB/s fails the node below a floor."""
+def _placement(op, c, seconds, wrong, n, check) -> dict:
+    from distcheck import bandwidth
+    from distcheck.rank.sweep import ELEMENT_SIZE
+
+    return {"time_us": seconds * 1e6, "algbw": bandwidth.algbw(op, c.param, ELEMENT_SIZE, seconds, n),
+            "busbw": bandwidth.busbw(op, c.param, ELEMENT_SIZE, seconds, n), "wrong": wrong if check else None}
+
+
+def _sweep(ctx, s) -> list[dict]:
+    """One record per op and size: nccl-tests' columns, out-of-place and in-place."""
+    from distcheck import bandwidth
+    from distcheck.rank import sweep
+
     n, rank, dev = ctx.world_size, ctx.rank, ctx.device
-    rows, worst = [], {}
-    for count in SIZES:
-        nbytes = count * 4
-        for op, factor in BUS_FACTOR.items():
-            seconds, ok = _time(op, n, rank, count, dev)
-            algbw = nbytes / seconds / 1e9
-            busbw = algbw * factor(n)
-            rows.append([nbytes, count, op, round(seconds * 1e6, 1), round(algbw, 3), round(busbw, 3),
-                         "ok" if ok else "WRONG"])
-            ctx.require(f"{op} correct at {nbytes} B", ok, f"{op} of {nbytes} bytes returned wrong values")
-            if count == SIZES[-1]:
-                worst[op] = busbw
+    records = []
+    for op in s["ops"]:
+        if op == "sendrecv" and n < 2:
+            continue   # torch cannot send to its own rank
+        for size in s["sizes"]:
+            c = bandwidth.counts(op, size, sweep.ELEMENT_SIZE, n)
+            if c.param == 0:
+                continue   # fewer elements than ranks: nothing to split
+            record = {"op": op, "size": bandwidth.size_column(c, sweep.ELEMENT_SIZE), "count": c.param,
+                      "type": sweep.TYPE_NAME, "redop": bandwidth.redop(op), "root": bandwidth.root(op),
+                      "out_of_place": None, "in_place": None}
+            for placement in sweep.PLACEMENTS[op]:
+                call = sweep.build(op, placement == "in", c, rank, n, dev)
+                t = sweep.measure(call, s["warmup"], s["iters"], dev, s["average"], s["check"])
+                record["in_place" if placement == "in" else "out_of_place"] = _placement(
+                    op, c, t.seconds, t.wrong, n, s["check"])
+                where = "in place" if placement == "in" else "out of place"
+                ctx.require(f"{op} {where} correct at {record['size']} B", t.wrong == 0,
+                            f"{op} ({where}) of {record['size']} bytes returned {t.wrong} wrong elements",
+                            op=op, wrong=t.wrong)
+            records.append(record)
+    return records
+
+
+def _g(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def _cells(p) -> list:
+    if p is None:
+        return ["-"] * 4
+    return [round(p["time_us"], 1), _g(p["algbw"]), _g(p["busbw"]), "n/a" if p["wrong"] is None else p["wrong"]]
+
+
+def _floors(ctx, records, floors) -> None:
+    """--min-busbw: each op's busbw at its largest size (out of place where torch has it)."""
+    from distcheck import bandwidth
+
+    for op in dict.fromkeys(r["op"] for r in records):
+        floor = bandwidth.floor_of(floors, op)
+        if floor is None:
+            continue
+        last = [r for r in records if r["op"] == op][-1]
+        busbw = (last["out_of_place"] or last["in_place"])["busbw"]
+        ctx.require(f"{op} busbw", busbw >= floor,
+                    f"{op} bus bandwidth {busbw:.3g} GB/s at {last['size']} bytes is below the --min-busbw "
+                    f"floor of {floor:g} GB/s", op=op, busbw=busbw, floor=floor, size=last["size"])
+
+
+def _pairs(ctx, s) -> None:
+    """The pairwise send/recv matrix, and a requirement on each rank named by a slow link."""
+    from distcheck.diagnose.links import slow_links
+    from distcheck.rank import sweep
+
+    n = ctx.world_size
+    matrix = sweep.pair_matrix(s["pair_count"], s["warmup"], s["iters"], ctx.device, s["pair_rounds"],
+                               s["slow_rank"], s["slow_s"])
+    size = s["pair_count"] * sweep.ELEMENT_SIZE
     ctx.report_table(
-        f"Bus bandwidth ({ctx.backend}, {n} ranks, {dev.type})",
-        ["size (B)", "count", "op", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows)
-    floor = ctx.options.get("min_busbw")
-    if floor is not None:
-        for op, busbw in worst.items():
-            ctx.require(f"{op} busbw", busbw >= floor,
-                        f"{op} bus bandwidth {busbw:.3f} GB/s at {SIZES[-1] * 4} bytes is below the "
-                        f"--min-busbw floor of {floor:g} GB/s", op=op, busbw=busbw, floor=floor)
+        f"Send/recv per ordered pair (GB/s, {size} B, {n} ranks): row sends, column receives",
+        ["from \\ to"] + [str(d) for d in range(n)],
+        [[src] + ["-" if src == dst else _g(matrix[src, dst]) for dst in range(n)] for src in range(n)],
+        records=[{"src": src, "dst": dst, "bytes": size, "gbps": gbps} for (src, dst), gbps in matrix.items()])
+    # On CPU tensors a "link" is loopback on shared cores: it measures the scheduler, so a slow one is
+    # shown (info) but fails the node only when asked (slow_link_fails=1); on GPUs it is a real link.
+    fails = bool(int(ctx.options.get("slow_link_fails", ctx.device.type == "cuda")))
+    for link in slow_links(matrix, s["slow_ratio"]):
+        if ctx.rank in link.ranks:
+            ctx.require(f"slow link {link.kind} {'->'.join(map(str, link.ranks))}", False, link.describe(),
+                        severity="error" if fails else "info", link=link.kind, ranks=list(link.ranks), gbps=link.gbps, reference_gbps=link.reference_gbps)
+
+
+@scenario(expect="pass", min_world_size=1)
+def comm_health(ctx):
+    """The node check, as nccl-tests measures it: every collective's results (#wrong) and bus bandwidth
+    per message size, out of place and in place, and each ordered pair's send/recv bandwidth with the
+    slow rank or link named; --min-busbw [OP=]GB/s fails the node below a floor."""
+    from distcheck.rank.sweep import AVERAGE
+
+    s = _settings(ctx)
+    records = _sweep(ctx, s)
+    ctx.report_table(
+        f"Bus bandwidth ({ctx.backend}, {ctx.world_size} ranks, {ctx.device.type}; time in us, "
+        f"{AVERAGE[s['average']]} over ranks; algbw and busbw in GB/s)",
+        ["op", "size", "count", "type", "redop", "root", "oop time", "oop algbw", "oop busbw", "oop #wrong",
+         "ip time", "ip algbw", "ip busbw", "ip #wrong"],
+        [[r["op"], r["size"], r["count"], r["type"], r["redop"], r["root"], *_cells(r["out_of_place"]),
+          *_cells(r["in_place"])] for r in records], records=records)
+    _floors(ctx, records, s["floors"])
+    if s["pairs"] and ctx.world_size >= 2:
+        _pairs(ctx, s)

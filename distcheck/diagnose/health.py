@@ -19,7 +19,7 @@ def health_findings(results: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
     for name, by_rank in failed.items():
         first = by_rank[min(by_rank)]
         findings.append(Finding(
-            kind="health", severity="error", odd_ranks=tuple(sorted(by_rank)),
+            kind="health", severity=first.get("severity", "error"), odd_ranks=tuple(sorted(by_rank)),
             summary=f"{first['summary']} (reported by {rank_list(by_rank)})",
             data={"requirement": name, **first.get("data", {})},
         ))

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.models import Finding, RankOutcome, Report, ScenarioResult
+from distcheck.report.health_table import bandwidth_table, is_bandwidth_table
 from distcheck.text import rank_list, short_path
 from distcheck.torch_features import describe
 
@@ -103,6 +104,8 @@ def finding_block(finding: Finding) -> Group:
 
 def scenario_table(table: dict) -> Table:
     """A table the scenario reported (e.g. bus bandwidth per size), as nccl-tests prints it."""
+    if is_bandwidth_table(table):
+        return bandwidth_table(table)
     out = Table(title=table["title"], title_justify="left", box=None, padding=(0, 2), header_style="dim")
     for column in table["columns"]:
         out.add_column(column, justify="left" if column in ("op", "result") else "right")
