@@ -2,6 +2,11 @@
 per dataset, with the likely cause in plain words; and how much of the
 dataset a pass cut short covered. Pure.
 
+Repeated or missing samples are an error only where they reach a result compared or
+reported across ranks: a pass whose samples no collective consumed, a training pass
+(DDP's gradient reduction during it), and padding accelerate's ``gather_for_metrics``
+drops again are said as ``info``.
+
 A pass cut short (``complete: false`` on some rank) still counts for overlap
 between ranks: two ranks drawing the same sample is a duplicate however far
 the pass got. Samples it never drew are not "missed": they are its coverage.
@@ -13,19 +18,72 @@ import math
 from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
-from distcheck.models import Finding
+from distcheck.models import Event, Finding
 from distcheck.text import id_list, plural
 
 
-def find_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Finding]:
-    """Samples counted more than once or never, per dataset, with the likely cause in plain words."""
+ACCELERATE_REMOVES = "gather_for_metrics"   # accelerate's gather that drops even_batches' padding again
+
+
+def find_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int,
+                    traces: Mapping[int, Sequence[Event]] | None = None) -> list[Finding]:
+    """Samples counted more than once or never, per dataset, with the likely cause in plain words.
+
+    An error only where they reach a result compared or reported across ranks (``_use_of``); a
+    training pass's padding, padding a gather_for_metrics drops again, and a pass no collective
+    consumed are an ``info`` line.
+    """
     per_dataset, sizes, partial = _passes(results)
+    records = _records(results)
     findings = []
     for dataset, by_rank in per_dataset.items():
-        f = _sample_finding(dataset, sizes[dataset], by_rank, world_size, partial=dataset in partial)
+        use = _use_of(records[dataset], results, traces)
+        f = _sample_finding(dataset, sizes[dataset], by_rank, world_size, partial=dataset in partial,
+                            use=use, sampler=_sampler_of(records[dataset]))
         if f is not None:
             findings.append(f)
     return findings
+
+
+def _records(results: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, dict]]:
+    out: dict[str, dict[int, dict]] = defaultdict(dict)
+    for rank, res in sorted(results.items()):
+        for rec in res.get("samples", ()):
+            out[rec["dataset"]][rank] = rec
+    return out
+
+
+def _sampler_of(recs: Mapping[int, Mapping[str, Any]]) -> str | None:
+    names = {r.get("sampler") for r in recs.values()} - {None}
+    return names.pop() if len(names) == 1 else None
+
+
+def _use_of(recs: Mapping[int, Mapping[str, Any]], results: Mapping[int, Mapping[str, Any]],
+            traces: Mapping[int, Sequence[Event]] | None) -> str | None:
+    """What the pass's samples fed, from the collectives each rank issued from the pass's start until
+    its next pass: ``training`` (C++-issued calls during it: DDP's gradient reduction, or Lightning's
+    training stage), ``removed`` (accelerate's gather_for_metrics), ``unused`` (no collective: nothing
+    crossed ranks), ``compared`` (a collective took them); None: not recorded (a scenario's own record)."""
+    if traces is None or any("t_start" not in r for r in recs.values()):
+        return None
+    if any(r.get("stage") == "training" for r in recs.values()):
+        return "training"
+    window = [e for rank, rec in recs.items() for e in _window(rank, rec, results, traces)]
+    if not window:
+        return "unused"
+    if any(e.native for e in window):
+        return "training"
+    if any(ACCELERATE_REMOVES in (e.library_callsite or "") + (e.label or "") + (e.callsite or "") for e in window):
+        return "removed"
+    return "compared"
+
+
+def _window(rank: int, rec: Mapping[str, Any], results: Mapping[int, Mapping[str, Any]],
+            traces: Mapping[int, Sequence[Event]]) -> list[Event]:
+    start = rec["t_start"]
+    later = [r["t_start"] for r in results.get(rank, {}).get("samples", ()) if r.get("t_start", 0) > start]
+    end = min(later, default=math.inf)
+    return [e for e in traces.get(rank, ()) if start <= e.t_enter < end]
 
 
 def _passes(results: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict[str, int], dict[str, dict[int, dict]]]:
@@ -110,7 +168,7 @@ def _times(n: int) -> str:
 
 
 def _sample_cause(size: int, by_rank: Mapping[int, Sequence[int]], world_size: int,
-                  acc: Mapping[str, Any]) -> tuple[str, str]:
+                  acc: Mapping[str, Any], sampler: str | None = None) -> tuple[str, str]:
     """(why samples were duplicated or missed, what to do about it), in plain words."""
     ranks = sorted(by_rank)
     duplicated, missing, total = acc["duplicated"], acc["missing"], acc["total"]
@@ -121,40 +179,62 @@ def _sample_cause(size: int, by_rank: Mapping[int, Sequence[int]], world_size: i
                 "shard it with a DistributedSampler (Lightning: keep use_distributed_sampler=True)")
     padded_to = math.ceil(size / world_size) * world_size
     if duplicated and not missing and total == padded_to and padded_to > size:
-        return (f"DistributedSampler padded {size} samples to {padded_to} for {world_size} ranks by repeating "
+        return (f"{_padder(sampler)} padded {size} samples to {padded_to} for {world_size} ranks by repeating "
                 f"{plural(padded_to - size, 'sample')}",
                 "shard evaluation data without padding (an unrepeated sampler), or use drop_last=True where "
                 "losing samples is acceptable")
     if missing and not duplicated and total == (size // world_size) * world_size:
         return (f"DistributedSampler(drop_last=True) dropped {plural(len(missing), 'sample')} so that "
                 f"{world_size} ranks get equal shards", "evaluate with an unrepeated sampler instead")
+    if duplicated and sampler and sampler.startswith("accelerate."):
+        return (f"{_padder(sampler)} repeated samples so that every rank gets full batches (even_batches=True)",
+                "gather evaluation results with accelerator.gather_for_metrics, which drops the repeats")
     if duplicated:
         return "the ranks' shards overlap", "give every rank a disjoint shard"
     return "the ranks' shards do not cover the dataset", "make the shards cover every sample"
 
 
+def _padder(sampler: str | None) -> str:
+    """The sampler's class name for a sentence, with accelerate's named as accelerate's."""
+    if not sampler:
+        return "DistributedSampler"
+    name = sampler.rsplit(".", 1)[-1]
+    return f"accelerate's {name}" if sampler.startswith("accelerate.") else name
+
+
+# Why repeated or missing samples that reach no compared result are only an info line.
+_HARMLESS = {
+    "training": "this is a training pass: repeated samples only weigh a few gradients twice",
+    "removed": "accelerate's gather_for_metrics drops the repeats again before the result",
+    "unused": ("no collective consumed this pass, so nothing of it was compared or reported across ranks "
+               "(a loop every rank runs over the data on its own is no unsharded evaluation)"),
+}
+
+
 def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]], world_size: int,
-                    partial: bool = False) -> Finding | None:
+                    partial: bool = False, use: str | None = None, sampler: str | None = None) -> Finding | None:
     acc = sample_accounting(size, by_rank)
     if partial:   # a cut pass never drew the rest: not "never seen", only its coverage (find_partial_coverage)
         acc["missing"] = []
     duplicated, missing = acc["duplicated"], acc["missing"]
     if not duplicated and not missing:
         return None
-    cause, fix = _sample_cause(size, by_rank, world_size, acc)
+    cause, fix = _sample_cause(size, by_rank, world_size, acc, sampler)
     counted = _how_counted(duplicated, missing)
     shown = ", ".join(f"id {i} (ranks {', '.join(map(str, rs))})" for i, rs in list(duplicated.items())[:10])
     same_everywhere = cause.startswith("every rank evaluated")
     # Who saw which duplicate — unless it is "everyone saw everything", which the cause already says.
     detail = f" — {shown}" + (", ..." if len(duplicated) > 10 else "") if duplicated and not same_everywhere else ""
-    summary = f"Dataset {dataset!r} ({plural(size, 'sample')}): {counted}{detail}; because {cause}. Fix: {fix}."
+    harmless = _HARMLESS.get(use or "")
+    summary = f"Dataset {dataset!r} ({plural(size, 'sample')}): {counted}{detail}; because {cause}. " + \
+        (f"No harm: {harmless}." if harmless else f"Fix: {fix}.")
     extra = acc["total"] - len(acc["counts"])   # draws beyond the first of each sample
     return Finding(
-        kind="duplicates", severity="error", summary=summary,
+        kind="duplicates", severity="info" if harmless else "error", summary=summary,
         odd_ranks=tuple(sorted({r for rs in duplicated.values() for r in rs})),
         data={"dataset": dataset, "dataset_size": size, "duplicated": {str(i): rs for i, rs in duplicated.items()},
               "missing": missing, "extra": extra, "cause": cause, "counted": counted,
-              "same_on_every_rank": same_everywhere, "partial_pass": partial,
+              "same_on_every_rank": same_everywhere, "partial_pass": partial, "use": use, "sampler": sampler,
               "per_rank": {str(r): sorted(ids) for r, ids in sorted(by_rank.items())}},
     )
 

@@ -49,7 +49,7 @@ OPS: dict[str, OpSpec] = {
                                 extra=("output", "input", "output_split_sizes", "input_split_sizes")),
     "barrier": OpSpec(),
     "monitored_barrier": OpSpec(),
-    "new_group": OpSpec(extra=("ranks",)),
+    "new_group": OpSpec(extra=("ranks", "use_local_synchronization")),
     "send": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
     "isend": OpSpec(tensors=("tensor",), root="dst", group_root="group_dst", p2p="send"),
     "recv": OpSpec(tensors=("tensor",), root="src", group_root="group_src", p2p="recv"),
@@ -62,7 +62,40 @@ ASYNC_BY_NATURE = {"isend", "irecv"}
 MULTI_SEQ = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
              "monitored_barrier"}          # several collectives inside (sizes, then data)
 UNCOUNTED = {"new_group"}                  # no collective at all: numbered in a sequence of their own
-NEW_GROUP_KEY = "new_group"
+NEW_GROUP_KEY = "new_group"                # the job-wide sequence of plain new_group calls
+LOCAL_GROUP_PREFIX = "new_group@"          # new_group(ranks, use_local_synchronization=True): one per rank set
+NOT_A_MEMBER = LOCAL_GROUP_PREFIX + "-"    # such a call made by a rank it does not name (a no-op in torch)
+MAX_NAMED_RANKS = 16
+
+
+def new_group_sequence(extra: tuple | None, rank: int, world: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """(sequence, its ranks) a new_group call is numbered in.
+
+    A plain ``new_group`` must be entered by every rank of the job, in the same order (torch names
+    the group by a job-wide counter): one sequence over the world, compared across every rank. With
+    ``use_local_synchronization=True`` only the ranks it names take part, and torch names the group by
+    those ranks: its calls are numbered among those ranks alone, so disjoint sets (``[0, 1]`` on ranks 0
+    and 1, ``[2, 3]`` on ranks 2 and 3) are never compared with each other. A rank that is not among
+    them gets ``None`` back without any exchange: a sequence of its own, compared with no one.
+    """
+    if not extra or len(extra) < 2 or not extra[1]:
+        return NEW_GROUP_KEY, world
+    try:
+        ranks = tuple(sorted(int(r) for r in extra[0])) if extra[0] is not None else world
+    except Exception:   # an argument the call itself will reject: number it with the plain ones
+        return NEW_GROUP_KEY, world
+    if rank not in ranks:
+        return NOT_A_MEMBER, (rank,)
+    return local_group_key(ranks), ranks
+
+
+def local_group_key(ranks: tuple[int, ...]) -> str:
+    """A readable name for a rank set: every rank up to 16 of them, else the ends and a digest."""
+    if len(ranks) <= MAX_NAMED_RANKS:
+        return LOCAL_GROUP_PREFIX + ",".join(map(str, ranks))
+    import hashlib
+    digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:8]
+    return f"{LOCAL_GROUP_PREFIX}{ranks[0]}..{ranks[-1]}#{digest}"
 
 
 def reduce_op_name(op: Any) -> str:
@@ -123,7 +156,7 @@ def extra_fields(name: str, extra: tuple | None, pg: Any) -> tuple[tuple | None,
         return None, None
     try:
         if name == "new_group":
-            ranks = extra[0]
+            ranks = extra[0]   # extra[1]: use_local_synchronization, read by new_group_sequence
             return None, tuple(sorted(int(r) for r in ranks)) if ranks is not None else tuple(range(pg.size()))
         if name == "all_to_all":
             out, inp = extra
