@@ -47,7 +47,7 @@ def analyze(
                                     outcomes=outcomes)
     timeout = find_timeout(outcomes, facts, crashes + hangs)
     results = results or {}
-    duplicates = find_duplicates(results, facts.world_size)
+    duplicates = find_duplicates(results, facts.world_size, traces)
     numeric = explain_numbers(find_numeric(results), duplicates, [m for m in mismatches if m.kind == "order"])
     finished = frozenset(r for r, o in outcomes.items() if o.state == RankState.FINISHED) if outcomes else None
     numeric += find_metric_results(results, finished)   # torchmetrics vs their single-process replay

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,22 @@ _LIGHTNING_LIMITS = {
     "test": ("test", ("limit_test_batches",)),
     "predict": ("prediction", ("limit_predict_batches",)),
 }
-_RECORD_KEYS = ("dataset", "dataset_size", "ids", "complete", "expected", "batches", "batch_size", "stage", "limits")
+_RECORD_KEYS = ("dataset", "dataset_size", "ids", "complete", "expected", "batches", "batch_size", "stage", "limits",
+                "sampler", "t_start")
+
+
+def index_source(loader: Any) -> str | None:
+    """``module.Class`` of what hands out the pass's indices: a batch sampler of its own (accelerate's
+    ``BatchSamplerShard``, which pads with ``even_batches``) or else the sampler under torch's ``BatchSampler``."""
+    try:
+        from torch.utils.data import BatchSampler
+
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        source = batch_sampler if batch_sampler is not None and type(batch_sampler) is not BatchSampler \
+            else getattr(loader, "sampler", None)
+        return None if source is None else f"{type(source).__module__}.{type(source).__qualname__}"
+    except Exception:   # a loader of an odd shape: the pass is recorded without it
+        return None
 
 
 def lightning_context(max_depth: int = 80) -> tuple[str | None, dict[str, Any]]:
@@ -94,7 +110,8 @@ class SampleRecorder:
             expected = None
         stage, limits = lightning_context()
         record = {"dataset": name, "dataset_size": size, "ids": [], "expected": expected, "complete": False,
-                  "batches": 0, "batch_size": getattr(loader, "batch_size", None), "stage": stage, "limits": limits}
+                  "batches": 0, "batch_size": getattr(loader, "batch_size", None), "stage": stage, "limits": limits,
+                  "sampler": index_source(loader), "t_start": time.time()}
         self._open[id(loader)] = record
         return record
 
