@@ -56,3 +56,45 @@ def test_a_node_that_has_not_arrived_yet_is_not_taken_for_a_lost_one():
     store.add("heartbeat/1", 1)                   # it arrives, then beats no more: now it is lost
     channel.everyone(local)
     assert [r for r, p in channel.everyone(local).items() if p.dead] == [2, 3]
+
+
+def _node(store: HashStore, node: int, nnodes: int = 2, world_size: int = 4) -> LaunchChannel:
+    config = node_config(nnodes, node, "127.0.0.1:29500", "job", "c10d", 300, None, None, None, env={})
+    return LaunchChannel(PrefixStore("distcheck/job/launch", store), config, world_size,
+                         NodeLiveness(store, nnodes))
+
+
+def test_a_node_publishes_only_what_changed_and_node_0_reads_only_changed_nodes():
+    store = HashStore()
+    leader, other = _node(store, 0), _node(store, 1)
+    running = {2: RankProgress(phase=Phase.RUNNING, records=4), 3: RankProgress(phase=Phase.RUNNING, records=4)}
+    other.publish(running)
+    other.publish(running)                       # the same progress again: nothing crosses the store
+    assert store.add("distcheck/job/launch/version/1", 0) == 1
+    local = {0: RankProgress(phase=Phase.RUNNING), 1: RankProgress(phase=Phase.RUNNING)}
+    assert leader.everyone(local)[3].records == 4
+    other.publish({**running, 3: RankProgress(phase=Phase.RUNNING, records=6)})
+    assert store.add("distcheck/job/launch/version/1", 0) == 2
+    assert leader.everyone(local)[3].records == 6
+
+
+def test_only_node_0_reads_every_node_and_the_others_follow_its_release():
+    store = HashStore()
+    leader, other = _node(store, 0), _node(store, 1)
+    other.publish({2: RankProgress(phase=Phase.FINISHED), 3: RankProgress(phase=Phase.FINISHED)})
+    leader.publish({0: RankProgress(phase=Phase.FINISHED), 1: RankProgress(phase=Phase.FINISHED)})
+    assert sorted(other.everyone({2: RankProgress(phase=Phase.FINISHED)})) == [2]   # its own ranks only
+    assert not other.released()
+    leader.post_release()
+    assert other.released()
+
+
+def test_node_0_reads_every_heartbeat_in_one_multi_get():
+    store = HashStore()
+    liveness = NodeLiveness(store, 4, silent_after_s=0.0)
+    for node in (1, 2):
+        store.add(f"heartbeat/{node}", 1)
+    assert liveness.silent([1, 2, 3]) == []           # first sight; node 3 never beat: its key now reads 0
+    store.add("heartbeat/1", 1)
+    assert liveness.silent([1, 2, 3]) == [2, 3]
+    assert liveness.arrived(1) and liveness.arrived(2) and not liveness.arrived(3)

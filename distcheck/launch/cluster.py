@@ -257,17 +257,27 @@ class NodeLiveness:
         self.lost: list[int] = []    # went silent before sending a launch's traces
 
     def silent(self, nodes: Iterable[int]) -> list[int]:
-        """Those of ``nodes`` whose heartbeat has not moved for ``silent_after_s``."""
+        """Those of ``nodes`` whose heartbeat has not moved for ``silent_after_s``.
+
+        One round trip for every node's count (``multi_get``), not one per node: at 512 nodes, a poll of
+        511 ``add`` calls took longer than the poll interval itself."""
+        nodes = list(nodes)
         now = time.monotonic()
         out = []
-        for node in nodes:
-            count = self.store.add(f"heartbeat/{node}", 0)
+        for node, count in zip(nodes, self._counts(nodes)):
             last, since = self._seen[node]
             if count != last:
                 self._seen[node] = (count, now)
             elif now - since > self.silent_after_s:
                 out.append(node)
         return out
+
+    def _counts(self, nodes: list[int]) -> list[int]:
+        keys = [f"heartbeat/{n}" for n in nodes]
+        fresh = [k for n, k in zip(nodes, keys) if self._seen[n][0] < 0]
+        for key in fresh:   # a node never read yet: ``add`` creates its key, so that multi_get finds every key
+            self.store.add(key, 0)
+        return [int(v) for v in self.store.multi_get(keys)] if keys else []
 
     def arrived(self, node: int) -> bool:
         """Whether ``node``'s distcheck has beaten at least once (as of the last ``silent``): one that never did
@@ -301,8 +311,10 @@ class LaunchChannel:
         self.config = config
         self.world_size = world_size
         self.liveness = liveness
-        self._nodes = [f"progress/{n}" for n in range(config.nnodes)]
         self._gathered: list[int] = []   # the nodes whose bundles node 0 got: they wait for its result
+        self._published: str | None = None            # the progress this node published last
+        self._versions: dict[int, int] = {}           # node 0: node -> the version of its progress last read
+        self._progress: dict[int, dict[int, RankProgress]] = {}   # node 0: node -> its ranks' progress
 
     @property
     def is_leader(self) -> bool:
@@ -314,22 +326,31 @@ class LaunchChannel:
         return self.liveness.lost
 
     def publish(self, progress: Mapping[int, RankProgress]) -> None:
-        data = {str(r): asdict(p) for r, p in progress.items()}
-        self.store.set(f"progress/{self.config.node_rank}", json.dumps(data))
+        """This node's ranks' progress, when it changed: its ``version`` key tells node 0 to read it again."""
+        text = json.dumps({str(r): asdict(p) for r, p in progress.items()})
+        if text == self._published:
+            return
+        self.store.set(f"progress/{self.config.node_rank}", text)
+        self.store.add(f"version/{self.config.node_rank}", 1)
+        self._published = text
 
     def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]:
         """Every rank's progress; on node 0, the ranks of a node gone silent count as dead
-        (else a run whose live ranks are all idle would wait for them forever)."""
+        (else a run whose live ranks are all idle would wait for them forever).
+
+        Only node 0 judges the job, so only node 0 reads the other nodes: another node's watchdog sees
+        its own ranks and follows node 0's decision (a release included). Node 0 reads every node's
+        version in one round trip and the progress of those whose version moved in another one, so a
+        poll costs what changed, not one round trip per node."""
+        if not self.is_leader:
+            return dict(local)
         others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
-        silent = set(self.liveness.silent(others)) if self.is_leader else set()
+        silent = set(self.liveness.silent(others))
+        self._read_changed(others)
         merged: dict[int, RankProgress] = {}
         for node in others:
-            key = self._nodes[node]
-            if not self.store.check([key]):
-                continue
-            for r, p in json.loads(self.store.get(key)).items():
-                merged[int(r)] = replace(RankProgress(**p), alive=False) if node in silent \
-                    else RankProgress(**p)
+            for r, p in self._progress.get(node, {}).items():
+                merged[r] = replace(p, alive=False) if node in silent else p
         merged.update(local)
         if any(self.liveness.arrived(n) for n in silent):
             # A node can go silent before its watchdog published its ranks (killed right after they
@@ -337,6 +358,31 @@ class LaunchChannel:
             # ranks on nodes, so the ranks nobody reports are the silent nodes' ones: dead too.
             merged.update({r: RankProgress(alive=False) for r in range(self.world_size) if r not in merged})
         return merged
+
+    def _read_changed(self, nodes: list[int]) -> None:
+        """Refresh ``_progress`` for the nodes whose published progress changed since the last read."""
+        for node in nodes:
+            if node not in self._versions and self.store.check([f"progress/{node}"]):
+                self.store.add(f"version/{node}", 0)   # published: from now on its version says when it changes
+                self._versions[node] = -1
+        seen = sorted(self._versions)
+        if not seen:
+            return
+        versions = [int(v) for v in self.store.multi_get([f"version/{n}" for n in seen])]
+        changed = [n for n, v in zip(seen, versions) if v != self._versions[n]]
+        if not changed:
+            return
+        texts = self.store.multi_get([f"progress/{n}" for n in changed])
+        for node, text in zip(changed, texts):
+            self._progress[node] = {int(r): RankProgress(**p) for r, p in json.loads(text).items()}
+        self._versions.update({n: v for n, v in zip(seen, versions) if n in changed})
+
+    def post_release(self) -> None:
+        """Node 0: every rank of the job finished; the other nodes let theirs exit."""
+        self.store.set("released", "1")
+
+    def released(self) -> bool:
+        return self.store.check(["released"])
 
     def post_decision(self, decision: str, stall_onset: float | None, detected_at: float | None) -> None:
         self.store.set("decision", json.dumps({"decision": decision, "stall_onset": stall_onset,

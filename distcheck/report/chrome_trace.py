@@ -4,7 +4,9 @@ Each scenario is a process (``pid``), each rank a thread (``tid``) in it, each
 collective a complete slice (``ph: X``) named ``op #seq label``, with the
 fingerprint and call site as args. Slices the findings name carry the category
 ``distcheck.<mark>`` and a warning colour; ranks that never came, crashes and the
-stall detection are instant events. Layout only: which slice is stuck or odd
+stall detection are instant events. A long run's stretches between the windows
+around its findings are one summary slice each, and a wide job's alike ranks
+share a thread (``distcheck.report.timeline``). Layout only: which slice is stuck or odd
 comes from the findings, joined in ``distcheck.report.timeline``.
 """
 
@@ -27,6 +29,8 @@ def _us(seconds: float) -> float:
 
 def _slice_args(tl: ScenarioTimeline, s) -> dict[str, Any]:
     e: Event = s.event
+    if s.count > 1:   # a stretch of calls summarised (``report.timeline``): the windows around it are in full
+        return {"calls": s.count, "first_seq": e.seq}
     args: dict[str, Any] = {
         "fingerprint": e.fingerprint(), "seq": e.seq, "label": e.label, "callsite": e.callsite,
         "library_callsite": e.library_callsite, "async": e.async_op, "returned": s.returned,
@@ -49,14 +53,14 @@ def _scenario_events(pid: int, tl: ScenarioTimeline, base: float) -> list[dict[s
     ]
     for lane in tl.lanes:
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane.rank, "ts": 0,
-                    "args": {"name": f"rank {lane.rank} ({lane.state})"}})
+                    "args": {"name": f"{lane.label} ({lane.state})"}})
         out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": lane.rank, "ts": 0,
                     "args": {"sort_index": lane.rank}})
     for s in tl.slices:
         name = s.name if s.returned else f"{s.name} (never returned)"
         ev: dict[str, Any] = {
             "ph": "X", "name": name, "cat": f"distcheck.{s.mark}" if s.mark else
-            ("p2p" if s.event.is_p2p else "collective"),
+            "summary" if s.count > 1 else ("p2p" if s.event.is_p2p else "collective"),
             "pid": pid, "tid": s.rank, "ts": _us(shift + s.start), "dur": _us(s.end - s.start),
             "args": _slice_args(tl, s),
         }
@@ -90,4 +94,4 @@ def render(report: Report, events: Mapping[str, Mapping[int, Sequence[Event]]]) 
             "torch": report.run.torch_version, "run_dir": report.run.run_dir, "started_at": report.run.started_at,
         },
     }
-    return json.dumps(doc, indent=1) + "\n"
+    return json.dumps(doc, separators=(",", ":")) + "\n"   # compact: indentation grows with every slice

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 from distcheck.models import Event, Report, ScenarioResult
 from distcheck.text import short_path
 from distcheck.torch_features import describe
-from distcheck.report.timeline import Marker, ScenarioTimeline, Slice, build_all
+from distcheck.report.timeline import Marker, ScenarioTimeline, Slice, build_all, zoom
 
 WIDTH = 1180
 GUTTER = 190          # lane labels
@@ -59,6 +59,8 @@ svg .op{stroke:#fff;stroke-width:.5}
 svg .op-ar{fill:#4f8ff7} svg .op-ag{fill:#2da44e} svg .op-bar{fill:#8c959f} svg .op-bc{fill:#8250df}
 svg .op-rs{fill:#1b7c83} svg .op-ga{fill:#bc4c00} svg .op-a2a{fill:#9a6700} svg .op-p2p{fill:#d4a72c}
 svg .op-other{fill:#6e7781}
+svg .op.summary{fill:#d0d7de;stroke:#8c959f;stroke-dasharray:3 2}
+h3.window{font-size:13px;margin:14px 0 4px;color:#57606a}
 svg .m-stuck,svg .m-crashed{fill:#cf222e;stroke:#82071e;stroke-width:1.5}
 svg .m-odd{fill:#bf3989;stroke:#6e1150;stroke-width:2}
 svg .m-majority{stroke:#bf3989;stroke-width:2}
@@ -120,6 +122,8 @@ def _op_class(e: Event) -> str:
 
 def _tooltip(tl: ScenarioTimeline, s: Slice) -> str:
     e = s.event
+    if s.count > 1:
+        return escape(f"rank {s.rank}: {s.summary}, {s.end - s.start:.2f} s (the close-ups below draw each call)")
     fp = e.fingerprint()
     lines = [f"rank {s.rank}: {s.name}", f"group {e.group} {list(e.group_ranks)}"]
     if fp["reduce_op"]:
@@ -200,7 +204,9 @@ def _lane_rows(f: _Frame) -> list[str]:
     for lane in f.tl.lanes:
         ly = f.y(lane.rank)
         out.append(f'<rect class="lane-bg" x="{GUTTER}" y="{ly:.1f}" width="{PLOT_W}" height="{LANE_H}" rx="3"/>')
-        out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">rank {lane.rank}</text>')
+        label = lane.label if len(lane.label) <= 26 else lane.label[:25] + "…"
+        out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">{escape(label)}'
+                   f'<title>{escape(lane.label)}</title></text>')
         note = f"{lane.state}" + (f" · {short_path(lane.note)}" if lane.note and lane.state == "crashed" else "")
         if len(note) > 30:
             note = note[:29] + "…"
@@ -225,6 +231,8 @@ def _slice(f: _Frame, s: Slice) -> tuple[list[str], str | None]:
     ly = f.y(s.rank) + 3
     h = LANE_H - 6
     mark = f" m-{s.mark}" if s.mark else (" err" if s.event.error else "")
+    if s.count > 1:
+        mark = " summary"
     out = [f'<g><title>{_tooltip(f.tl, s)}</title>']
     if not s.returned and w > 14:
         head = min(12.0, w / 3)
@@ -323,9 +331,27 @@ def _scenario(tl: ScenarioTimeline | None, result: ScenarioResult) -> str:
     if tl is None or not tl.slices and not tl.markers:
         parts.append('<div class="empty">no collective was recorded for this scenario</div>')
     else:
-        parts.append(_svg(tl))
+        parts += _bounded(tl)
     parts.append("</section>")
     return "\n".join(parts)
+
+
+def _bounded(tl: ScenarioTimeline) -> list[str]:
+    """The whole run (long stretches summarised, alike ranks sharing a lane), then a close-up of the
+    window around each finding, where every call is drawn."""
+    notes = []
+    if tl.summarised:
+        notes.append(f"{tl.summarised:,} calls are drawn as summaries (grey); the close-ups below draw each call "
+                     "around the findings and at the end")
+    if len(tl.lanes) < tl.ranks:
+        notes.append(f"{tl.ranks:,} ranks in {len(tl.lanes)} lanes: ranks that behave alike (same state, calls and "
+                     "last call) share one")
+    parts = [f'<div class="meta">{escape("; ".join(notes))}</div>'] if notes else []
+    parts.append(_svg(tl))
+    for t0, t1, title in tl.windows:
+        parts.append(f'<h3 class="window">close-up: {escape(title)} ({t1 - t0:.3f} s)</h3>')
+        parts.append(_svg(zoom(tl, t0, t1)))
+    return parts
 
 
 _VERDICT_BADGE = {"pass": '<span class="badge pass">PASS</span>', "fail": '<span class="badge fail">FAIL</span>'}

@@ -1,0 +1,97 @@
+"""Reports stay bounded whatever the run's length and width (synthetic events, no processes).
+
+A long run's calls between the windows around its findings are summarised; a wide job's alike ranks
+share a lane, while the ranks a finding singles out keep their own; a small run is drawn whole."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from distcheck.models import Event, Finding, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult
+from distcheck.report import chrome_trace, html_timeline
+from distcheck.report.timeline import FULL_CALLS, MAX_LANES, WINDOW_CALLS, build
+
+T0 = 1_800_000_000.0
+SITE = "/home/u/train.py:412:end"
+
+
+def _event(rank: int, seq: int, world: int, op: str = "all_reduce", returned: bool = True) -> Event:
+    t = T0 + seq * 0.01 + rank * 1e-5
+    return Event(rank=rank, group="0", seq=seq, op=op, reduce_op="SUM" if op == "all_reduce" else None,
+                 shapes=((256,),) if op == "all_reduce" else (), dtypes=("float32",) if op == "all_reduce" else (),
+                 device="cpu", group_ranks=tuple(range(world)), t_enter=t, t_exit=t + 0.002 if returned else None,
+                 callsite=SITE)
+
+
+def _run(world: int) -> RunInfo:
+    return RunInfo(backend="gloo", world_size=world, nnodes=max(1, world // 8), nproc_per_node=min(world, 8),
+                   torch_version="2.13.0+cpu", distcheck_version="0.1.0", command="distcheck run train.py",
+                   run_dir="/tmp/run", seed=0, duration_s=200.0, started_at="2027-01-15T10:00:00", hostname="n1",
+                   python_version="3.11.7", versions={})
+
+
+def healthy(world: int, calls: int) -> tuple[Report, dict]:
+    events = {r: [_event(r, s, world) for s in range(1, calls + 1)] for r in range(world)}
+    result = ScenarioResult(name="train", source="train.py", expected=("pass",), observed=(), ok=True,
+                            duration_s=calls * 0.01, ranks=tuple(RankOutcome(rank=r, state="finished",
+                                                                             collectives=calls) for r in range(world)),
+                            started_at=T0, ended_at=T0 + calls * 0.01 + 1)
+    return Report(run=_run(world), scenarios=(result,)), {"train": events}
+
+
+def hang(world: int, calls: int, finished: int) -> tuple[Report, dict]:
+    """Every rank but ``finished`` waits in barrier #calls+1; ``finished`` ended after its calls."""
+    events = {r: [_event(r, s, world) for s in range(1, calls + 1)] for r in range(world)}
+    waiting = tuple(r for r in range(world) if r != finished)
+    for r in waiting:
+        events[r].append(_event(r, calls + 1, world, op="barrier", returned=False))
+    finding = Finding(kind="hang", severity="error", group="0", seq=calls + 1, op="barrier", callsite=SITE,
+                      waiting_ranks=waiting, absent_ranks=(finished,), summary="the planted hang",
+                      ranks=(RankDetail(rank=finished, role="absent", state="finished", note="finished, now idle"),))
+    ranks = tuple(RankOutcome(rank=r, state="finished" if r == finished else "stuck", collectives=len(events[r]))
+                  for r in range(world))
+    end = T0 + (calls + 1) * 0.01
+    result = ScenarioResult(name="train", source="train.py", expected=("hang",), observed=("hang",), ok=True,
+                            duration_s=calls * 0.01 + 5, findings=(finding,), ranks=ranks, end_reason="stall",
+                            started_at=T0, ended_at=end + 5, stall_onset=end, detected_at=end + 0.5)
+    return Report(run=_run(world), scenarios=(result,)), {"train": events}
+
+
+def test_a_small_run_is_drawn_whole():
+    report, events = hang(4, 20, finished=2)
+    tl = build(report.scenarios[0], events["train"])
+    assert [lane.rank for lane in tl.lanes] == [0, 1, 2, 3] and all(not lane.ranks for lane in tl.lanes)
+    assert len(tl.slices) == sum(len(e) for e in events["train"].values())
+    assert tl.summarised == 0 and tl.windows == ()
+    assert "close-up" not in html_timeline.render(report, events)
+
+
+def test_a_long_healthy_run_gives_a_small_timeline():
+    # 2 ranks x 20,000 all_reduces: every call drawn was a 9 MB page of 40,000 rectangles.
+    report, events = healthy(2, 20_000)
+    tl = build(report.scenarios[0], events["train"])
+    assert tl.summarised == 2 * (20_000 - WINDOW_CALLS - 1)
+    assert len(tl.slices) == 2 * (WINDOW_CALLS + 2)   # the last calls in full, one summary before them
+    page = html_timeline.render(report, events)
+    assert len(page.encode()) < 200_000
+    assert "19,987 calls: all_reduce x19,987" in page and "close-up: the last calls" in page
+    trace = json.loads(chrome_trace.render(report, events))
+    assert [e["args"]["calls"] for e in trace["traceEvents"] if e.get("cat") == "summary"] == [19_987, 19_987]
+
+
+def test_a_wide_hang_groups_alike_ranks_and_shows_the_planted_window_in_full():
+    world, calls, finished = 128, FULL_CALLS + 20, 99
+    report, events = hang(world, calls, finished)
+    tl = build(report.scenarios[0], events["train"])
+    # the waiting ranks behave alike: one lane; the rank that finished keeps its own
+    assert [(lane.rank, len(lane.ranks) or 1, lane.state) for lane in tl.lanes] == [(0, world - 1, "stuck"),
+                                                                                   (finished, 1, "finished")]
+    assert len(tl.lanes) <= MAX_LANES and tl.ranks == world
+    page = html_timeline.render(report, events)
+    assert len(page.encode()) < 1_000_000
+    assert "close-up: around hang at barrier #" + str(calls + 1) in page
+    assert f"ranks 0-98, 100-127 ({world - 1})" in page
+    close_up = page[page.index("close-up: around hang"):]
+    assert re.search(rf"rank 0: barrier #{calls + 1}\b", close_up)      # the stuck call, drawn in full
+    assert f"rank {finished}: never entered barrier #{calls + 1}" in close_up or "never entered barrier" in close_up
