@@ -8,12 +8,13 @@ incrementally; ``Watchdog`` is the thread that ties them to the processes.
 from __future__ import annotations
 
 import enum
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from distcheck.launch import memory
 from distcheck.launch import procs
@@ -40,6 +41,8 @@ CONFIRM_S = 0.2
 CONFIRM_BLOCKED_S = 0.8
 # A stack that changed this recently is progress.
 STACK_MOVED_S = 1.5
+# Past this many ranks, a node's monitor lists its launch dir for the ranks it has instead of trying each rank.
+SCAN_RANKS_ABOVE = 64
 
 
 class Decision(enum.Enum):
@@ -203,7 +206,9 @@ class RankMonitor:
     def __init__(self, files: LaunchFiles, world_size: int) -> None:
         self.files = files
         self.world_size = world_size
-        self.tails = {r: TraceTail(files.trace(r)) for r in range(world_size)}
+        self._scan_ranks = world_size > SCAN_RANKS_ABOVE
+        # A large job's tails are made as their ranks show up here: a node holds a few of the world's ranks.
+        self.tails = {} if self._scan_ranks else {r: TraceTail(files.trace(r)) for r in range(world_size)}
         self.status: dict[int, RankStatus] = {}
         self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
         self._cpu = procs.CpuMeter()
@@ -224,11 +229,13 @@ class RankMonitor:
 
     def poll(self) -> dict[int, RankProgress]:
         out: dict[int, RankProgress] = {}
-        for rank in range(self.world_size):
+        for rank in self._ranks_here():
             status = self.files.read_status(rank)
             if status is not None:
                 self.status[rank] = status
             status = self.status.get(rank)
+            if rank not in self.tails:
+                self.tails[rank] = TraceTail(self.files.trace(rank))
             tail = self.tails[rank].read()
             if status is None and tail.records == 0:
                 continue
@@ -251,6 +258,21 @@ class RankMonitor:
                 **self._evidence(rank, pid, tail.stack_digest, now, outside=not opened),
             )
         return out
+
+    def _ranks_here(self) -> Iterable[int]:
+        """The ranks to read: in a large job, those that left a status or a trace in this node's launch dir
+        (two directory listings, where 4,096 ranks were 8,192 file opens per poll for a node's 8)."""
+        if not self._scan_ranks:
+            return range(self.world_size)
+        here = set()
+        for folder, suffix in ((self.files.root / "status", ".json"), (self.files.traces, ".trace")):
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            here.update(int(n[4:-len(suffix)]) for n in names
+                        if n.startswith("rank") and n.endswith(suffix) and n[4:-len(suffix)].isdigit())
+        return sorted(r for r in here if r < self.world_size)
 
     def _evidence(self, rank: int, pid: int | None, digest: int | None, now: float, outside: bool) -> dict:
         """What shows the rank making progress outside the collectives (``evidence``, in words) and how
@@ -306,6 +328,8 @@ class NodeChannel(Protocol):
     def publish(self, progress: Mapping[int, RankProgress]) -> None: ...
     def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]: ...
     def post_decision(self, decision: str, stall_onset: float | None, detected_at: float | None) -> None: ...
+    def post_release(self) -> None: ...
+    def released(self) -> bool: ...
     def decision(self) -> dict[str, Any] | None: ...
     @property
     def lost_nodes(self) -> list[int]: ...
@@ -381,10 +405,15 @@ class Watchdog(threading.Thread):
             self._sample_late(now, progress)
             if self.on_poll is not None:
                 self.on_poll(progress, now - self.detector.last_progress)
+            if self.channel is not None and not self.channel.is_leader and decision is not Decision.RELEASE \
+                    and self.channel.released():
+                decision = Decision.RELEASE   # node 0 saw every rank of the job finish (only it sees them all)
             if decision is Decision.RELEASE:
                 if not self._released:
                     self.files.release.touch()
                     self._released = True
+                    if self.channel is not None and self.channel.is_leader:
+                        self.channel.post_release()
                 if self.generation:
                     return   # every rank finished: nothing of this generation is left to judge
             elif self.generation and generation_over(progress, self.monitor.world_size):
