@@ -23,7 +23,7 @@ from distcheck.models import FINDING_KINDS
 
 EXPECTATIONS = ("pass",) + FINDING_KINDS
 BACKENDS = ("gloo", "nccl")
-OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")   # the 'distcheck[metrics]' extra
+OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")   # the 'distcheck[metrics]' and '[lightning]' extras
 TORCH_FEATURE = "torch:"   # requires=("torch:fully_shard",): a feature of torch (distcheck.torch_features)
 
 
@@ -72,7 +72,9 @@ def skip_reason(spec: ScenarioSpec, backend: str, nproc_per_node: int, device: s
         return f"needs what this torch lacks: {'; '.join(features)}"
     missing = missing_requirements(spec, cpu_tensors, backend)
     if missing:
-        extra = "'distcheck[metrics]'" if set(missing) <= set(OPTIONAL_LIBRARIES) else " ".join(missing)
+        # [metrics] brings torchmetrics; [lightning] brings Lightning and torchmetrics (pyproject.toml)
+        extra = (("'distcheck[lightning]'" if "lightning" in missing else "'distcheck[metrics]'")
+                 if set(missing) <= set(OPTIONAL_LIBRARIES) else " ".join(missing))
         return f"needs {', '.join(missing)}, which is not installed (pip install {extra})"
     if backend not in spec.backends:
         return f"only meaningful on {'/'.join(spec.backends)}; this run uses {backend}"
