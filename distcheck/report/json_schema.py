@@ -35,6 +35,23 @@ FINDING = {
     },
 }
 
+_PLACEMENT = {
+    "type": ["object", "null"],   # null: torch has no such call (all_reduce out of place, all_to_all in place)
+    "required": ["time_us", "algbw", "busbw", "wrong"],
+    "properties": {"time_us": {"type": "number", "minimum": 0}, "algbw": {"type": "number", "minimum": 0},
+                   "busbw": {"type": "number", "minimum": 0}, "wrong": _INT_OR_NULL},
+}
+TABLE = {   # a table a scenario reported; comm_health's carry their results as named ``records`` too
+    "type": "object",
+    "required": ["title", "columns", "rows"],
+    "properties": {
+        "title": {"type": "string"}, "columns": {"type": "array", "items": {"type": "string"}},
+        "rows": {"type": "array", "items": {"type": "array"}},
+        "records": {"type": "array", "items": {"type": "object", "properties": {
+            "out_of_place": _PLACEMENT, "in_place": _PLACEMENT}}},
+    },
+}
+
 SCENARIO = {
     "type": "object",
     "required": ["name", "source", "expected", "observed", "ok", "duration_s", "ranks", "findings"],
@@ -44,6 +61,7 @@ SCENARIO = {
         "observed": {"type": "array", "items": {"type": "string"}},
         "ok": {"type": "boolean"}, "duration_s": {"type": "number", "minimum": 0},
         "ranks": {"type": "array", "items": RANK}, "findings": {"type": "array", "items": FINDING},
+        "tables": {"type": "array", "items": TABLE},
     },
 }
 
