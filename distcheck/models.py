@@ -62,6 +62,33 @@ class Phase(_Named):
     INTERRUPTED = "interrupted"
 
 
+class Hook(_Named):
+    """distcheck's hooks in the user's process (``rank.guard`` counts their failures); the value names it in
+    the status file's ``hook_failures``."""
+
+    TRACER = "tracer"
+    SIDECAR = "sidecar"
+    METRICS = "metrics"
+    SAMPLES = "samples"
+    LIGHTNING = "lightning"
+    STACK_DUMPS = "stack_dumps"
+    RANK_SETUP = "rank_setup"
+    RANK_END = "rank_end"
+
+
+# What a failing hook leaves unrecorded, as its coverage note says it (diagnose.coverage).
+HOOK_LOST = {
+    Hook.TRACER: "some of its Python collective calls were not recorded (or recorded without their end)",
+    Hook.SIDECAR: "collectives issued from C++ (DDP, FSDP, DTensor) were not all watched",
+    Hook.METRICS: "some torchmetrics calls were not recorded, so the single-process check of them is incomplete",
+    Hook.SAMPLES: "some DataLoader draws were not recorded, so the sample accounting is incomplete",
+    Hook.LIGHTNING: "some self.log lines were not attributed to Lightning's epoch-end reductions",
+    Hook.STACK_DUMPS: "no stack dumps could be installed, so a hang there is named without its stack",
+    Hook.RANK_SETUP: "part of the rank's tracing could not be set up",
+    Hook.RANK_END: "how the rank ended (its failure or its finish) may not be recorded",
+}
+
+
 # Finding kinds, in the order a reader should see them.
 FINDING_KINDS = (
     "crash", "hang", "mismatch", "order", "count",
@@ -182,6 +209,7 @@ class RankOutcome:
     flight_recorder: dict[str, dict[str, int]] | None = None
     busy_at: str | None = None          # where it was busy (late) while others waited past --stall-timeout
     unwatched: str | None = None        # why its C++-issued collectives were counted but not watched
+    hook_failures: dict[str, dict[str, Any]] | None = None   # distcheck's own hooks that failed (rank.guard)
     rss_bytes: int | None = None        # resident memory when last seen alive (sampled by the watchdog)
     peak_rss_bytes: int | None = None
 

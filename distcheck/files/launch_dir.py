@@ -54,6 +54,7 @@ class RankStatus:
     world_size: int | None = None            # ranks in the job (a rank the user's own command started says)
     backend: str | None = None               # its process group's backend (likewise)
     test: str | None = None                  # the pytest node id running when the rank initialized
+    hook_failures: dict[str, Any] | None = None   # distcheck's own hooks that failed here (rank.guard): name -> {count, error}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankStatus:

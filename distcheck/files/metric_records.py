@@ -36,12 +36,18 @@ class PackedTensor(NamedTuple):
 
 
 def pack(t: Any) -> PackedTensor:
-    """A CPU copy of ``t``'s values (never a view of the caller's tensor)."""
-    import torch   # imported already by whoever holds a tensor: a lookup
+    """A CPU copy of ``t``'s values as bytes. The caller's tensor is only read: never changed, never made
+    contiguous in place, never viewed by the copy. torch only (numpy is no dependency of distcheck)."""
+    import ctypes
 
     t = t.detach()
-    flat = (t if t.device.type == "cpu" else t.cpu()).reshape(-1)   # reshape makes it contiguous
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    # A strided tensor (a column slice, a transpose, an expanded one) is copied into a new contiguous
+    # tensor; a contiguous one is read where it lies (data_ptr counts its storage offset).
+    c = t.resolve_conj().resolve_neg().contiguous()
+    nbytes = c.numel() * c.element_size()
+    data = ctypes.string_at(c.data_ptr(), nbytes) if nbytes else b""
     return PackedTensor(str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
 
 

@@ -31,6 +31,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck.rank import guard
+from distcheck.rank.guard import Hook, failed
+
 LAUNCH_DIR_ENV = "DISTCHECK_LAUNCH_DIR"
 LAUNCHER_PID_ENV = "DISTCHECK_LAUNCHER_PID"
 
@@ -72,7 +75,8 @@ def _patch_c10d(c10d: Any) -> None:
         result = original(*args, **kwargs)
         try:
             _become_rank()
-        except Exception as exc:   # the user's job goes on, untraced, rather than fail on our account
+        except Exception as exc:   # the user's job goes on, untraced, rather than fail on our account (rule 0)
+            failed(Hook.RANK_SETUP, exc)
             sys.stderr.write(f"distcheck: could not trace this rank: {type(exc).__name__}: {exc}\n")
         return result
 
@@ -96,7 +100,8 @@ def _patch_destroy(c10d: Any) -> None:
         if group is None or _is_default(c10d, group):
             try:
                 _end_generation()
-            except Exception as exc:   # never keep the user's call from running
+            except Exception as exc:   # never keep the user's call from running (rule 0)
+                failed(Hook.RANK_END, exc)
                 sys.stderr.write(f"distcheck: could not end this rank's generation: {type(exc).__name__}: {exc}\n")
         return original(group, *args, **kwargs)
 
@@ -121,6 +126,8 @@ def _become_rank() -> None:
         return   # a rank of a distcheck launch inside the command (the pytest plugin): traced by that launch
     if _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
         _end_generation()   # re-initialized without destroy_process_group (through a wrapper we missed)
+    if _TRACED_ONCE:
+        guard.reset()   # a new generation reports its own hook failures
     import multiprocessing.util
 
     import torch.distributed as dist
@@ -182,6 +189,7 @@ def generation_on(store: Any, launch: Any, world: int, wait_s: float = GENERATIO
     try:
         arrived = int(store.add(ARRIVALS_KEY, 1)) - 1
     except Exception as exc:
+        failed(Hook.RANK_SETUP, exc)
         sys.stderr.write(f"distcheck: the store did not count this rank ({type(exc).__name__}: {exc}); "
                          "it is traced alone\n")
         return launch.claim_generation()
@@ -193,7 +201,8 @@ def generation_on(store: Any, launch: Any, world: int, wait_s: float = GENERATIO
     try:
         store.wait([key], timedelta(seconds=wait_s))
         return int(store.get(key))
-    except Exception as exc:
+    except Exception as exc:   # a time-out of distcheck's own wait: counted like any hook failure
+        failed(Hook.RANK_SETUP, exc)
         sys.stderr.write(f"distcheck: the first rank of this generation never named it within "
                          f"{wait_s:g} s ({type(exc).__name__}); this rank is traced alone\n")
         return launch.claim_generation()
@@ -207,7 +216,8 @@ def _trace_again(files: Any, rank: int, main_thread: int) -> Any:
 
     status = worker.STATUS = worker.Status(files, rank, main_thread)
     status.update(phase=Phase.STARTING)
-    worker.install_stack_dumps(files.stacks(rank), files.stack_sample(rank))
+    guard.set_publisher(lambda counts: worker.STATUS.update(hook_failures=counts))
+    worker.install_stack_dumps_guarded(files.stacks(rank), files.stack_sample(rank))
     if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
         worker.start_flight_recorder_sidecar(files, rank)
         status.update(flight_recorder=True)
@@ -290,8 +300,9 @@ def _recording_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
     def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
         try:
             _record(exc)
-        finally:
-            previous(exc_type, exc, tb)
+        except Exception as err:   # the user's traceback is printed all the same (rule 0)
+            failed(Hook.RANK_END, err)
+        previous(exc_type, exc, tb)
 
     return excepthook
 
@@ -308,8 +319,8 @@ def _recording_exit(previous: Callable[..., Any]) -> Callable[..., Any]:
                 handled = sys.exc_info()[1]
                 _record(handled if handled is not None else SystemExit(code),
                         exit_code=code if isinstance(code, int) else 1)
-            except Exception:   # never keep the process from exiting
-                pass
+            except Exception as exc:   # never keep the process from exiting
+                failed(Hook.RANK_END, exc)
         previous(code)
 
     exit.__distcheck__ = True  # type: ignore[attr-defined]
@@ -340,7 +351,10 @@ def _recording(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args)
         except Exception as exc:
-            _record(exc)
+            try:
+                _record(exc)
+            except Exception as err:   # the rank's own exception goes to spawn unchanged (rule 0)
+                failed(Hook.RANK_END, err)
             raise
 
     return run
@@ -368,7 +382,11 @@ def _at_exit() -> None:
     _ENDED = True
     if runtime.status.data.phase in (Phase.ERROR, Phase.INTERRUPTED):
         return
-    worker.finish_rank(runtime, {})
+    try:
+        worker.finish_rank(runtime, {})
+    except Exception as exc:   # the process still ends as it would (rule 0)
+        failed(Hook.RANK_END, exc)
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     worker.wait_for_release(runtime.files, _launcher_alive)

@@ -17,6 +17,8 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
+from distcheck.rank.guard import Hook, failed
+
 # logged name -> "file:line:function" of the user's self.log(...) / self.log_dict(...) call
 LOG_SITES: dict[str, str] = {}
 
@@ -28,34 +30,38 @@ LIGHTNING_MODULES = ("lightning.pytorch.core.module", "pytorch_lightning.core.mo
 
 
 class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Runs a callback right after a named module finished executing."""
+    """Runs a callback right after a named module finished executing; ``owner``: the hook whose
+    failure it counts (rule 0: the user's import goes on as without distcheck)."""
 
-    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
-        self.hooks = hooks
+    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]], owner: Hook = Hook.RANK_SETUP) -> None:
+        self.hooks, self.owner = hooks, owner
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         hook = self.hooks.get(fullname)
         if hook is None:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                _wrap_exec(spec.loader, hook)
-                return spec
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    _wrap_exec(spec.loader, hook, self.owner)
+                    return spec
+        except Exception as exc:   # the import system asks the other finders itself, as without us
+            failed(self.owner, exc)
         return None
 
 
-def _wrap_exec(loader: Any, hook: Callable[[ModuleType], None]) -> None:
+def _wrap_exec(loader: Any, hook: Callable[[ModuleType], None], owner: Hook) -> None:
     original = loader.exec_module
 
     def exec_module(module: ModuleType) -> None:
         original(module)
         try:
             hook(module)
-        except Exception:   # attribution is a nicety; never break the user's import
-            pass
+        except Exception as exc:   # never break the user's import (rule 0)
+            failed(owner, exc)
 
     loader.exec_module = exec_module
 
@@ -80,15 +86,24 @@ def _patch_lightning_log(module: ModuleType) -> None:
         return
     original_log, original_log_dict = cls.log, cls.log_dict
 
+    # Rule 0: the user's self.log runs once and as it is; an error in noting its line is only counted.
     @functools.wraps(original_log)
     def log(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
-        site = _OUTER[0] if _OUTER else _caller_site()
-        LOG_SITES[name] = site
+        try:
+            site = _OUTER[0] if _OUTER else _caller_site()
+            LOG_SITES[name] = site
+        except Exception as exc:
+            failed(Hook.LIGHTNING, exc)
+            return original_log(self, name, *args, **kwargs)
         return _outermost(lambda: original_log(self, name, *args, **kwargs), site)
 
     @functools.wraps(original_log_dict)
     def log_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
-        site = _OUTER[0] if _OUTER else _caller_site()
+        try:
+            site = _OUTER[0] if _OUTER else _caller_site()
+        except Exception as exc:
+            failed(Hook.LIGHTNING, exc)
+            return original_log_dict(self, *args, **kwargs)
         return _outermost(lambda: original_log_dict(self, *args, **kwargs), site)
 
     log.__distcheck__ = log_dict.__distcheck__ = True  # type: ignore[attr-defined]
@@ -100,7 +115,7 @@ def install() -> None:
     for name in LIGHTNING_MODULES:
         if name in sys.modules:
             _patch_lightning_log(sys.modules[name])
-    sys.meta_path.insert(0, _PostImportHook({name: _patch_lightning_log for name in LIGHTNING_MODULES}))
+    sys.meta_path.insert(0, _PostImportHook({name: _patch_lightning_log for name in LIGHTNING_MODULES}, Hook.LIGHTNING))
 
 
 def logged_name(target: Any) -> str | None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.files.metric_records import pack
+from distcheck.rank.guard import Hook, failed
 
 MEMORY_ENV = "DISTCHECK_METRIC_MEMORY_MB"
 DEFAULT_MEMORY_MB = 256
@@ -92,19 +93,32 @@ class MetricRecorder:
 
     def call(self, obj: Any, kind: str, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
              collection: bool = False) -> Any:
-        """Run the user's call; record it unless another recorded call accounts for it."""
-        if type(obj).__module__.split(".")[0] in _LIBRARY_METRICS or not _judged(obj) \
-                or self._credited_elsewhere(obj, kind):
+        """Run the user's call, once and as it is; record it unless another recorded call accounts for it.
+        Rule 0: an error in the recording is counted (rank.guard), never raised into the user's call."""
+        try:
+            skip = (type(obj).__module__.split(".")[0] in _LIBRARY_METRICS or not _judged(obj)
+                    or self._credited_elsewhere(obj, kind))
+            stack = self._stack()
+        except Exception as exc:
+            failed(Hook.METRICS, exc)
             return call()
-        stack = self._stack()
+        if skip:
+            return call()
         stack.append((obj, kind))
         try:
-            entry = self._entry(obj, collection)
+            try:
+                entry = self._entry(obj, collection)
+                copied = self._copy_inputs(args, kwargs or {}) if kind == "update" else None
+            except Exception as exc:
+                failed(Hook.METRICS, exc)
+                return call()
             if kind == "compute":
                 return self._compute(entry, call)
-            copied = self._copy_inputs(args, kwargs or {}) if kind == "update" else None
             result = call()
-            self._after(entry, kind, copied)
+            try:
+                self._after(entry, kind, copied)
+            except Exception as exc:
+                failed(Hook.METRICS, exc)
             return result
         finally:
             stack.pop()
@@ -119,11 +133,24 @@ class MetricRecorder:
             entry.epoch, entry.in_epoch = entry.epoch + 1, 0
 
     def _compute(self, entry: _Entry, call: Callable[[], Any]) -> Any:
-        k = len(entry.info["computes"])
-        state = self._copy_state(entry.obj)
-        point = _sync_point(entry.obj)
-        t0 = time.time()
+        try:
+            k = len(entry.info["computes"])
+            state = self._copy_state(entry.obj)
+            point = _sync_point(entry.obj)
+            t0 = time.time()
+        except Exception as exc:   # rule 0: the user's compute() runs unrecorded
+            failed(Hook.METRICS, exc)
+            return call()
         result = call()
+        try:
+            self._computed(entry, k, state, point, t0, result)
+        except Exception as exc:
+            failed(Hook.METRICS, exc)
+        return result
+
+    def _computed(self, entry: _Entry, k: int, state: dict | None, point: tuple | None, t0: float,
+                  result: Any) -> None:
+        """Record compute() number ``k`` of ``entry`` once it returned ``result``."""
         value = jsonable(result)   # reading the value waits for an asynchronous backend's sync (NCCL)
         t1 = time.time()
         sync = None
@@ -136,7 +163,6 @@ class MetricRecorder:
         self._flush(entry)
         entry.info["computes"].append({"epoch": entry.epoch, "updates": entry.in_epoch, "callsite": user_callsite(),
                                        "value": value, "sync": sync})
-        return result
 
     def _entry(self, obj: Any, collection: bool) -> _Entry:
         entry = self.entries.get(id(obj))
@@ -517,12 +543,12 @@ def install(directory: Path) -> None:
     for name, hook in hooks.items():
         if name in sys.modules:
             hook(sys.modules[name], existing=True) if hook is _patch_metric else hook(sys.modules[name])
-    sys.meta_path.insert(0, _PostImportHook(hooks))
+    sys.meta_path.insert(0, _PostImportHook(hooks, Hook.METRICS))
 
 
 def results() -> dict[str, Any]:
     """What the launcher needs for the replay: every recorded object, and where to import their classes."""
     if RECORDER is None:
         return {}
-    drained = RECORDER.drain()
+    drained = RECORDER.drain()   # worker.finish_rank counts its failure (rule 0)
     return {"metrics": drained, "metrics_sys_path": list(sys.path)} if drained else {}

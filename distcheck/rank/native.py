@@ -38,6 +38,7 @@ from distcheck.files.flight_recorder import DTYPES, op_name
 from distcheck.files.stacks import TORCH, USER, classify_file, torch_dir
 from distcheck.models import UNKNOWN_OP
 from distcheck.rank.groups import members_of, process_groups
+from distcheck.rank.guard import Hook, failed
 
 # Ring size distcheck asks of the Flight Recorder when the user set none: a dump
 # costs ~2 ms at 256 entries and ~80 ms at 2000 (torch 2.13, measured).
@@ -439,8 +440,8 @@ def start(watcher: NativeWatcher, poll_s: float = 0.1) -> threading.Thread:
         while True:
             try:
                 watcher.poll()
-            except Exception:   # never take the rank down; the trace simply shows less
-                pass
+            except Exception as exc:   # never take the rank down; the trace shows less, the report says so
+                failed(Hook.SIDECAR, exc)
             time.sleep(poll_s)
 
     thread = threading.Thread(target=loop, name="distcheck-native-collectives", daemon=True)

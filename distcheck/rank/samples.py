@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.files.samples import append_pass
+from distcheck.rank.guard import Hook, failed
 
 # Lightning's stage -> the Trainer setting that caps the batches of a pass in that stage
 _LIGHTNING_LIMITS = {
@@ -140,6 +141,13 @@ class SampleRecorder:
             return
         append_pass(self.path, out)
 
+    def _finish_guarded(self, record: dict[str, Any]) -> None:
+        """``_finish`` from the loader's own calls and finalizers: its failure counted, never raised."""
+        try:
+            self._finish(record)
+        except Exception as exc:
+            failed(Hook.SAMPLES, exc)
+
     def flush(self) -> None:
         """Write every pass still open (cut short, its iterator still alive)."""
         for record in list(self._open.values()):
@@ -161,12 +169,16 @@ class SampleRecorder:
         original_init = _BaseDataLoaderIter.__init__
         original_next_index = _BaseDataLoaderIter._next_index
 
+        # Rule 0: the loader's own methods run once and as they are; a recording error is only counted.
         @functools.wraps(original_init)
         def init(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
             original_init(self, loader, *args, **kwargs)
-            self._distcheck_pass = record = recorder._new_pass(loader)
-            if record is not None:   # an iterator dropped mid-pass (limit_val_batches, break) ends its pass
-                weakref.finalize(self, recorder._finish, record)
+            try:
+                self._distcheck_pass = record = recorder._new_pass(loader)
+                if record is not None:   # an iterator dropped mid-pass (limit_val_batches, break) ends its pass
+                    weakref.finalize(self, recorder._finish_guarded, record)
+            except Exception as exc:
+                failed(Hook.SAMPLES, exc)
 
         @functools.wraps(original_next_index)
         def next_index(self: Any) -> Any:
@@ -176,10 +188,13 @@ class SampleRecorder:
             except StopIteration:
                 if record is not None:
                     record["complete"] = True
-                    recorder._finish(record)
+                    recorder._finish_guarded(record)
                 raise
             if record is not None:
-                recorder._record(record, index)
+                try:
+                    recorder._record(record, index)
+                except Exception as exc:
+                    failed(Hook.SAMPLES, exc)
             return index
 
         _BaseDataLoaderIter.__init__ = init

@@ -39,6 +39,7 @@ from distcheck.files.trace import (CHECK, FP_SHIFT, NONE, SEQ_BITS, SLOT_STRUCT,
                                    group_record, segment_record, site_record, text_slots)
 from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.callsite import CallsiteResolver
+from distcheck.rank.guard import Hook, failed
 from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
 from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, NEW_GROUP_KEY, OPS, UNCOUNTED, OpSpec, extra_fields,
                                 make_extractor, reduce_op_name)
@@ -195,34 +196,46 @@ class Tracer:
         multi = name in MULTI_SEQ
         tracer = self
 
+        # Rule 0 (rank.guard): an error of distcheck's own below is caught and counted, never raised into
+        # the user's call, which returns its own result or raises its own exception unchanged. (A try costs
+        # nothing in CPython 3.11 until something raises.)
         @functools.wraps(original)
         def traced(*args: Any, **kwargs: Any) -> Any:
             if local.active:
                 return original(*args, **kwargs)   # a collective inside a traced one
             local.active = True
+            unrecorded = None
             try:
                 try:
                     key = enter(extract(args, kwargs), getframe(1))
-                except Exception:                  # never break the user's call
-                    key = None
+                except Exception as exc:
+                    key, unrecorded = None, exc
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
                     if key is not None:
-                        self._exit(key, exc)
-                    raise
+                        tracer._exit_guarded(key, exc)
+                    raise   # the user's exception, as it was
                 if key is not None:
-                    t = time_ns()
-                    record = pack(X_OK, key, t, exit_check ^ key ^ t)
                     try:
-                        append(record)
-                    except ValueError:    # the mapping is full: grow it
-                        writer.write(record)
+                        t = time_ns()
+                        record = pack(X_OK, key, t, exit_check ^ key ^ t)
+                        try:
+                            append(record)
+                        except ValueError:    # the mapping is full: grow it
+                            writer.write(record)
+                    except Exception as exc:
+                        failed(Hook.TRACER, exc)
+                elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
+                    failed(Hook.TRACER, unrecorded)
                 return result
             finally:
-                if multi:
-                    tracer._resync()
-                tracer.busy_group = None   # after the numbers: the sidecar reads it first
+                try:
+                    if multi:
+                        tracer._resync()
+                    tracer.busy_group = None   # after the numbers: the sidecar reads it first
+                except Exception as exc:
+                    failed(Hook.TRACER, exc)
                 local.active = False
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
@@ -250,26 +263,29 @@ class Tracer:
                 return original(p2p_op_list, *args, **kwargs)
             local.active = True
             claims: list[tuple[tuple, int]] = []
+            keys: list[int] = []
             try:
-                frame = sys._getframe(1)
-                keys = []
-                for p2p in p2p_op_list:
-                    try:
+                try:   # rule 0, as in wrap()
+                    frame = sys._getframe(1)
+                    for p2p in p2p_op_list:
                         keys.append(self._enter_p2p_op(p2p, frame))
-                    except Exception:
-                        pass
-                claims = self._batch_counters(p2p_op_list)
+                    claims = self._batch_counters(p2p_op_list)
+                except Exception as exc:
+                    failed(Hook.TRACER, exc)
                 try:
                     result = original(p2p_op_list, *args, **kwargs)
                 except BaseException as exc:
                     for key in keys:
-                        self._exit(key, exc)
-                    raise
+                        self._exit_guarded(key, exc)
+                    raise   # the user's exception, as it was
                 for key in keys:
-                    self._exit(key, None)
+                    self._exit_guarded(key, None)
                 return result
             finally:
-                self._claim_batch(claims)
+                try:
+                    self._claim_batch(claims)
+                except Exception as exc:
+                    failed(Hook.TRACER, exc)
                 local.active = False
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
@@ -516,6 +532,13 @@ class Tracer:
         # (group, tensors, tensor_lists, reduce_op, root, group_root, async_op, shape_unless)
         values = (p2p.group, (p2p.tensor,), (), None, p2p.peer, None, None, None, None, None)
         return self._enter(op_name, spec, values, frame, claim=False)   # a batch is numbered as a whole
+
+    def _exit_guarded(self, key: int, exc: BaseException | None) -> None:
+        """``_exit``, its own failure counted (rule 0): never raised instead of the user's exception."""
+        try:
+            self._exit(key, exc)
+        except Exception as err:
+            failed(Hook.TRACER, err)
 
     def _exit(self, key: int, exc: BaseException | None) -> None:
         if exc is None:

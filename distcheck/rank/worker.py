@@ -33,6 +33,8 @@ from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import torch_dir
 from distcheck.launch.memory import take_job_standing
 from distcheck.models import Phase
+from distcheck.rank import guard
+from distcheck.rank.guard import Hook, failed
 from distcheck.rank.samples import SampleRecorder
 from distcheck.rank.tracer import install
 
@@ -76,6 +78,22 @@ def install_stack_dumps(path: Path, sample_path: Path) -> None:
     faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
     sample = open(sample_path, "a", buffering=1, encoding="utf-8")
     faulthandler.register(signal.SIGUSR2, file=sample, all_threads=True, chain=False)
+
+
+def install_stack_dumps_guarded(path: Path, sample_path: Path) -> None:
+    """``install_stack_dumps``, its failure counted (rule 0): the rank runs on without stack dumps."""
+    try:
+        install_stack_dumps(path, sample_path)
+    except Exception as exc:
+        failed(Hook.STACK_DUMPS, exc)
+
+
+def _set_up(install: Callable[[], Any]) -> None:
+    """One of a rank's recorders installed; its failure counted (rule 0), the others still installed."""
+    try:
+        install()
+    except Exception as exc:
+        failed(Hook.RANK_SETUP, exc)
 
 
 def user_frame_of(tb: Any) -> str | None:
@@ -192,7 +210,7 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
         fn(ctx)
         # Lightning's Trainer restores the Python-level handlers it saw at its start at teardown, which
         # for faulthandler's signals is SIG_DFL: the next scenario's stack requests would kill the rank.
-        install_stack_dumps(STATUS.files.stacks(rank), STATUS.files.stack_sample(rank))
+        install_stack_dumps_guarded(STATUS.files.stacks(rank), STATUS.files.stack_sample(rank))
         results = ctx.results()
         done[name] = {"results": results, "collectives": tracer.count - before,
                       "t_start": started, "t_end": time.time()}
@@ -288,8 +306,8 @@ def flush_before_destroy(watcher: native.NativeWatcher) -> None:
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         try:
             watcher.flush()
-        except Exception:   # never keep the user's call from running
-            pass
+        except Exception as exc:   # never keep the user's call from running (rule 0)
+            failed(Hook.SIDECAR, exc)
         return original(*args, **kwargs)
 
     destroy_process_group.__distcheck__ = True  # type: ignore[attr-defined]
@@ -322,17 +340,18 @@ def trace_rank(files: LaunchFiles, rank: int, *, script: bool, main_thread: int 
     global STATUS
     status = STATUS = Status(files, rank, main_thread)
     status.update(phase=Phase.STARTING)
-    install_stack_dumps(files.stacks(rank), files.stack_sample(rank))
+    guard.set_publisher(lambda counts: STATUS.update(hook_failures=counts))   # this generation's status
+    install_stack_dumps_guarded(files.stacks(rank), files.stack_sample(rank))
     if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
         start_flight_recorder_sidecar(files, rank)
         status.update(flight_recorder=True)
     tracer = install(files.trace(rank), rank)
     watcher = watch_native_collectives(tracer, main_thread)
     if script:
-        integrations.install()
+        _set_up(integrations.install)
     # Scripts write their passes to a file; a scenario's go out with its results (scenario.results()).
-    SampleRecorder(files.samples(rank) if script else None).install()   # no code change needed
-    metrics.install(files.metrics(rank))   # torchmetrics, once the job imports it
+    _set_up(SampleRecorder(files.samples(rank) if script else None).install)   # no code change needed
+    _set_up(lambda: metrics.install(files.metrics(rank)))   # torchmetrics, once the job imports it
     return RankRuntime(files, status, tracer, watcher)
 
 
@@ -341,17 +360,24 @@ def flush_native(runtime: RankRuntime, exc: BaseException | None = None) -> None
     A failure's traceback says where the call that raised was issued (``loss.backward()``)."""
     try:
         runtime.watcher.flush(native.traceback_frames(exc.__traceback__) if exc is not None else None)
-    except Exception:   # a failing flush must not hide the rank's own end
-        pass
+    except Exception as err:   # a failing flush must not hide the rank's own end
+        failed(Hook.SIDECAR, err)
 
 
 def finish_rank(runtime: RankRuntime, results: dict[str, Any]) -> None:
     """The rank's work is done: its last C++-issued calls are in the trace before "finished"."""
     flush_native(runtime)
-    if samples.ACTIVE is not None:
-        samples.ACTIVE.flush()   # passes cut short whose iterators are still alive
-    results = {**results, **metrics.results()}   # a script's metrics (a scenario's went with its results)
-    runtime.status.update(phase=Phase.FINISHED, collectives=runtime.tracer.count, results=results)
+    try:
+        if samples.ACTIVE is not None:
+            samples.ACTIVE.flush()   # passes cut short whose iterators are still alive
+    except Exception as exc:
+        failed(Hook.SAMPLES, exc)
+    try:
+        results = {**results, **metrics.results()}   # a script's metrics (a scenario's went with its results)
+    except Exception as exc:
+        failed(Hook.METRICS, exc)
+    runtime.status.update(phase=Phase.FINISHED, collectives=runtime.tracer.count, results=results,
+                          hook_failures=guard.failures() or None)
 
 
 def record_failure(status: Status, exc: BaseException, collectives: int, exit_code: int) -> None:
@@ -362,6 +388,7 @@ def record_failure(status: Status, exc: BaseException, collectives: int, exit_co
     status.update(
         phase=Phase.ERROR, collectives=collectives, exit_code=exit_code,
         exception=f"{type(exc).__name__}: {message}"[:500], traceback=text[-8000:], where=user_frame_of(tb),
+        hook_failures=guard.failures() or None,
     )
 
 
