@@ -4,22 +4,27 @@ them, and each ordered pair's send/recv bandwidth, with the slow rank or link na
 --option keys (nccl-tests' flag in brackets): min_bytes [-b], max_bytes [-e], step_factor [-f],
 iters [-n], warmup [-w], check [-c], average [-a], ops (comma-separated), pair_bytes, pair_rounds,
 pairs (0: no pairwise matrix), slow_ratio, slow_link_fails (1: a slow link fails the
-node on CPU tensors too). Fault injection, to see the slow-link finding:
+node on gloo too). Fault injection, to see the slow-link finding:
 inject_slow_send_rank=R makes rank R sleep inject_slow_send_ms (default 20) before each pairwise send.
 """
 
 from distcheck import scenario
 
-# Defaults: nccl-tests' -w 5 -n 20, swept to 1 GiB where the links plateau; on CPU tensors a short
+# Defaults: on NCCL, nccl-tests' -w 5 -n 20, swept to 1 GiB where the links plateau; on gloo a short
 # sweep, because the check runs in the default catalogue.
-GPU = {"min_bytes": 64, "max_bytes": 1 << 30, "step_factor": 4, "warmup": 5, "iters": 20, "pair_bytes": 64 << 20}
-CPU = {"min_bytes": 4 << 10, "max_bytes": 1 << 20, "step_factor": 16, "warmup": 1, "iters": 5, "pair_bytes": 1 << 20}
+NCCL = {"min_bytes": 64, "max_bytes": 1 << 30, "step_factor": 4, "warmup": 5, "iters": 20, "pair_bytes": 64 << 20}
+GLOO = {"min_bytes": 4 << 10, "max_bytes": 1 << 20, "step_factor": 16, "warmup": 1, "iters": 5, "pair_bytes": 1 << 20}
+
+
+def _on_gpu_links(ctx) -> bool:
+    """NCCL on GPUs: real links. gloo moves even CUDA tensors through host sockets."""
+    return ctx.backend == "nccl" and ctx.device.type == "cuda"
 
 
 def _settings(ctx) -> dict:
     from distcheck import bandwidth
 
-    o = {**(GPU if ctx.device.type == "cuda" else CPU), **ctx.options}
+    o = {**(NCCL if _on_gpu_links(ctx) else GLOO), **ctx.options}
     ops = [op.strip() for op in str(o.get("ops", ",".join(bandwidth.OPS))).split(",") if op.strip()]
     for op in ops:
         bandwidth.bus_factor(op, 2)   # an unknown op: one clear error before anything runs
@@ -113,9 +118,10 @@ def _pairs(ctx, s) -> None:
         ["from \\ to"] + [str(d) for d in range(n)],
         [[src] + ["-" if src == dst else _g(matrix[src, dst]) for dst in range(n)] for src in range(n)],
         records=[{"src": src, "dst": dst, "bytes": size, "gbps": gbps} for (src, dst), gbps in matrix.items()])
-    # On CPU tensors a "link" is loopback on shared cores: it measures the scheduler, so a slow one is
-    # shown (info) but fails the node only when asked (slow_link_fails=1); on GPUs it is a real link.
-    fails = bool(int(ctx.options.get("slow_link_fails", ctx.device.type == "cuda")))
+    # On gloo a "link" is a host socket, on one node loopback on shared cores: it measures the scheduler,
+    # so a slow one is shown (info) but fails the node only when asked (slow_link_fails=1); on NCCL it is
+    # a real link.
+    fails = bool(int(ctx.options.get("slow_link_fails", _on_gpu_links(ctx))))
     for link in slow_links(matrix, s["slow_ratio"]):
         if ctx.rank in link.ranks:
             ctx.require(f"slow link {link.kind} {'->'.join(map(str, link.ranks))}", False, link.describe(),

@@ -52,7 +52,7 @@ def test_every_row_is_nccl_tests_formula_at_4_ranks(distcheck):
     assert any(line.split()[:6] == ["all_gather", "1048576", "65536", "float", "none", "-1"]
                for line in run.stdout.splitlines()), run.stdout[-3000:]
     assert len(pairs["records"]) == 12 and all(p["gbps"] > 0 for p in pairs["records"])
-    # On CPU tensors a slow "link" is the scheduler's doing: shown, never a failure.
+    # On gloo a slow "link" is the scheduler's doing: shown, never a failure.
     assert all(f["severity"] == "info" for f in s["findings"] if f["kind"] == "health")
 
 

@@ -2,7 +2,8 @@
 # What can be checked on ONE GPU (two NCCL ranks cannot share a GPU):
 #   1. multi-rank gloo with CUDA tensors through the whole catalogue,
 #   2. one-rank NCCL (clean), and a one-rank NCCL stall with the Flight Recorder dump,
-#   3. the tracer's overhead on one-rank NCCL.
+#   3. the tracer's overhead on one-rank NCCL,
+#   4. the node check (comm_health) on NCCL, one rank per GPU, and 5. its timing against a plain torch loop.
 # Usage (on the GPU machine, from the repo root): bash tests/gpu/run_gpu_checks.sh OUTDIR
 set -uo pipefail
 out=${1:-gpu-results}
@@ -35,3 +36,24 @@ PY
 echo "== 3. tracer overhead, one-rank NCCL (target: 'tracer ×' <= 1.10 on 'all_reduce 1 elem')"
 python benchmarks/tracer_overhead.py --nccl 2>&1 | tee "$out/overhead_nccl.txt" | tail -30
 grep "all_reduce 1 elem" "$out/overhead_nccl.txt" | tail -1 | awk '{print "one-rank NCCL all_reduce, traced / untraced:", $6}' 
+
+echo "== 4. node check (comm_health) on NCCL: nccl-tests' table to 1 GiB, out of place and in place, #wrong"
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+# One rank per GPU: on a one-GPU machine that is one rank (busbw factor 0 for all_reduce at n=1, as
+# nccl-tests prints it; no pairs); on a multi-GPU node every GPU, with the pairwise matrix.
+python -m distcheck run comm_health --nproc-per-node "$gpus" --backend nccl \
+  --json "$out/node_check_nccl.json" --run-dir "$out/run_node_check_nccl" 2>&1 | tee "$out/node_check_nccl.txt" | tail -60
+echo "exit code: ${PIPESTATUS[0]}" | tee -a "$out/node_check_nccl.txt"
+python - "$out/node_check_nccl.json" <<'PY'
+import json, sys
+from distcheck import bandwidth as bw
+s = json.load(open(sys.argv[1]))["scenarios"][0]
+n = json.load(open(sys.argv[1]))["run"]["world_size"]
+sweep = next(t for t in s["tables"] if t["title"].startswith("Bus bandwidth"))
+bad = [(r["op"], r["size"]) for r in sweep["records"] for p in (r["out_of_place"], r["in_place"]) if p
+       and (p["wrong"] or abs(p["busbw"] - bw.busbw(r["op"], r["count"], 4, p["time_us"] / 1e6, n)) > 1e-9 * (1 + p["busbw"]))]
+print("rows:", len(sweep["records"]), "largest size:", max(r["size"] for r in sweep["records"]), "rows off nccl-tests' formula or wrong:", bad)
+PY
+
+echo "== 5. node check timing vs a plain torch loop, NCCL on cuda:0 (target: harness / plain <= 1.05)"
+python benchmarks/comm_health_overhead.py --nccl --ranks 1 --size 256M 2>&1 | tee "$out/node_check_overhead.txt" | tail -8
