@@ -115,7 +115,7 @@ def _partial_new_group(group: str, seq: int, events: Mapping[int, Event], absent
     return Finding(
         kind="count", severity="error", group=group, seq=seq, op="new_group", label=e.label, callsite=e.callsite,
         odd_ranks=tuple(absent), fields=("count",),
-        ranks=tuple([detail(r, "created", events[r]) for r in made] + [detail(r, "never called") for r in absent]),
+        ranks=tuple([detail(r, "created", events[r]) for r in made] + [detail(r, "never called", None) for r in absent]),
         summary=(f"new_group #{seq}{asked} was created by {rank_list(made)} only (at {site(e.callsite)}); "
                  f"{rank_list(absent)} never called it. A new_group must be called by every rank of the job, "
                  f"members or not, in the same order: torch numbers groups with a job-wide counter, so every group "
@@ -133,7 +133,7 @@ def _entered_alone(group: str, seq: int, events: Mapping[int, Event], absent: tu
     return Finding(
         kind="count", severity="info", group=group, seq=seq, op=e.op, label=e.label, callsite=e.callsite,
         odd_ranks=tuple(entered), fields=("count",),
-        ranks=tuple([detail(r, "entered", events[r]) for r in entered] + [detail(r, "never called") for r in absent]),
+        ranks=tuple([detail(r, "entered", events[r]) for r in entered] + [detail(r, "never called", None) for r in absent]),
         summary=(f"{e.op} #{seq} (group {group}) was entered by {rank_list(entered)} alone (at {site(e.callsite)}); "
                  f"{rank_list(absent)} never called it, and it raised{waited} on {rank_list(entered)}: {e.error}. "
                  f"The program went on after the error."),
