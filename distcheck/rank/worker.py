@@ -236,7 +236,10 @@ def note_process_group_init() -> None:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        STATUS.update(phase=Phase.RUNNING, pg_initialized=True)
+        try:
+            STATUS.update(phase=Phase.RUNNING, pg_initialized=True)
+        except Exception as exc:   # the user's init_process_group returns all the same (rule 0)
+            failed(Hook.RANK_SETUP, exc)
         return result
 
     c10d.init_process_group = init_process_group
@@ -263,6 +266,12 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
     collectives release the GIL while they wait, so this thread runs.
     """
     def serve() -> None:
+        try:
+            dump()
+        except Exception as exc:   # a thread of distcheck's own: its failure is counted, never printed (rule 0)
+            failed(Hook.SIDECAR, exc)
+
+    def dump() -> None:
         while not files.flight_recorder_request.exists():
             time.sleep(0.05)
         dump_json = torch_features.fr_dump_json_function()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from torchmetrics import Metric
 
 BREAK = os.environ.get("RULE0_BREAK") == "1" and "distcheck.rank.injected" in sys.modules
@@ -49,7 +49,7 @@ class FailingSampler(Sampler):
     """The user's sampler, whose own error must reach the user's loop unchanged."""
 
     def __iter__(self):
-        yield 0
+        yield dist.get_rank()   # each rank its own sample
         raise LookupError("the user's sampler ran dry")
 
     def __len__(self) -> int:
@@ -76,7 +76,8 @@ def main() -> None:
     gathered = [torch.zeros(2) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.full((2,), float(rank)))
     seen["all_gather"] = [g.tolist() for g in gathered]
-    loader = DataLoader(list(range(10)), batch_size=3)
+    data = list(range(10))
+    loader = DataLoader(data, batch_size=3, sampler=DistributedSampler(data, shuffle=False))
     seen["batches"] = [b.tolist() for b in loader]
     seen["sampler_error"] = caught(lambda: list(DataLoader(list(range(4)), sampler=FailingSampler())))
 
