@@ -93,6 +93,22 @@ def test_a_failing_rank_end_hook_lets_the_users_exception_through_unchanged(monk
     assert guard.failures()["rank_end"]["count"] == 2
 
 
+def test_a_failing_post_import_hook_leaves_the_users_import_as_it_was():
+    """The hooks that patch torchmetrics and Lightning run right after their import: failing, the import
+    still gives the user the module, whole."""
+    from distcheck.rank.integrations import _PostImportHook
+
+    sys.modules.pop("colorsys", None)
+    hook = _PostImportHook({"colorsys": planted}, Hook.METRICS)
+    sys.meta_path.insert(0, hook)
+    try:
+        import colorsys
+    finally:
+        sys.meta_path.remove(hook)
+    assert colorsys.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
+    assert guard.failures()["metrics"] == {"count": 1, "error": "Planted: planted"}
+
+
 def test_counts_reach_the_status_at_the_first_second_fourth_failure():
     sent = []
     guard.set_publisher(sent.append)
