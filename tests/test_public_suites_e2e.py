@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import kill_tree
 
-pytestmark = [pytest.mark.e2e, pytest.mark.public]
+pytestmark = [pytest.mark.e2e, pytest.mark.public, pytest.mark.timeout(1800)]   # several jobs per test
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = ROOT / "tests" / "scripts" / "public"

@@ -163,3 +163,29 @@ def test_a_scenarios_own_record_keeps_its_error():
     results = {r: {"samples": [{"dataset": "eval set", "dataset_size": 8, "ids": list(range(8))}]} for r in (0, 1)}
     [f] = find_duplicates(results, 2, {})
     assert f.severity == "error" and f.data["use"] is None
+
+
+# -- what the tracer records of a new_group (one rank, a real gloo group) ---------------------------
+
+
+def test_the_tracer_numbers_local_new_groups_among_their_ranks(process_group, tmp_path):
+    import torch.distributed as dist
+
+    from distcheck.files.trace_reader import parse_trace
+    from distcheck.rank.tracer import Tracer
+
+    path = tmp_path / "rank0.trace"
+    tracer = Tracer(path, 0)
+    tracer.install()
+    try:
+        dist.new_group([0])
+        dist.new_group([0], use_local_synchronization=True)
+        dist.new_group([0], use_local_synchronization=True)
+        dist.new_group([0])
+    finally:
+        tracer.uninstall()
+        tracer.close()
+    events = parse_trace(0, path.read_bytes()).events
+    assert [(e.group, e.seq, e.members) for e in events] == [
+        (NEW_GROUP_KEY, 1, (0,)), (local_group_key((0,)), 1, (0,)), (local_group_key((0,)), 2, (0,)),
+        (NEW_GROUP_KEY, 2, (0,))]
