@@ -7,8 +7,9 @@ In one set of ranks (one process group), round by round and in alternating order
 * **plain**: a loop written here from torch alone: the same call on buffers of the same size,
   ``time.perf_counter()`` around ``iters`` calls, averaged over ranks the same way.
 
-Printed per op: both medians (µs per call), the ratio harness / plain (target ≤ 1.05), and both
-busbw values from nccl-tests' formula. ``--json`` writes the same numbers.
+Printed per op: both medians (µs per call), the ratio harness / plain (the median of each round's
+pair; target ≤ 1.05), the plain loop's own round-to-round noise (median deviation from its median),
+and both busbw values from nccl-tests' formula. ``--json`` writes the same numbers.
 
     python benchmarks/comm_health_overhead.py                      # 4 gloo ranks, 4 MiB
     python benchmarks/comm_health_overhead.py --ranks 2 --size 1M --ops all_gather
@@ -122,8 +123,12 @@ def summarize(raw: dict) -> list[dict]:
     n, rows = raw["ranks"], []
     for op, r in raw["ops"].items():
         harness, plain = median(r["harness"]), median(r["plain"])
+        # The ratio of each round's pair (measured back to back), then their median: a drift of the
+        # machine's load between rounds cancels out. The plain loop's own spread is the noise.
+        paired = median(h / p for h, p in zip(r["harness"], r["plain"]))
+        noise = median(abs(p / plain - 1) for p in r["plain"])
         rows.append({"op": op, "size": r["size"], "count": r["count"], "harness_us": harness * 1e6,
-                     "plain_us": plain * 1e6, "ratio": harness / plain, "wrong": r["wrong"],
+                     "plain_us": plain * 1e6, "ratio": paired, "plain_noise": noise, "wrong": r["wrong"],
                      "harness_busbw": bandwidth.busbw(op, r["count"], ELEMENT_SIZE, harness, n),
                      "plain_busbw": bandwidth.busbw(op, r["count"], ELEMENT_SIZE, plain, n)})
     return rows
@@ -151,10 +156,11 @@ def main() -> None:
     rows = summarize(launch(args))
     backend = "nccl, cuda" if args.nccl else "gloo, cpu"
     print(conditions())
-    print(table(["op", "size", "count", "harness µs", "plain µs", "harness / plain", "harness busbw",
-                 "plain busbw", "#wrong"],
+    print(table(["op", "size", "count", "harness µs", "plain µs", "harness / plain", "plain's noise",
+                 "harness busbw", "plain busbw", "#wrong"],
                 [[r["op"], r["size"], r["count"], f"{r['harness_us']:.1f}", f"{r['plain_us']:.1f}",
-                  f"{r['ratio']:.3f}", f"{r['harness_busbw']:.4g}", f"{r['plain_busbw']:.4g}", r["wrong"]]
+                  f"{r['ratio']:.3f}", f"±{r['plain_noise']:.1%}", f"{r['harness_busbw']:.4g}",
+                  f"{r['plain_busbw']:.4g}", r["wrong"]]
                  for r in rows],
                 title=f"comm_health timing vs a plain torch loop ({args.ranks} ranks, {backend}; medians of "
                       f"{args.rounds} alternating rounds of {args.iters} calls after {args.warmup} warm-up; "
