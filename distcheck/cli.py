@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 EXIT_CODES_HELP = (
     "Exit codes: 0 every scenario behaved as expected (or the script ran clean); "
     "1 findings / unexpected behaviour; 2 usage error; 3 distcheck could not run the job; "
-    "4 the global --timeout ended the run; 5 a saved run (or dump) is corrupt or incomplete; 130 interrupted."
+    "4 the global --timeout ended the run; 5 a saved run (or dump) is corrupt or incomplete; "
+    "6 nothing ran (every target was skipped); 130 interrupted (Ctrl-C, SIGTERM)."
 )
 
 app = typer.Typer(
@@ -200,6 +201,8 @@ def _exit_code(report: Report) -> ExitCode:
         return ExitCode.INTERRUPTED
     if any(s.end_reason == EndReason.TIMEOUT for s in report.scenarios):
         return ExitCode.TIMEOUT
+    if report.nothing_ran:
+        return ExitCode.NOTHING_RAN
     return ExitCode.OK if report.verdict == "pass" else ExitCode.FINDINGS
 
 
@@ -324,14 +327,14 @@ def main() -> None:
 
         prepare_process()
         code = app(standalone_mode=False)   # returns the typer.Exit code instead of exiting
-        sys.exit(code if isinstance(code, int) else 0)
+        _exit_now(code if isinstance(code, int) else 0)
     except DistcheckError as exc:
         sys.stderr.write(f"distcheck: error: {exc.message}\n")
         if exc.hint:
             sys.stderr.write(f"  hint: {exc.hint}\n")
         sys.exit(int(exc.exit_code))
     except typer.Exit as exc:
-        sys.exit(exc.exit_code)
+        _exit_now(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("distcheck: interrupted\n")
         sys.exit(int(ExitCode.INTERRUPTED))
@@ -343,3 +346,16 @@ def main() -> None:
         if type(exc).__name__ == "Abort":
             sys.exit(int(ExitCode.INTERRUPTED))
         raise
+
+
+def _exit_now(code: int) -> None:
+    """Everything is written and flushed: end without the interpreter's teardown, which after a launch
+    waits ~1.5 s on torch's native store threads (an interrupted run must end within 2 s of Ctrl-C)."""
+    import logging
+
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

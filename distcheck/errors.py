@@ -14,6 +14,7 @@ class ExitCode(enum.IntEnum):
     LAUNCH_FAILED = 3      # distcheck could not run the job (rendezvous, ports, run dir, ...)
     TIMEOUT = 4            # the global --timeout ended the run
     CORRUPT_INPUT = 5      # a saved run (or dump) exists but cannot be read: bad JSON, unknown schema
+    NOTHING_RAN = 6        # every target was skipped: nothing was checked, so nothing passed
     INTERRUPTED = 130      # Ctrl-C / SIGTERM
 
 

@@ -48,8 +48,20 @@ class EndReason(_Named):
         return self is not EndReason.COMPLETED
 
     @property
+    def words(self) -> str:
+        """How every view names this end (terminal, JUnit, ``distcheck runs``; docs/endings.md)."""
+        return _END_WORDS[self]
+
+    @property
     def priority(self) -> int:
         return list(EndReason).index(self)
+
+
+_END_WORDS = {
+    EndReason.INTERRUPTED: "interrupted", EndReason.STALL: "ended by the hang watchdog",
+    EndReason.TIMEOUT: "ended by --timeout", EndReason.MAX_DURATION: "ended by --max-duration",
+    EndReason.CRASH: "a rank crashed", EndReason.COMPLETED: "completed",
+}
 
 
 class Phase(_Named):
@@ -398,9 +410,14 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        if self.interrupted:
+        if self.interrupted or self.nothing_ran:   # a run that ran nothing did not pass
             return "fail"
         return "pass" if all(s.ok for s in self.scenarios) else "fail"
+
+    @property
+    def nothing_ran(self) -> bool:
+        """Every target was skipped (its library missing, too few ranks): not a pass (exit 6)."""
+        return bool(self.scenarios) and all(s.skipped for s in self.scenarios)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from distcheck import interrupt
 from distcheck.launch import batch, forkserver
 from distcheck.files import run_dir as rundir
+from distcheck.files import user_code
 from distcheck.diagnose.analyze import RunFacts
 from distcheck.diagnose.verdict import Evidence, Scenario, command_ended, merge_results, scenario_result
 from distcheck.diagnose.verdict import run_info as build_run_info
@@ -243,8 +245,10 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
         raise UsageError("nothing to run: no scenarios selected")
     if options.metric_memory_mb is not None:   # the ranks inherit it, however they are launched
         os.environ[metric_recording.MEMORY_ENV] = f"{options.metric_memory_mb:g}"
+    user_code.declare(_named_files(specs))   # the ranks inherit it, however they are launched
     run_id = new_run_id()
     run_dir = make_run_dir(options.run_dir, run_id)
+    interrupt.begin_run()   # from here Ctrl-C still ends with a report
     # Every node must name its launches alike for torch's rendezvous to pair them.
     launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
     check_endpoint_address(options.nodes)
@@ -265,6 +269,17 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     return report
 
 
+def _named_files(specs: list[Target]) -> list[str]:
+    """The files the user named: a script, and the files and folders on a command's line."""
+    named: list[str] = []
+    for spec in specs:
+        if isinstance(spec, CommandSpec):
+            named += user_code.named_paths(spec.argv)
+        elif isinstance(spec, ScriptSpec):
+            named += ([spec.file] if spec.file else []) + user_code.named_paths(spec.args)
+    return named
+
+
 def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_base: str,
              cluster: ClusterStore | None, hooks: RunHooks) -> RunState:
     """Each unit of ``batch.plan`` in turn, until all ran or the run must stop."""
@@ -278,7 +293,7 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
 
     units = batch.plan(specs, batching=options.batching and not options.nodes.multi and not options.max_duration)
     batches = 0
-    while units:
+    while units and not interrupt.requested():   # a Ctrl-C that came between launches
         unit = units.pop(0)
         try:
             if len(unit) == 1:
@@ -299,12 +314,13 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
             units[0:0] = [leftover] if results else [[s] for s in leftover]
         if _must_stop(results, state, cluster):
             break
+    state.interrupted = state.interrupted or interrupt.requested()
     return state   # results in the order they ran
 
 
 def _must_stop(results: list[ScenarioResult], state: RunState, cluster: ClusterStore | None) -> bool:
     """Ctrl-C, the global --timeout, or a lost node ends the whole run, not just one launch."""
-    if any(r.end_reason == EndReason.INTERRUPTED for r in results):
+    if interrupt.requested() or any(r.end_reason == EndReason.INTERRUPTED for r in results):
         state.interrupted = True
         return True
     if any(r.end_reason == EndReason.TIMEOUT for r in results):

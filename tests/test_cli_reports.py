@@ -130,7 +130,8 @@ def test_every_command_help_lists_the_exit_codes():
         assert result.exit_code == 0, (name, result.output)
         text = " ".join(result.output.split())
         assert "Exit codes: 0 every scenario behaved as expected" in text, name
-        assert "5 a saved run (or dump) is corrupt or incomplete; 130 interrupted" in text, name
+        assert "5 a saved run (or dump) is corrupt or incomplete; 6 nothing ran (every target was skipped); " \
+               "130 interrupted" in text, name
 
 
 def test_an_unknown_scenario_name_gets_a_did_you_mean(distcheck):

@@ -491,7 +491,7 @@ def test_a_script_is_worded_as_a_script(fixed):
     hang = dataclasses.replace(report.scenarios[0], name="train", source="/home/u/train.py", expected=("pass",),
                                ok=False, script=True)
     clean = dataclasses.replace(hang, name="evaluate", source="-m mypkg.evaluate", observed=("pass",), ok=True,
-                                findings=())
+                                findings=(), end_reason="completed")
     assert terminal.scenario_line(hang).plain.startswith("  FAIL train.py: hang  (")
     assert terminal.scenario_line(clean).plain.startswith("  OK   -m mypkg.evaluate: ran clean  (")
     failed = dataclasses.replace(report, scenarios=(hang,))

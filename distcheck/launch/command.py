@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from distcheck import interrupt
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import launcher, memory, procs
@@ -319,6 +320,10 @@ class Generations:
         while self.guard.poll() is None:
             self.discover()
             now = time.monotonic()
+            if interrupt.requested():   # each generation's watchdog takes its ranks' stacks, then ends them
+                self._wait_for_watchdogs(timeout_s=3.0)
+                self.end_reason = EndReason.INTERRUPTED
+                return
             reason = self._limit_reached(now - self.clock)
             if reason is None and self.active() == [] and self.ended_one():
                 if self.quiet.observe(now, _tree_cpu_seconds(self.guard.pid)):
@@ -433,12 +438,14 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
     watch = Generations(files, guard, limits, on_poll, clock)
     interrupted = False
     try:
-        watch.run()
+        with interrupt.watched():   # Ctrl-C only recorded: the watchdogs end the ranks, evidence first
+            watch.run()
     except KeyboardInterrupt:
         interrupted = True
     finally:
         watch.stop()
         _stop(guard, None)
+    interrupted = interrupted or watch.end_reason == EndReason.INTERRUPTED
     watch.discover(watch=False)
     generations = tuple(_generation_outcome(files, i, w, interrupted, guard.returncode, started)
                         for i, w in sorted(watch.watchdogs.items()))

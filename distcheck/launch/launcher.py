@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from distcheck import interrupt
 from distcheck.launch import forkserver
 from distcheck.launch import memory
 from distcheck.launch import procs
@@ -121,11 +122,31 @@ def _quiet_elastic() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _restore_signal_handlers() -> Iterator[None]:
+    """Ctrl-C and SIGTERM stay distcheck's while torch's agent runs (``distcheck.interrupt``): the agent's
+    own handler (it installs it for SIGINT, SIGTERM, SIGHUP, SIGQUIT when it starts the ranks) would
+    forward the signal to the ranks at once, before their stacks are taken, and the ranks would print
+    KeyboardInterrupt tracebacks. Ours records the request; the watchdog ends the launch with the
+    evidence first. SIGHUP and SIGQUIT keep torch's handler. Every handler is restored afterwards."""
+    from torch.distributed.elastic.multiprocessing import api
+
     names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     saved = {name: signal.getsignal(getattr(signal, name)) for name in names if hasattr(signal, name)}
+    torch_handler = api._terminate_process_handler
+
+    def terminate_handler(signum: int, frame: Any) -> None:
+        if signal.Signals(signum).name in interrupt.SIGNALS:
+            interrupt.handler(signum, frame)
+        else:
+            torch_handler(signum, frame)
+
+    api._terminate_process_handler = terminate_handler   # looked up by PContext.start when it installs it
     try:
-        yield
+        with interrupt.watched():
+            for name in interrupt.SIGNALS:
+                signal.signal(getattr(signal, name), interrupt.handler)
+            yield
     finally:
+        api._terminate_process_handler = torch_handler
         for name, handler in saved.items():
             if handler is not None:
                 signal.signal(getattr(signal, name), handler)
@@ -244,7 +265,7 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
                 error: str | None, files: LaunchFiles) -> EndReason:
     """The watchdog's decision first (it ended the job), then the ranks' failures; raises when
     the job could not run, or the watchdog itself failed."""
-    if interrupted:
+    if interrupted or interrupt.requested():
         return EndReason.INTERRUPTED
     if result.decision.end_reason is not None:
         return result.decision.end_reason

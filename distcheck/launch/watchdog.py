@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from distcheck import interrupt
 from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -53,6 +54,7 @@ class Decision(enum.Enum):
     TIMEOUT = "timeout"          # the run's --timeout
     MAX_DURATION = "max_duration"  # the pre-flight window ended
     FAILED = "failed"            # the watchdog itself failed: end the job rather than hang
+    INTERRUPTED = "interrupted"  # Ctrl-C / SIGTERM (``distcheck.interrupt``): ended like a stall, evidence first
 
     @property
     def end_reason(self) -> EndReason | None:
@@ -61,7 +63,10 @@ class Decision(enum.Enum):
 
 
 _END_REASONS = {Decision.STALL: EndReason.STALL, Decision.DEADLOCK: EndReason.STALL, Decision.TIMEOUT: EndReason.TIMEOUT,
-                Decision.MAX_DURATION: EndReason.MAX_DURATION}
+                Decision.MAX_DURATION: EndReason.MAX_DURATION, Decision.INTERRUPTED: EndReason.INTERRUPTED}
+# Bounds on the evidence an interrupted launch takes before its teardown (the whole run ends within 2 s).
+INTERRUPT_STACKS_S = 0.6
+INTERRUPT_FLIGHT_RECORDER_S = 0.8
 
 
 @dataclass(frozen=True)
@@ -401,7 +406,7 @@ class Watchdog(threading.Thread):
                 progress = self.channel.everyone(progress)
             self.result.last_progress = progress
             now = self.clock()
-            decision = self.detector.observe(now, progress)
+            decision = Decision.INTERRUPTED if interrupt.requested() else self.detector.observe(now, progress)
             self._sample_late(now, progress)
             if self.on_poll is not None:
                 self.on_poll(progress, now - self.detector.last_progress)
@@ -441,6 +446,8 @@ class Watchdog(threading.Thread):
     def _evidence(self, decision: Decision, now: float, progress: Mapping[int, RankProgress]) -> str | None:
         if decision is Decision.DEADLOCK and self.detector.certain is not None:
             return self.detector.certain.evidence
+        if decision is Decision.INTERRUPTED:
+            return f"interrupted: {interrupt.signal_name() or 'a signal'} after {now - self.detector.start:.1f} s"
         if decision is Decision.STALL:
             idle = now - self.detector.last_progress
             return (f"stuck: no rank made progress for {idle:.1f} s (no collective, no CPU, I/O or stack change "
@@ -465,11 +472,12 @@ class Watchdog(threading.Thread):
         pids = self.monitor.pids()
         alive = tuple(sorted(r for r, pid in pids.items() if procs.is_alive(pid)))
         self.result.killed_ranks = alive
+        hurry = self.result.decision is Decision.INTERRUPTED   # someone waits at the terminal
         self.files.flight_recorder_request.touch()   # served by ranks that run the Flight Recorder sidecar
-        procs.request_stacks(pids, self.files.stacks)
+        procs.request_stacks(pids, self.files.stacks, **({"wait_s": INTERRUPT_STACKS_S} if hurry else {}))
         procs.wait_for_files([self.files.flight_recorder(r) for r in alive
                               if r in self.monitor.status and self.monitor.status[r].flight_recorder],
-                             timeout_s=2.0)
+                             timeout_s=INTERRUPT_FLIGHT_RECORDER_S if hurry else 2.0)
         procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)])
         if not self.generation:
             procs.kill_descendants()

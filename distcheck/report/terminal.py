@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from distcheck.models import Finding, RankOutcome, Report, ScenarioResult
+from distcheck.models import EndReason, Finding, RankOutcome, Report, ScenarioResult
 from distcheck.report.health_table import bandwidth_table, is_bandwidth_table
 from distcheck.text import rank_list, short_path
 from distcheck.torch_features import describe
@@ -29,10 +29,25 @@ def script_name(result: ScenarioResult) -> str:
 
 def _script_line(result: ScenarioResult, mark: tuple[str, str]) -> Text:
     """A script declares no expectation: say what it showed ("train.py: hang")."""
-    observed = "ran clean" if result.observed == ("pass",) else "+".join(result.observed)
     return Text.assemble(mark, (result.test or script_name(result), "bold"), ": ",
-                         (observed, "green" if result.ok else "red"),
+                         (script_observed(result), "green" if result.ok else "red"), (_ending(result), "red"),
                          (f"  ({result.duration_s:.1f} s)", "dim"))
+
+
+def script_observed(result: ScenarioResult) -> str:
+    """What a script showed: "ran clean" only when it ran to its end (or through the pre-flight window)."""
+    if result.observed != ("pass",):
+        return "+".join(result.observed)
+    ended = EndReason(result.end_reason) if result.end_reason else EndReason.COMPLETED
+    return "ran clean" if ended in (EndReason.COMPLETED, EndReason.MAX_DURATION) else ended.words
+
+
+def _ending(result: ScenarioResult) -> str:
+    """How the run ended, where distcheck (or a person) ended it: "(ended by --timeout)", "(interrupted)"."""
+    ended = EndReason(result.end_reason) if result.end_reason else EndReason.COMPLETED
+    if ended not in (EndReason.INTERRUPTED, EndReason.TIMEOUT) or script_observed(result) == ended.words:
+        return ""   # a stall or a crash is the finding itself
+    return f" ({ended.words})"
 
 
 def scenario_line(result: ScenarioResult) -> Text:
@@ -44,7 +59,8 @@ def scenario_line(result: ScenarioResult) -> Text:
     else:
         line = Text.assemble(
             mark, (result.name, "bold"), f"  expected {'+'.join(result.expected)}, observed ",
-            ("+".join(result.observed), "green" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"),
+            ("+".join(result.observed), "green" if result.ok else "red"), (_ending(result), "red"),
+            (f"  ({result.duration_s:.1f} s)", "dim"),
         )
     if result.observed == ("pass",) and result.collectives_compared:
         window = " in the --max-duration window" if result.end_reason == "max_duration" else ""
@@ -134,7 +150,12 @@ def summary_line(report: Report) -> Text:
     ok = sum(1 for s in ran if s.ok)
     skipped = len(report.scenarios) - len(ran)
     verdict = ("PASS", "bold green") if report.verdict == "pass" else ("FAIL", "bold red")
+    if report.nothing_ran:
+        verdict = ("NOTHING RAN", "bold yellow")
     extra = " (interrupted)" if report.interrupted else ""
+    if not report.interrupted and (limit := next((s.end_reason for s in ran if s.end_reason in (
+            EndReason.TIMEOUT, EndReason.MAX_DURATION)), None)):
+        extra = f" ({EndReason(limit).words})"
     tests = [s for s in ran if s.test]
     if tests:
         clean = sum(1 for s in tests if s.ok)
@@ -155,7 +176,7 @@ def summary_line(report: Report) -> Text:
 
 def _shown(result: ScenarioResult) -> str:
     """A script's or command's verdict in the summary line ("train.py: ran clean")."""
-    return f"{script_name(result)}: {'ran clean' if result.observed == ('pass',) else '+'.join(result.observed)}"
+    return f"{script_name(result)}: {script_observed(result)}"
 
 
 def command_output(report: Report) -> Text:

@@ -1,0 +1,112 @@
+"""Ctrl-C and SIGTERM, from distcheck's first line to its last write (stdlib only: it is installed
+before anything heavy is imported).
+
+Three stages, one handler:
+
+* start-up (imports, flag checks; nothing started, nothing written): the process ends at once, exit
+  130, one line. Python's own KeyboardInterrupt cannot be relied on here: raised inside torch's
+  import it is sometimes swallowed, and the run went on as if nobody had asked.
+* a run (``begin_run``: the run dir exists, a report will be written): the request is recorded;
+  while a launch is watched (``watched``) its watchdog ends it the way it ends a stall, each live
+  rank's stack and Flight Recorder taken first, so the report says where every rank was; outside a
+  launch, KeyboardInterrupt stops the session at the next unit.
+* a second signal: whatever distcheck started is killed and the process ends at once.
+
+Exit 130 on every path. The handler replaces an inherited SIG_IGN (a job started with ``&`` from a
+script ignores SIGINT), so Ctrl-C and ``kill -INT`` are honoured however distcheck was started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+EXIT_CODE = 130   # errors.ExitCode.INTERRUPTED (not imported: this module loads before anything else)
+SIGNALS = ("SIGINT", "SIGTERM")
+
+
+@dataclass
+class _State:
+    installed: bool = False      # this process is the distcheck command (``install`` ran)
+    running: bool = False        # a run dir exists: a report will be written
+    watched: int = 0             # launches whose watchdog ends them on a request
+    requested_at: float | None = None
+    signal_name: str | None = None
+
+
+_state = _State()
+
+
+def install() -> None:
+    """From distcheck's first line (``distcheck.__main__``, the top of ``distcheck.cli`` when it is the command)."""
+    _state.installed = True
+    for name in SIGNALS:
+        signal.signal(getattr(signal, name), handler)
+
+
+def handler(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    if _state.requested_at is not None and _state.installed:
+        _stop_at_once(name)
+    _state.requested_at, _state.signal_name = time.time(), name
+    if _state.installed and not _state.running:
+        _say(f"distcheck: interrupted ({name}) before any rank started: nothing ran\n")
+        os._exit(EXIT_CODE)
+    if _state.watched == 0:
+        raise KeyboardInterrupt
+
+
+def begin_run() -> None:
+    """The run dir exists: from here an interrupted run still writes its report. In a library caller
+    (the pytest plugin), each run starts with no request: its own Ctrl-C reaches it as KeyboardInterrupt."""
+    if not _state.installed:
+        _state.requested_at = _state.signal_name = None
+    _state.running = True
+
+
+def requested() -> bool:
+    return _state.requested_at is not None
+
+
+def requested_at() -> float | None:
+    return _state.requested_at
+
+
+def signal_name() -> str | None:
+    return _state.signal_name
+
+
+@contextlib.contextmanager
+def watched() -> Iterator[None]:
+    """A launch whose watchdog ends it on a request (``Watchdog`` polls ``requested``): the handler
+    then only records it, so torch's agent is not unwound mid-teardown."""
+    _state.watched += 1
+    try:
+        yield
+    finally:
+        _state.watched -= 1
+
+
+def reset() -> None:
+    """A fresh state (the pytest plugin runs several sessions in one process; tests)."""
+    global _state
+    _state = _State()
+
+
+def _stop_at_once(name: str) -> None:
+    """A second Ctrl-C: no teardown of courtesy, no report; nothing distcheck started is left."""
+    _say(f"distcheck: interrupted again ({name}): stopped at once\n")
+    with contextlib.suppress(Exception):
+        from distcheck.launch import procs
+
+        procs.kill_descendants(grace_s=0.0)
+    os._exit(EXIT_CODE)
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
