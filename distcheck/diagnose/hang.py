@@ -8,7 +8,8 @@ import dataclasses
 from collections import Counter, defaultdict
 from typing import Mapping, Sequence
 
-from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts
+from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts, who
+from distcheck.library_shapes import waits_elsewhere
 from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState
 from distcheck.text import rank_list, site
 
@@ -48,6 +49,10 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
         if set(absent) <= set(facts.records_lost) and all(e.completed for e in present.values()):
             continue   # they returned, so the absent entered it: only their records are missing (a lost node)
         last = {r: seqs[reached[r]][r] for r in absent if reached[r]}
+        split = waits_elsewhere(present)
+        if split is not None:   # a barrier on one side, a data call on the other: each waits in its own
+            findings.append(_elsewhere_finding(group, seq, *split, absent, outcomes, last, detected_after))
+            continue
         cause = next((m for m in mismatches if (m.group, m.seq) == (group, seq)), None)
         findings.append(_hang_finding(group, seq, present, absent, outcomes, last, cause, detected_after,
                                       facts.records_lost))
@@ -128,6 +133,33 @@ def _group_words(group: str | None) -> str:
 
 
 _LOST = "their records went with their lost node"
+
+
+def _elsewhere_finding(group: str, seq: int, sync: Mapping[int, Event], others: Mapping[int, Event],
+                       absent: list[int], outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event],
+                       detected_after: float | None) -> Finding:
+    """Ranks waiting in a barrier while their peers wait, at the same number, in a call that moves data:
+    the ones in the barrier arrived; the others never entered it, each stuck at its own line."""
+    found = _hang_finding(group, seq, sync, absent, outcomes, last, None, detected_after)
+    elsewhere = {r: f"waiting in {e.op} #{e.seq} {who(e)}" for r, e in sorted(others.items())}
+    by_where: dict[str, list[int]] = defaultdict(list)
+    for r, text in elsewhere.items():
+        by_where[text].append(r)
+    ref = next(iter(sorted(sync.items())))[1]
+    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
+    verb = "is" if len(sync) == 1 else "are"
+    summary = (f"{rank_list(sorted(sync)).capitalize()} {verb} waiting in {ref.op} #{seq} (group {group}) {called}; "
+               + "; ".join(f"{rank_list(rs)} never entered it ({w})" for w, rs in by_where.items())
+               + (f"; {rank_list(absent)} never entered it" if absent else "")
+               + ". The ranks took different paths: each side waits in its own call and neither can finish. "
+                 "Every rank must reach the barrier after the same collectives (the same number of steps).")
+    details = tuple(d for d in found.ranks if d.role == "waiting") + tuple(
+        detail(r, "absent", e, state=outcomes[r].state if r in outcomes else None, note=elsewhere[r])
+        for r, e in sorted(others.items())) + tuple(d for d in found.ranks if d.role == "absent")
+    return dataclasses.replace(found, summary=summary, absent_ranks=tuple(sorted([*others, *absent])), ranks=details,
+                               data={**found.data, "elsewhere": {str(r): {"op": e.op, "callsite": e.callsite,
+                                                                          "label": e.label}
+                                                                 for r, e in sorted(others.items())}})
 
 
 def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: list[int],

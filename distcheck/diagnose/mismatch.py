@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from distcheck.diagnose.common import Table, detail, majority, who
 from distcheck.diagnose.order import crossing_finding
 from distcheck.diagnose.splits import broken_pairs, odd_side, splits_finding
+from distcheck.library_shapes import waits_elsewhere
 from distcheck.models import JOIN_LABEL, UNKNOWN_OP, Event, Finding
 from distcheck.text import field_value, plural, rank_list
 
@@ -148,6 +149,8 @@ class _Verdict:
 
 
 def _judge(members: tuple[int, ...], events: Mapping[int, Event], gid: _GroupIds) -> _Verdict | None:
+    if waits_elsewhere(events):
+        return None   # a barrier against a data call, still waiting: a hang at two lines (diagnose.hang)
     native = _has_native(events)
     if native and any(e.op == UNKNOWN_OP for e in events.values()):
         return None   # a C++ call that left the Flight Recorder's ring before it was read: nothing to compare

@@ -14,6 +14,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distcheck.files import user_code
 from distcheck.models import StackFrame
 
 USER, LIBRARY, TORCH, SKIP = 0, 1, 2, 3
@@ -47,7 +48,7 @@ def classify_file(filename: str, torch_dir: str) -> int:
     if filename.startswith("<"):
         return SKIP
     path = os.path.abspath(filename)
-    if path.startswith(_BUILTIN_SCENARIOS_DIR):
+    if path.startswith(_BUILTIN_SCENARIOS_DIR) or user_code.is_named(path):   # named by the user: theirs
         return USER
     if path.startswith(_DISTCHECK_DIR):
         return SKIP

@@ -211,7 +211,8 @@ class NativeWatcher:
     """Finds C++-issued collectives of one rank and writes them into its trace.
 
     ``tracer`` gives the Python side: ``take_written(key)`` (the numbers it wrote
-    for a group since the last call, relative to ``seq_base(key)``), ``busy_group``
+    for a group since the last call, relative to ``seq_base(key)``), ``trace_seq(key, offset)``
+    (the trace's number for one of them: P2P calls' numbers left out), ``busy_group``
     (a Python call in flight: the numbers it runs are its own, e.g. an object
     collective runs two), and ``lock`` (held while a batched launch starts its
     next segment). Every number up to ``seen`` is accounted for: written by the
@@ -386,13 +387,14 @@ class NativeWatcher:
             gid = self._define_group(key, pg, out)
             fp = self._fingerprint(call, frames, out)
             t_enter = call.t_created if call and call.t_created else now
-            out.add(records.enter_slot(gid, fp, seq - base, int(t_enter * 1e9)))
+            local = self.tracer.trace_seq(key, seq - base)   # less what P2P calls took (library_shapes)
+            out.add(records.enter_slot(gid, fp, local, int(t_enter * 1e9)))
             # Without a recorder entry the main thread's stack is the evidence: still inside what issued
             # the call (DDP's backward, FSDP, a functional collective's wait), it may be waiting in it.
             if final or (call.retired if call else self.recorder or not inside_issuer(frames)):
-                out.add(records.exit_slot(records.call_key(gid, seq - base), int(now * 1e9)))
+                out.add(records.exit_slot(records.call_key(gid, local), int(now * 1e9)))
             else:
-                self.open.setdefault(key, []).append(_Open(seq, seq - base))
+                self.open.setdefault(key, []).append(_Open(seq, local))
         self._advance(key, upto)
         return True
 

@@ -24,6 +24,7 @@ What a call costs on top of the collective (see benchmarks/tracer_overhead.py):
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import os
@@ -41,8 +42,9 @@ from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
-from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, NEW_GROUP_KEY, OPS, UNCOUNTED, OpSpec, extra_fields,
-                                make_extractor, reduce_op_name)
+from distcheck.library_shapes import NUMBERED_APART
+from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, OpSpec, extra_fields,
+                                make_extractor, new_group_sequence, reduce_op_name)
 
 
 # Reduce op objects the fast path knows by identity; others (one made per call) take the slow path.
@@ -77,14 +79,17 @@ class Tracer:
         self._seq: dict[str, int] = {}
         # id(pg) -> (key, pg, group id, the group's collective counter or None, its value at the
         # segment's start, the numbers written for it not yet taken by the sidecar, group id << SEQ_BITS
-        # (a call key is that + seq), group id << 8 (its part of an E record's first word)); pg kept
-        # alive so its id stays valid
-        self._groups: dict[int, tuple[str, Any, int, Callable[[], int] | None, int, deque, int, int]] = {}
+        # (a call key is that + seq), group id << 8 (its part of an E record's first word), [the numbers
+        # calls outside the collective numbering took so far]); pg kept alive so its id stays valid
+        self._groups: dict[int, tuple[str, Any, int, Callable[[], int] | None, int, deque, int, int, list]] = {}
         self._gids: dict[str, int] = {}     # group (or p2p pair) -> its id in the trace
         self._written: dict[str, deque] = {}
         # Numbers count from each group's counter when tracing started (0 for groups made later).
         self._bases: dict[str, int] = {key: counter() for key, counter in group_counters()}
         self._multi: tuple[str, Callable[[], int], int] | None = None
+        # group -> counter numbers taken by calls outside the collective numbering (P2P, gloo's
+        # monitored_barrier: distcheck.library_shapes), as ([from offset, ...], [skew from there, ...])
+        self._skews: dict[str, tuple[list[int], list[int]]] = {}
         # Shared with the sidecar that finds C++-issued calls (rank.native): the group a Python call
         # is in right now (its numbers are its own), and a lock held while a new segment starts.
         self.busy_group: str | None = None
@@ -118,6 +123,7 @@ class Tracer:
                 listener.end_segment()
             self._bases = {key: counter() for key, counter in group_counters()}
             self._seq.clear()
+            self._skews.clear()
             self._groups.clear()
             self._gids.clear()
             self._written.clear()
@@ -136,6 +142,31 @@ class Tracer:
         while written:
             out.append(written.popleft())
         return out
+
+    def trace_seq(self, group: str, offset: int) -> int:
+        """The trace's number for the group counter's ``offset`` (counter minus ``seq_base``): less the
+        numbers that P2P calls and gloo's monitored_barrier took before it, which a rank's peers do not
+        count alike (``distcheck.library_shapes``). Thread-safe (the sidecar's)."""
+        skews = self._skews.get(group)
+        if not skews:
+            return offset
+        i = bisect.bisect_right(skews[0], offset)
+        return offset - (skews[1][i - 1] if i else 0)
+
+    def _skew_after(self, entry: tuple, before: int, width: int) -> None:
+        """A call numbered apart has returned: the counter numbers it took beyond ``width`` are not
+        the collective numbering's, so later calls' numbers stay aligned with their peers'."""
+        try:
+            taken = entry[3]() - before
+        except Exception:
+            return
+        if taken == width:
+            return
+        current = entry[8]
+        current[0] += taken - width
+        offsets, skews = self._skews.setdefault(entry[0], ([], []))
+        offsets.append(before - entry[4] + taken + 1)
+        skews.append(current[0])
 
     def seq_base(self, group: str) -> int:
         """The group's counter when this segment started (numbers in the trace count from it)."""
@@ -194,6 +225,7 @@ class Tracer:
         exit_check = X_OK ^ CHECK
         getframe = sys._getframe
         multi = name in MULTI_SEQ
+        apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
         tracer = self
 
         # Rule 0 (rank.guard): an error of distcheck's own below is caught and counted, never raised into
@@ -204,10 +236,13 @@ class Tracer:
             if local.active:
                 return original(*args, **kwargs)   # a collective inside a traced one
             local.active = True
-            unrecorded = None
+            mark = unrecorded = None
             try:
                 try:
-                    key = enter(extract(args, kwargs), getframe(1))
+                    values = extract(args, kwargs)
+                    key = enter(values, getframe(1))
+                    if apart is not None:
+                        mark = tracer._mark(values[0])
                 except Exception as exc:
                     key, unrecorded = None, exc
                 try:
@@ -233,6 +268,8 @@ class Tracer:
                 try:
                     if multi:
                         tracer._resync()
+                    if mark is not None:
+                        tracer._skew_after(mark[0], mark[1], apart)
                     tracer.busy_group = None   # after the numbers: the sidecar reads it first
                 except Exception as exc:
                     failed(Hook.TRACER, exc)
@@ -240,6 +277,14 @@ class Tracer:
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
+
+    def _mark(self, pg: Any) -> tuple[tuple, int] | None:
+        """(the group's entry, its counter now) before a call numbered apart starts."""
+        try:
+            entry = self._groups.get(id(pg if pg is not None else self._default_group()))
+            return None if entry is None or entry[3] is None else (entry, entry[3]())
+        except Exception:
+            return None
 
     def _resync(self) -> None:
         """After a call that ran several collectives: its numbers up to the counter are its own."""
@@ -319,6 +364,7 @@ class Tracer:
             except Exception:
                 continue
             entry[5].extend(range(before - entry[4] + 1, after - entry[4] + 1))
+            self._skew_after(entry, before, 0)   # a batch is P2P: none of its numbers are collectives'
         self.busy_group = None   # after the numbers: the sidecar reads it first
 
     # -- records ------------------------------------------------------------
@@ -380,7 +426,7 @@ class Tracer:
             entry[5].append(seq)
             tracer.busy_group = group
             tracer.count += 1
-            key = entry[6] + seq
+            key = entry[6] + seq - entry[8][0]
             w0 = fp | entry[7]
             t = time_ns()
             record = pack(w0, key, t, w0 ^ key ^ t ^ CHECK)
@@ -405,8 +451,9 @@ class Tracer:
         key = clean(key or str(len(self._groups)))
         written = self._written.setdefault(key, deque())
         gid = self._gid(key, ranks, out)
+        skews = self._skews.get(key)
         entry = self._groups[id(pg)] = (key, pg, gid, counter_of(pg), self._bases.get(key, 0), written,
-                                        gid << SEQ_BITS, gid << 8)
+                                        gid << SEQ_BITS, gid << 8, [skews[1][-1] if skews else 0])
         self._seq.setdefault(key, 0)
         return entry
 
@@ -418,12 +465,13 @@ class Tracer:
             out.define(group_record(gid, key, ranks))
         return gid
 
-    def _number(self, name: str, entry: tuple, out: RecordBatch) -> tuple[str, int]:
+    def _number(self, name: str, entry: tuple, out: RecordBatch, extra: tuple | None = None) -> tuple[str, int]:
         """(group, seq) for a call on a group: the group's own counter + 1, where it has one."""
-        key, _, _, counter, base, written, _, _ = entry
-        if name in UNCOUNTED:
-            self._gid(NEW_GROUP_KEY, members_of(entry[1]), out)
-            key, counter = NEW_GROUP_KEY, None
+        key, _, _, counter, base, written, _, _, _ = entry
+        if name in UNCOUNTED:   # new_group: its own sequence (ops.new_group_sequence)
+            key, ranks = new_group_sequence(extra, self.rank, members_of(entry[1]))
+            self._gid(key, ranks, out)
+            counter = None
         seq = (self._seq.get(key, 0) if counter is None else counter() - base) + 1
         if counter is not None:
             written.append(seq)
@@ -471,8 +519,11 @@ class Tracer:
             seq = self._seq.get(group, 0) + 1
             if claim:
                 self._claim_p2p_number(pg, defs)
+            local_seq = seq
         else:
-            group, seq = self._number(name, self._group(pg, defs), defs)
+            entry = self._group(pg, defs)
+            group, seq = self._number(name, entry, defs, extra)
+            local_seq = seq - entry[8][0] if group == entry[0] else seq
         if op is not None:
             reduce_op = op
             try:
@@ -500,9 +551,9 @@ class Tracer:
         self.slow_calls += 1
         gid = self._gids[group]
         # definitions go in the same write as, and before, their first use
-        defs.add(enter_slot(gid, fp >> FP_SHIFT, seq, time_ns()))
+        defs.add(enter_slot(gid, fp >> FP_SHIFT, local_seq, time_ns()))
         self.writer.write(defs.data())
-        return gid << SEQ_BITS | seq
+        return gid << SEQ_BITS | local_seq
 
     def _op_name(self, op: Any) -> str:
         text = reduce_op_name(op)
