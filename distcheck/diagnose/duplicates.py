@@ -226,6 +226,8 @@ def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]
     # Who saw which duplicate — unless it is "everyone saw everything", which the cause already says.
     detail = f" — {shown}" + (", ..." if len(duplicated) > 10 else "") if duplicated and not same_everywhere else ""
     harmless = _HARMLESS.get(use or "")
+    if harmless and same_everywhere:   # no evaluation took place: say only what was drawn
+        cause = cause.replace("every rank evaluated", "every rank drew", 1)
     summary = f"Dataset {dataset!r} ({plural(size, 'sample')}): {counted}{detail}; because {cause}. " + \
         (f"No harm: {harmless}." if harmless else f"Fix: {fix}.")
     extra = acc["total"] - len(acc["counts"])   # draws beyond the first of each sample
