@@ -98,3 +98,15 @@ def test_node_0_reads_every_heartbeat_in_one_multi_get():
     store.add("heartbeat/1", 1)
     assert liveness.silent([1, 2, 3]) == [2, 3]
     assert liveness.arrived(1) and liveness.arrived(2) and not liveness.arrived(3)
+
+
+def test_a_waiting_ranks_members_cross_the_store_as_runs_and_come_back_whole():
+    store = HashStore()
+    leader, other = _node(store, 0, world_size=4096), _node(store, 1, world_size=4096)
+    members = tuple(r for r in range(4096) if r != 7)
+    waiting = RankProgress(phase=Phase.RUNNING, open_collectives=1, waits=(("0", 5001, members, "barrier|x"),),
+                           entered={"0": 5001}, settled=True)
+    other.publish({4095: waiting})
+    assert len(store.get("distcheck/job/launch/progress/1")) < 1000
+    got = leader.everyone({})[4095]
+    assert got.waits == waiting.waits and got.entered == waiting.entered and got.settled

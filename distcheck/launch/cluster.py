@@ -303,6 +303,31 @@ def wait_for_keys(store: Any, keys: list[str], timeout_s: float, poll_s: float =
     return True
 
 
+def _packed(progress: RankProgress) -> dict[str, Any]:
+    """A rank's progress as JSON, each call's members as runs ([[0, 4095]]): a waiting rank's members are the
+    whole group, and at 4,096 ranks their plain lists made a node's progress 190 KB (97 MB per change at 512
+    nodes, 2 s to parse on node 0); as runs it is a few hundred bytes."""
+    data = asdict(progress)
+    data["waits"] = [[group, seq, _runs(members), signature] for group, seq, members, signature in progress.waits]
+    return data
+
+
+def _unpacked(data: dict[str, Any]) -> RankProgress:
+    waits = tuple((group, seq, tuple(r for a, b in runs for r in range(a, b + 1)), signature)
+                  for group, seq, runs, signature in data.get("waits", ()))
+    return RankProgress(**{**data, "waits": waits})
+
+
+def _runs(ranks: Iterable[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
 class LaunchChannel:
     """One launch's keys: progress of each node's ranks, the decision, the bundles, the result."""
 
@@ -327,7 +352,7 @@ class LaunchChannel:
 
     def publish(self, progress: Mapping[int, RankProgress]) -> None:
         """This node's ranks' progress, when it changed: its ``version`` key tells node 0 to read it again."""
-        text = json.dumps({str(r): asdict(p) for r, p in progress.items()})
+        text = json.dumps({str(r): _packed(p) for r, p in progress.items()})
         if text == self._published:
             return
         self.store.set(f"progress/{self.config.node_rank}", text)
@@ -374,7 +399,7 @@ class LaunchChannel:
             return
         texts = self.store.multi_get([f"progress/{n}" for n in changed])
         for node, text in zip(changed, texts):
-            self._progress[node] = {int(r): RankProgress(**p) for r, p in json.loads(text).items()}
+            self._progress[node] = {int(r): _unpacked(p) for r, p in json.loads(text).items()}
         self._versions.update({n: v for n, v in zip(seen, versions) if n in changed})
 
     def post_release(self) -> None:
