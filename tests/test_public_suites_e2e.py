@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import kill_tree
+from conftest import kill_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.public, pytest.mark.timeout(1800)]   # several jobs per test
 

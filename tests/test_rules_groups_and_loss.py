@@ -9,7 +9,7 @@ from distcheck.diagnose.analyze import behaved_as_expected, observed_kinds
 from distcheck.diagnose.duplicates import find_duplicates
 from distcheck.models import RankOutcome
 from distcheck.rank.ops import NEW_GROUP_KEY, NOT_A_MEMBER, local_group_key, new_group_sequence
-from tests.test_rules import WORLD4, SITE, ev, finished, run, traces_of
+from test_rules import WORLD4, SITE, ev, finished, run, traces_of
 
 NG = dict(reduce_op=None, shapes=(), dtypes=())
 
