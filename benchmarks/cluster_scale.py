@@ -10,7 +10,7 @@ node-side code with its own store connections: ``ClusterStore`` (a client and it
 a real ``Watchdog`` over its own launch dir (publishing progress, following node 0's decision), then
 ``upload`` and ``result``. Its ranks are not processes: each rank is a trace file written by the
 real tracer (``--records-per-rank`` records: an E and an X record per completed all_reduce) and a
-status file whose pid is one idle process shared by every rank of the worker (alive, using no CPU).
+status file whose pid is one idle process per node (alive, using no CPU; the node's teardown ends it).
 
 The planted certain hang: at a moment node 0 picks, one rank of the last node writes that it
 finished, and every other rank enters a barrier at ``/synthetic/train.py:BARRIER_LINE`` (the
@@ -213,12 +213,14 @@ def worker(args: argparse.Namespace) -> None:
     nodes, rpn = args.nnodes, args.ranks_per_node
     world = nodes * rpn
     prefix, barrier = Path(args.tpl_prefix).read_bytes(), Path(args.tpl_barrier).read_bytes()
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(86400)"])
     bench = TCPStore("127.0.0.1", args.bench_port, is_master=False, timeout=datetime.timedelta(seconds=300))
     mine = range(args.first, args.last + 1)
     dirs = {n: LaunchFiles(Path(args.root) / f"node{n}" / LAUNCH) for n in mine}
+    # One idle process per node stands for its ranks' processes: each node's teardown ends its own (a node
+    # that found its ranks' process already gone would report them as exited inside the barrier).
+    idle = {n: subprocess.Popen(["sleep", "86400"]) for n in mine}
     for n in mine:
-        write_ranks(dirs[n], range(n * rpn, (n + 1) * rpn), n, prefix, idle.pid)
+        write_ranks(dirs[n], range(n * rpn, (n + 1) * rpn), n, prefix, idle[n].pid)
     uploaded: dict[int, int] = {}
     errors: list[str] = []
 
@@ -255,7 +257,9 @@ def worker(args: argparse.Namespace) -> None:
         t.join()
     bench.set(f"bench/uploads/{args.first}", json.dumps(uploaded))
     bench.set(f"bench/errors/{args.first}", json.dumps(errors))
-    idle.kill()
+    for proc in idle.values():
+        proc.kill()
+        proc.wait()
 
 
 # -- node 0 --------------------------------------------------------------------------------------------
@@ -282,7 +286,7 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     cluster = ClusterStore(_config(nodes, 0, port))
     channel, counter = counted_channel(cluster, world)
     files = LaunchFiles(root / "node0" / LAUNCH)
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(86400)"])
+    idle = subprocess.Popen(["sleep", "86400"])
     write_ranks(files, range(rpn), 0, prefix, idle.pid)
     others = list(range(1, nodes))
     poll_costs: list[float] = []
@@ -350,6 +354,7 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "decision": dog.result.decision.value,
         "evidence": dog.result.evidence,
         "finding": hang.summary if hang else None,
+        "findings": [f"{f.kind}: {f.summary[:300]}" for f in result.findings],
         "gather_s": round(gathered - detected, 2), "judge_s": round(judged - gathered, 2),
         "reports_s": round(reported - judged, 2),
         "report_files_bytes": sizes,
