@@ -205,8 +205,8 @@ def _lane_rows(f: _Frame) -> list[str]:
         ly = f.y(lane.rank)
         out.append(f'<rect class="lane-bg" x="{GUTTER}" y="{ly:.1f}" width="{PLOT_W}" height="{LANE_H}" rx="3"/>')
         label = lane.label if len(lane.label) <= 26 else lane.label[:25] + "…"
-        out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">{escape(label)}'
-                   f'<title>{escape(lane.label)}</title></text>')
+        full = f"<title>{escape(lane.label)}</title>" if label != lane.label else ""
+        out.append(f'<text class="lane-label" x="8" y="{ly + 13:.1f}">{escape(label)}{full}</text>')
         note = f"{lane.state}" + (f" · {short_path(lane.note)}" if lane.note and lane.state == "crashed" else "")
         if len(note) > 30:
             note = note[:29] + "…"
