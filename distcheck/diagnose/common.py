@@ -127,7 +127,8 @@ def whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = Non
     if outcome is None:
         return f"no status; its trace ends after {call(last)}" if last else "never started"
     if outcome.state == RankState.FINISHED:
-        return "finished, now idle"
+        left = f"; it ended its work early at {outcome.where}" if outcome.where else ""   # rank.exit_site
+        return f"finished, now idle{left}"
     if outcome.state == RankState.CRASHED:
         cause = outcome.exception or (f"killed by {outcome.signal}" if outcome.signal else f"exit code {outcome.exit_code}")
         return f"crashed ({cause})"

@@ -24,7 +24,7 @@ def classify_rank(phase: str | None, waiting_in: Event | None, stack_top: str | 
             return RankState.CRASHED, error_where or stack_top
         return RankState.CRASHED, waiting_in.callsite if waiting_in else stack_top
     if phase == Phase.FINISHED:
-        return RankState.FINISHED, None
+        return RankState.FINISHED, error_where   # set only where it left by sys.exit (rank.exit_site)
     if end_reason == EndReason.MAX_DURATION:   # cut at the end of the window, mid-work is normal
         return RankState.RUNNING, waiting_in.callsite if waiting_in else stack_top
     if waiting_in is not None:

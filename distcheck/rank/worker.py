@@ -29,6 +29,7 @@ from typing import Any, Callable
 from distcheck import torch_features
 from distcheck.rank import integrations, metrics, native, samples
 from distcheck.rank.callsite import USER, classify_file
+from distcheck.rank.exit_site import exit_site
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import torch_dir
 from distcheck.launch.memory import take_job_standing
@@ -460,6 +461,7 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
         if exc.code not in (0, None):
             _fail(exc, runtime, exit_code=exc.code if isinstance(exc.code, int) else 1)
         results = {}
+        STATUS.update(where=exit_site(exc))   # where its work ended, for a hang its peers then show
     except KeyboardInterrupt:     # the launcher forwards Ctrl-C: not this rank's failure
         STATUS.update(phase=Phase.INTERRUPTED, collectives=tracer.count)
         os._exit(130)

@@ -1,0 +1,23 @@
+"""Where a rank ended its work early: the user's line that called ``sys.exit`` (its innermost user
+frame in the SystemExit's traceback). Recorded in the rank's status (``where`` of a finished rank), so a
+hang whose peers wait for that rank names the line it left at. Never raises into the user's program."""
+
+from __future__ import annotations
+
+import traceback
+
+
+def exit_site(exc: BaseException) -> str | None:
+    """"file:line:function (sys.exit)" of the innermost user frame; None when there is none or on any error."""
+    try:
+        from distcheck.files.stacks import torch_dir
+        from distcheck.rank.callsite import USER, classify_file
+
+        torch = torch_dir()
+        where = None
+        for frame in traceback.extract_tb(exc.__traceback__):
+            if classify_file(frame.filename, torch) == USER:
+                where = f"{frame.filename}:{frame.lineno}:{frame.name}"
+        return f"{where} (sys.exit)" if where else None
+    except Exception:   # rule 0: a failing hook never changes how the rank ends
+        return None
