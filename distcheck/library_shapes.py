@@ -70,8 +70,11 @@ def waits_elsewhere(events: Mapping[int, Event]) -> tuple[dict[int, Event], dict
     """(ranks in a sync-only call, ranks in a call that moves data) at one (group, seq), when both are
     there and the call did not complete on every rank: the ranks took different paths and each side
     waits in its own call (accelerate's ``wait_for_everyone`` on one rank while DDP's forward broadcast
-    waits on the other). That is a hang at two lines, not one call with a different field."""
+    waits on the other). That is a hang at two lines, not a tie mismatch. Where one side is a majority, the
+    mismatch already names the ranks out of step, and stays the finding."""
     sync = {r: e for r, e in events.items() if is_sync_only(e.op)}
     if not sync or len(sync) == len(events) or all(e.completed for e in events.values()):
         return None
+    if 2 * len(sync) != len(events):
+        return None   # one side is a majority: the mismatch names the odd ranks (DDP's extra step vs a barrier)
     return sync, {r: e for r, e in events.items() if r not in sync}

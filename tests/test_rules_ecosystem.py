@@ -61,9 +61,11 @@ def test_a_rank_that_skips_monitored_barrier_is_the_one_named_absent():
     traces[0].append(ev(0, 2, "monitored_barrier", members=members, line=27, done=False))
     traces[2].append(ev(2, 2, "monitored_barrier", members=members, line=27, done=False))
     traces[1].append(ev(1, 2, "all_reduce", members=members, line=28, done=False))
-    [hang] = [f for f in stalled(traces) if f.severity == "error"]
-    assert hang.kind == "hang" and hang.waiting_ranks == (0, 2) and hang.absent_ranks == (1,)
-    assert hang.op == "monitored_barrier" and hang.callsite == SITE.format(27)
+    # two ranks against one: the majority's monitored_barrier, and rank 1 the odd one out at its own line
+    [odd] = [f for f in stalled(traces) if f.severity == "error"]
+    assert odd.kind == "mismatch" and odd.odd_ranks == (1,) and "op" in odd.fields
+    assert odd.op == "monitored_barrier" and odd.callsite == SITE.format(27)
+    assert {d.rank: d.callsite for d in odd.ranks}[1] == SITE.format(28)
 
 
 def test_a_barrier_paired_with_a_data_call_that_completed_is_still_a_mismatch():
