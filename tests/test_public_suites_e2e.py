@@ -145,7 +145,7 @@ def test_a_gather_planted_on_the_main_process_of_accelerates_script_is_named_at_
 def test_accelerates_data_loop_script_that_hangs_plainly_is_a_hang_under_distcheck(tmp_path):
     cmd = [*ACCELERATE_LAUNCH, str(_accelerate_script("test_distributed_data_loop.py"))]
     t0 = time.time()
-    plain = _run([sys.executable, *cmd], ROOT, {"ACCELERATE_USE_CPU": "1"}, 240)
+    plain = _run([sys.executable, *cmd], ROOT, {"ACCELERATE_USE_CPU": "1"}, 90)
     assert plain[0] is None, f"expected the plain run to hang; it exited {plain[0]}: {plain[1][-2000:]}"
     t1 = time.time()
     report_path = tmp_path / "report.json"
