@@ -15,9 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import kill_tree
+from conftest import kill_tree, process_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.public, pytest.mark.timeout(1800)]   # several jobs per test
 
@@ -46,11 +47,22 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tupl
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
-        kill_tree(proc)
+        _kill_everything_below(proc)
         out, _ = proc.communicate()
         return None, out
     finally:
-        kill_tree(proc)
+        _kill_everything_below(proc)
+
+
+def _kill_everything_below(proc: subprocess.Popen) -> None:
+    """The command's session and every process below it: a launcher's ranks may sit in sessions of their
+    own (torch's elastic agent), and one left alive keeps the output pipe open for ever."""
+    for p in process_tree(proc.pid):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    kill_tree(proc)
 
 
 def _side_by_side(tmp_path: Path, cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT,
