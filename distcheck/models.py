@@ -34,18 +34,32 @@ class RankState(_Named):
 
 
 class EndReason(_Named):
-    """Why a launch ended (``ScenarioResult.end_reason``); ``priority`` ranks them across nodes."""
+    """Why a launch ended (``ScenarioResult.end_reason``); ``priority`` ranks them across nodes (and across
+    a run's scenarios, ``Report.end_reason``): the most telling first. ``words`` is how every view says it."""
 
     INTERRUPTED = "interrupted"
-    STALL = "stall"
+    CERTAIN_HANG = "certain_hang"     # the wait-for graph: nothing can release the waiting ranks
+    STALL = "stall"                   # no progress for --stall-timeout
+    BUSY_TIMEOUT = "busy_timeout"     # a rank busy in its own code kept the others waiting past --busy-timeout
     TIMEOUT = "timeout"
     MAX_DURATION = "max_duration"
     CRASH = "crash"
     COMPLETED = "completed"
+    NOTHING_RAN = "nothing_ran"       # skipped: it could not run here (a library missing, too few ranks)
 
     @property
     def abnormal(self) -> bool:
-        return self is not EndReason.COMPLETED
+        return self not in (EndReason.COMPLETED, EndReason.NOTHING_RAN)
+
+    @property
+    def hang_watchdog(self) -> bool:
+        """distcheck's hang watchdog ended it: a certain hang, a stall, or a busy rank past --busy-timeout."""
+        return self in (EndReason.CERTAIN_HANG, EndReason.STALL, EndReason.BUSY_TIMEOUT)
+
+    @property
+    def by_distcheck(self) -> bool:
+        """distcheck ended it by its own verdict (the hang watchdog, or --timeout): never a pass."""
+        return self.hang_watchdog or self is EndReason.TIMEOUT
 
     @property
     def words(self) -> str:
@@ -56,11 +70,21 @@ class EndReason(_Named):
     def priority(self) -> int:
         return list(EndReason).index(self)
 
+    @classmethod
+    def of(cls, value: str | None) -> EndReason:
+        """A saved report's ``end_reason`` (absent: completed; a name this version does not know: a stall,
+        the only hang watchdog's end older reports had)."""
+        try:
+            return cls(value or cls.COMPLETED)
+        except ValueError:
+            return cls.STALL
+
 
 _END_WORDS = {
-    EndReason.INTERRUPTED: "interrupted", EndReason.STALL: "ended by the hang watchdog",
+    EndReason.INTERRUPTED: "interrupted", EndReason.CERTAIN_HANG: "ended at a certain hang",
+    EndReason.STALL: "ended by --stall-timeout", EndReason.BUSY_TIMEOUT: "ended by --busy-timeout",
     EndReason.TIMEOUT: "ended by --timeout", EndReason.MAX_DURATION: "ended by --max-duration",
-    EndReason.CRASH: "a rank crashed", EndReason.COMPLETED: "completed",
+    EndReason.CRASH: "a rank crashed", EndReason.COMPLETED: "completed", EndReason.NOTHING_RAN: "nothing ran",
 }
 
 
@@ -419,10 +443,21 @@ class Report:
         """Every target was skipped (its library missing, too few ranks): not a pass (exit 6)."""
         return bool(self.scenarios) and all(s.skipped for s in self.scenarios)
 
+    @property
+    def end_reason(self) -> EndReason:
+        """How the run ended: interrupted, nothing ran, else the most telling of its launches' ends."""
+        if self.interrupted:
+            return EndReason.INTERRUPTED
+        if self.nothing_ran:
+            return EndReason.NOTHING_RAN
+        ends = [EndReason.of(s.end_reason) for s in self.scenarios if not s.skipped]
+        return min(ends, key=lambda e: e.priority, default=EndReason.COMPLETED)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": REPORT_SCHEMA,
             "verdict": self.verdict,
+            "end_reason": str(self.end_reason),
             "interrupted": self.interrupted,
             "run": self.run.to_dict(),
             "scenarios": [s.to_dict() for s in self.scenarios],
@@ -455,6 +490,7 @@ class RunSummary:
     world_size: int | None = None
     duration_s: float | None = None
     problem: str | None = None
+    end_reason: str | None = None   # the run's ``Report.end_reason`` (None: not read)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

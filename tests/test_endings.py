@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from distcheck.cli import _exit_code
 from distcheck.errors import ExitCode
 from distcheck.models import EndReason, Report, RunInfo, ScenarioResult
@@ -29,7 +31,57 @@ def _report(*scenarios: ScenarioResult, interrupted: bool = False) -> Report:
 
 def test_every_end_reason_has_words():
     assert {r.words for r in EndReason} >= {"interrupted", "ended by --timeout", "ended by --max-duration",
-                                            "completed"}
+                                            "completed", "ended at a certain hang", "ended by --stall-timeout",
+                                            "ended by --busy-timeout", "nothing ran"}
+    assert len({r.words for r in EndReason}) == len(EndReason)   # no two ends share a name
+
+
+@pytest.mark.parametrize("end", [e for e in EndReason if e.abnormal and e is not EndReason.CRASH])
+def test_every_view_names_an_end_the_same_way(end, tmp_path):
+    """Terminal (line and summary), JSON, JUnit and ``distcheck runs`` all say ``EndReason.words``."""
+    import json
+    import xml.etree.ElementTree as ET
+
+    from distcheck.files.saved_runs import summarize
+    from distcheck.report import json_report, junit, runs_table
+
+    observed = ("pass",) if end is EndReason.MAX_DURATION else ("hang",)
+    result = _result(end_reason=str(end), observed=observed, ok=end is EndReason.MAX_DURATION, script=False,
+                     expected=("pass",))
+    report = _report(result, interrupted=end is EndReason.INTERRUPTED)
+    assert end.words in terminal.scenario_line(result).plain
+    assert end.words in terminal.summary_line(report).plain
+    saved = json.loads(json_report.render(report))
+    assert saved["end_reason"] == saved["scenarios"][0]["end_reason"] == end.value
+    xml = ET.fromstring(junit.render(report))
+    assert {p.get("name"): p.get("value") for p in xml.iter("property")}["end_reason"] == end.words
+    if not result.ok:
+        [failed] = [e for case in xml.iter("testcase") for e in case if e.tag in ("failure", "error")]
+        assert end.words in failed.text
+    (tmp_path / "report.json").write_text(json.dumps(saved))
+    assert runs_table.ended(summarize(tmp_path)) == end.words
+
+
+def test_a_script_is_judged_as_a_script_in_junit_too():
+    """A script declared no expectation: its JUnit failure never says "expected pass, observed hang"."""
+    import xml.etree.ElementTree as ET
+
+    from distcheck.report import junit
+
+    hung = _result(end_reason="certain_hang", observed=("hang",), ok=False)
+    [failure] = ET.fromstring(junit.render(_report(hung))).iter("failure")
+    assert failure.get("message").startswith("train.py: hang (ended at a certain hang): ")
+    assert "expected" not in failure.get("message") and "expected" not in failure.text
+
+
+def test_nothing_ran_is_an_error_in_junit():
+    import xml.etree.ElementTree as ET
+
+    from distcheck.report import junit
+
+    report = _report(_result(skipped="needs at least 8 ranks; this run has 2", script=False, end_reason="nothing_ran"))
+    suite = next(ET.fromstring(junit.render(report)).iter("testsuite"))
+    assert suite.get("errors") == "1" and report.end_reason is EndReason.NOTHING_RAN
 
 
 def test_only_skipped_targets_is_nothing_ran_not_a_pass():

@@ -492,9 +492,9 @@ def test_a_script_is_worded_as_a_script(fixed):
                                ok=False, script=True)
     clean = dataclasses.replace(hang, name="evaluate", source="-m mypkg.evaluate", observed=("pass",), ok=True,
                                 findings=(), end_reason="completed")
-    assert terminal.scenario_line(hang).plain.startswith("  FAIL train.py: hang  (")
+    assert terminal.scenario_line(hang).plain.startswith("  FAIL train.py: hang (ended by --stall-timeout)  (")
     assert terminal.scenario_line(clean).plain.startswith("  OK   -m mypkg.evaluate: ran clean  (")
     failed = dataclasses.replace(report, scenarios=(hang,))
-    assert terminal.summary_line(failed).plain.startswith("FAIL  train.py: hang  ·")
+    assert terminal.summary_line(failed).plain.startswith("FAIL  train.py: hang (ended by --stall-timeout)  ·")
     assert "scenario" not in terminal.summary_line(failed).plain
     assert Report.from_dict(json.loads(json_report.render(failed))).scenarios[0].script

@@ -30,7 +30,8 @@ if TYPE_CHECKING:   # the launcher is only a type here: ``analyze`` need not imp
 MAX_STACK_CHARS = 6000
 
 # Ends that cut ranks off mid-work: a rank the agent does not list as failed left by itself.
-_CUT_SHORT = (EndReason.CRASH, EndReason.STALL, EndReason.TIMEOUT, EndReason.MAX_DURATION)
+_CUT_SHORT = (EndReason.CRASH, EndReason.CERTAIN_HANG, EndReason.STALL, EndReason.BUSY_TIMEOUT, EndReason.TIMEOUT,
+              EndReason.MAX_DURATION)
 
 # What a healthy rank says when a *peer* died or never came.
 PEER_FAILURE_MARKERS = (

@@ -196,7 +196,7 @@ def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: li
 
 
 def find_startup_hang(outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
-    if facts.end_reason not in (EndReason.STALL, EndReason.TIMEOUT):
+    if not EndReason.of(facts.end_reason).by_distcheck:
         return []
     starting = sorted(r for r in range(facts.world_size) if r not in facts.records_lost
                       and (r not in outcomes or outcomes[r].phase in (None, Phase.STARTING)))

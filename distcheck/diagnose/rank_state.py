@@ -32,6 +32,6 @@ def classify_rank(phase: str | None, waiting_in: Event | None, stack_top: str | 
     if end_reason == EndReason.COMPLETED:
         return RankState.FINISHED, None
     # Ended from outside: by distcheck's teardown while it was busy (or nobody says how), else by a peer's end.
-    if end_reason is None or (killed_by_us and end_reason in (EndReason.STALL, EndReason.TIMEOUT)):
+    if end_reason is None or (killed_by_us and EndReason.of(end_reason).by_distcheck):
         return RankState.RUNNING, stack_top
     return RankState.KILLED, stack_top

@@ -81,16 +81,14 @@ def _findings(evidence: Evidence, blame: Blame | None) -> list[Finding]:
     return attribute_by_majority(findings, blame.missing, blame.cut_short)
 
 
-# Ends distcheck itself decides: such a run is never a pass, whatever the records show.
-_ENDED_BY_US = (EndReason.STALL, EndReason.TIMEOUT)
-
-
 def ended_by_distcheck(facts: RunFacts, findings: Sequence[Finding], why: str | None = None) -> list[Finding]:
     """A live run that distcheck ended (a stall, --timeout) while no error finding says why: say it
     as a hang, so the run is not reported as a pass (the records may simply show nothing open)."""
-    if facts.end_reason not in _ENDED_BY_US or any(f.severity == "error" for f in findings):
+    # Ends distcheck itself decides (EndReason.by_distcheck): such a run is never a pass, whatever the records show.
+    ended = EndReason.of(facts.end_reason)
+    if not ended.by_distcheck or any(f.severity == "error" for f in findings):
         return []
-    what = "--timeout" if facts.end_reason == EndReason.TIMEOUT else "a stall"
+    what = ended.words.removeprefix("ended ")
     reason = why or (f"no progress for {facts.stall_timeout_s:g} s" if facts.stall_timeout_s else "no progress")
     return [Finding(kind="hang", severity="error", data={"ended_by": str(facts.end_reason)},
                     summary=(f"distcheck ended this run itself ({what}: {reason}), though no rank was seen "
@@ -121,7 +119,7 @@ def command_ended(scenario: Scenario, end_reason: str, command_exit: int | None,
     """The command's own verdict beside its tests': only where nothing else explains how it ended —
     distcheck ended it (a stall between generations, --timeout), or it exited non-zero while every
     test's ranks were clean (a test without ranks failed, or the runner did)."""
-    ended_by_us = end_reason in _ENDED_BY_US
+    ended_by_us = EndReason.of(end_reason).by_distcheck
     if end_reason in (EndReason.INTERRUPTED, EndReason.MAX_DURATION):   # its exit code is distcheck's doing
         return None
     if not ended_by_us and (explained or command_exit in (None, 0)):

@@ -120,7 +120,7 @@ def summarize(run_dir: Path) -> RunSummary:
         id=run_dir.name, path=str(run_dir), started_at=report.run.started_at, verdict=report.verdict,
         scenarios=len(report.scenarios), ok=sum(1 for s in ran if s.ok), skipped=len(report.scenarios) - len(ran),
         names=tuple(s.name for s in report.scenarios), backend=report.run.backend,
-        world_size=report.run.world_size, duration_s=report.run.duration_s,
+        world_size=report.run.world_size, duration_s=report.run.duration_s, end_reason=str(report.end_reason),
     )
 
 

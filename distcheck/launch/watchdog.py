@@ -24,7 +24,7 @@ from distcheck.files.stacks import main_stack, read_dumps, torch_dir, user_top
 from distcheck.files.trace_tail import TraceTail
 from distcheck.launch.waitfor import CertainHang, certain_hang
 from distcheck.models import EndReason, Phase
-from distcheck.text import size
+from distcheck.text import rank_list, size
 
 STARTED_PHASES = (Phase.RUNNING, Phase.FINISHED, Phase.ERROR)
 # A rank using this much of a core is computing, not blocked: a Python loop uses ~1.0 (still ~0.3
@@ -50,6 +50,7 @@ class Decision(enum.Enum):
     CONTINUE = "continue"
     RELEASE = "release"          # every rank finished: let them exit
     STALL = "stall"              # no progress while someone waits or died
+    BUSY_TIMEOUT = "busy_timeout"  # a rank busy outside the collectives kept the others waiting past --busy-timeout
     DEADLOCK = "deadlock"        # a certain hang: nothing can release the waiting ranks (launch.waitfor)
     TIMEOUT = "timeout"          # the run's --timeout
     MAX_DURATION = "max_duration"  # the pre-flight window ended
@@ -62,7 +63,8 @@ class Decision(enum.Enum):
         return _END_REASONS.get(self)
 
 
-_END_REASONS = {Decision.STALL: EndReason.STALL, Decision.DEADLOCK: EndReason.STALL, Decision.TIMEOUT: EndReason.TIMEOUT,
+_END_REASONS = {Decision.STALL: EndReason.STALL, Decision.DEADLOCK: EndReason.CERTAIN_HANG,
+                Decision.BUSY_TIMEOUT: EndReason.BUSY_TIMEOUT, Decision.TIMEOUT: EndReason.TIMEOUT,
                 Decision.MAX_DURATION: EndReason.MAX_DURATION, Decision.INTERRUPTED: EndReason.INTERRUPTED}
 # Bounds on the evidence an interrupted launch takes before its teardown (the whole run ends within 2 s).
 INTERRUPT_STACKS_S = 0.6
@@ -166,9 +168,12 @@ class StallDetector:
             return Decision.STALL   # normally the agent tears down first; this is the backstop
         if someone_waits and idle >= self.limits.stall_timeout:
             # Late is not hung: while a rank makes progress outside the collectives, it may still arrive.
-            if idle < self.limits.busy_timeout and self.late_ranks(now, ranks):
+            late = self.late_ranks(now, ranks)
+            if idle < self.limits.busy_timeout and late:
                 return Decision.CONTINUE
-            return Decision.STALL if self._synced(idle, ranks) else Decision.CONTINUE
+            if not self._synced(idle, ranks):
+                return Decision.CONTINUE
+            return Decision.BUSY_TIMEOUT if late else Decision.STALL
         return Decision.CONTINUE
 
     def _certain(self, now: float, ranks: Mapping[int, RankProgress]) -> bool:
@@ -448,6 +453,10 @@ class Watchdog(threading.Thread):
             return self.detector.certain.evidence
         if decision is Decision.INTERRUPTED:
             return f"interrupted: {interrupt.signal_name() or 'a signal'} after {now - self.detector.start:.1f} s"
+        if decision is Decision.BUSY_TIMEOUT:
+            late = rank_list(self.detector.late_ranks(now, progress))
+            return (f"busy past --busy-timeout: {late} made progress outside the collectives, but the others "
+                    f"waited {now - self.detector.last_progress:.1f} s for it")
         if decision is Decision.STALL:
             idle = now - self.detector.last_progress
             return (f"stuck: no rank made progress for {idle:.1f} s (no collective, no CPU, I/O or stack change "

@@ -6,7 +6,7 @@ reports may carry more. Tests validate every JSON report against it.
 
 from __future__ import annotations
 
-from distcheck.models import FINDING_KINDS, RANK_STATES, REPORT_SCHEMA, SEVERITIES
+from distcheck.models import FINDING_KINDS, RANK_STATES, REPORT_SCHEMA, SEVERITIES, EndReason
 
 _INT_OR_NULL = {"type": ["integer", "null"]}
 _STR_OR_NULL = {"type": ["string", "null"]}
@@ -52,6 +52,8 @@ TABLE = {   # a table a scenario reported; comm_health's carry their results as 
     },
 }
 
+_END_REASON = {"enum": [str(e) for e in EndReason]}   # docs/endings.md names each
+
 SCENARIO = {
     "type": "object",
     "required": ["name", "source", "expected", "observed", "ok", "duration_s", "ranks", "findings"],
@@ -62,6 +64,7 @@ SCENARIO = {
         "ok": {"type": "boolean"}, "duration_s": {"type": "number", "minimum": 0},
         "ranks": {"type": "array", "items": RANK}, "findings": {"type": "array", "items": FINDING},
         "tables": {"type": "array", "items": TABLE},
+        "end_reason": _END_REASON,
     },
 }
 
@@ -73,6 +76,7 @@ REPORT = {
     "properties": {
         "schema": {"const": REPORT_SCHEMA},
         "verdict": {"enum": ["pass", "fail"]},
+        "end_reason": _END_REASON,
         "run": {
             "type": "object",
             "required": ["backend", "world_size", "nnodes", "torch_version", "distcheck_version", "command",

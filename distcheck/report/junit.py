@@ -5,9 +5,11 @@ timestamp, hostname) > properties + testcase(classname, name, file, time)``.
 Under ``run -- pytest`` each test whose ranks ran is one testcase, named as pytest
 names it, and the suite's ``<system-out>`` carries the command's last lines.
 A scenario that did not behave as expected is a ``<failure>`` whose message is
-the first finding's summary and whose text lists every finding with its
-per-rank detail; an interrupted one is an ``<error>``; a skipped one is
-``<skipped>``. ``<system-out>`` carries the log tail.
+its verdict in words (a script's as a script's: ``report.words``) and the first
+finding's summary, and whose text lists every finding with its per-rank detail;
+an interrupted one is an ``<error>``; a skipped one is ``<skipped>``, and a run
+where every target was skipped has one ``<error>`` more ("nothing ran").
+``<system-out>`` carries the log tail.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from distcheck.models import Finding, Report, ScenarioResult
+from distcheck.models import EndReason, Finding, Report, ScenarioResult
+from distcheck.report.words import verdict
 from distcheck.text import short_path
 from distcheck.torch_features import LABELS
 
@@ -87,24 +90,25 @@ def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None
     case = ET.SubElement(suite, "testcase", {
         "classname": _x(classname), "name": _x(name), "file": _x(file), "time": f"{result.duration_s:.3f}",
     })
-    expected = "+".join(result.expected) or "pass"
     observed = "+".join(result.observed) or "pass"
+    said = verdict(result)   # a script as a script: "train.py: hang", never "expected pass"
+    ended = EndReason.of(result.end_reason)
     if result.skipped:
         ET.SubElement(case, "skipped", {"type": "distcheck.skip", "message": _x(result.skipped)}).text = _x(
             f"{result.name}: {result.skipped}")
         return
     findings = "\n\n".join(_finding_text(f) for f in result.findings)
     if not result.ok:
-        first = result.findings[0].summary if result.findings else f"no finding; {result.end_reason}"
-        tag = "error" if result.end_reason == "interrupted" else "failure"
-        body = f"expected {expected}, observed {observed} (ended: {result.end_reason})\n\n"
+        first = result.findings[0].summary if result.findings else f"no finding; {ended.words}"
+        tag = "error" if ended is EndReason.INTERRUPTED else "failure"
+        body = f"{said} (ended: {ended.words})\n\n"
         body += (findings + "\n\n" if findings else "") + _ranks_text(result)
         ET.SubElement(case, tag, {
-            "type": f"distcheck.{observed}", "message": _x(f"expected {expected}, observed {observed}: {first}"),
+            "type": f"distcheck.{observed}", "message": _x(f"{said}: {first}"),
         }).text = _x(body)
     out = []
     if result.ok and result.findings:
-        out.append(f"expected {expected}, observed {observed}:\n\n{findings}")
+        out.append(f"{said}:\n\n{findings}")
     if result.log_tail:
         out.append("log tail:\n" + result.log_tail)
     if out:
@@ -114,14 +118,16 @@ def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None
 def render(report: Report, suite_name: str = "distcheck") -> str:
     run = report.run
     ran = [s for s in report.scenarios if not s.skipped]
-    failures = sum(1 for s in ran if not s.ok and s.end_reason != "interrupted")
-    errors = sum(1 for s in ran if not s.ok and s.end_reason == "interrupted")
-    # a run cut short between scenarios must not look green in CI
+    failures = sum(1 for s in ran if not s.ok and s.end_reason != EndReason.INTERRUPTED)
+    errors = sum(1 for s in ran if not s.ok and s.end_reason == EndReason.INTERRUPTED)
+    # a run cut short between scenarios, or one that ran nothing, must not look green in CI
     cut_short = report.interrupted and not errors
+    nothing_ran = report.nothing_ran and not report.interrupted
+    errors += nothing_ran
     skipped = len(report.scenarios) - len(ran)
     attrs = {
         "name": suite_name, "errors": str(errors + cut_short), "failures": str(failures), "skipped": str(skipped),
-        "tests": str(len(report.scenarios) + cut_short), "time": f"{run.duration_s:.3f}", "timestamp": run.started_at,
+        "tests": str(len(report.scenarios) + cut_short + nothing_ran), "time": f"{run.duration_s:.3f}", "timestamp": run.started_at,
         "hostname": _x(run.hostname or "unknown"),
     }
     root = ET.Element("testsuites", {"name": "distcheck"})
@@ -133,6 +139,7 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
         "python": run.python_version, **{name: v for name, v in sorted(run.versions.items())},
         **{f"torch feature: {LABELS.get(name, name)}": "yes" if ok else "no" for name, ok in run.torch_features.items()},
         "command": run.command, "run_dir": run.run_dir, "verdict": report.verdict,
+        "end_reason": report.end_reason.words,
     }
     for name, value in values.items():
         if value not in (None, ""):
@@ -144,6 +151,10 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
         case = ET.SubElement(suite, "testcase", {"classname": classname, "name": "(run interrupted)", "time": "0.000"})
         ET.SubElement(case, "error", {"type": "distcheck.interrupted",
                                       "message": "the run was interrupted before every scenario ran"})
+    if nothing_ran:
+        case = ET.SubElement(suite, "testcase", {"classname": classname, "name": "(nothing ran)", "time": "0.000"})
+        ET.SubElement(case, "error", {"type": "distcheck.nothing_ran",
+                                      "message": "nothing ran: every target was skipped, so nothing was checked"})
     if run.command_output:   # the command's own last lines (pytest's summary), beside distcheck's verdicts
         ET.SubElement(suite, "system-out").text = _x("the command's last output:\n" + run.command_output)
     ET.indent(root)

@@ -12,6 +12,8 @@ from rich.text import Text
 
 from distcheck.models import EndReason, Finding, RankOutcome, Report, ScenarioResult
 from distcheck.report.health_table import bandwidth_table, is_bandwidth_table
+from distcheck.report.words import ending as _ending
+from distcheck.report.words import script_name, script_observed
 from distcheck.text import rank_list, short_path
 from distcheck.torch_features import describe
 
@@ -21,33 +23,11 @@ KIND_STYLE = {
 }
 
 
-def script_name(result: ScenarioResult) -> str:
-    """How a script is named to its user: the file they gave ("train.py"), else "-m module" or the command."""
-    plain_file = result.source.endswith(".py") and " " not in result.source
-    return result.source.rsplit("/", 1)[-1] if plain_file else result.source
-
-
 def _script_line(result: ScenarioResult, mark: tuple[str, str]) -> Text:
     """A script declares no expectation: say what it showed ("train.py: hang")."""
     return Text.assemble(mark, (result.test or script_name(result), "bold"), ": ",
-                         (script_observed(result), "green" if result.ok else "red"), (_ending(result), "red"),
-                         (f"  ({result.duration_s:.1f} s)", "dim"))
-
-
-def script_observed(result: ScenarioResult) -> str:
-    """What a script showed: "ran clean" only when it ran to its end (or through the pre-flight window)."""
-    if result.observed != ("pass",):
-        return "+".join(result.observed)
-    ended = EndReason(result.end_reason) if result.end_reason else EndReason.COMPLETED
-    return "ran clean" if ended in (EndReason.COMPLETED, EndReason.MAX_DURATION) else ended.words
-
-
-def _ending(result: ScenarioResult) -> str:
-    """How the run ended, where distcheck (or a person) ended it: "(ended by --timeout)", "(interrupted)"."""
-    ended = EndReason(result.end_reason) if result.end_reason else EndReason.COMPLETED
-    if ended not in (EndReason.INTERRUPTED, EndReason.TIMEOUT) or script_observed(result) == ended.words:
-        return ""   # a stall or a crash is the finding itself
-    return f" ({ended.words})"
+                         (script_observed(result), "green" if result.ok else "red"),
+                         (_ending(result), "dim" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"))
 
 
 def scenario_line(result: ScenarioResult) -> Text:
@@ -59,8 +39,8 @@ def scenario_line(result: ScenarioResult) -> Text:
     else:
         line = Text.assemble(
             mark, (result.name, "bold"), f"  expected {'+'.join(result.expected)}, observed ",
-            ("+".join(result.observed), "green" if result.ok else "red"), (_ending(result), "red"),
-            (f"  ({result.duration_s:.1f} s)", "dim"),
+            ("+".join(result.observed), "green" if result.ok else "red"),
+            (_ending(result), "dim" if result.ok else "red"), (f"  ({result.duration_s:.1f} s)", "dim"),
         )
     if result.observed == ("pass",) and result.collectives_compared:
         window = " in the --max-duration window" if result.end_reason == "max_duration" else ""
@@ -152,10 +132,8 @@ def summary_line(report: Report) -> Text:
     verdict = ("PASS", "bold green") if report.verdict == "pass" else ("FAIL", "bold red")
     if report.nothing_ran:
         verdict = ("NOTHING RAN", "bold yellow")
-    extra = " (interrupted)" if report.interrupted else ""
-    if not report.interrupted and (limit := next((s.end_reason for s in ran if s.end_reason in (
-            EndReason.TIMEOUT, EndReason.MAX_DURATION)), None)):
-        extra = f" ({EndReason(limit).words})"
+    ended = report.end_reason
+    extra = f" ({ended.words})" if ended.abnormal and ended is not EndReason.CRASH else ""
     tests = [s for s in ran if s.test]
     if tests:
         clean = sum(1 for s in tests if s.ok)
