@@ -18,19 +18,50 @@ def _raising(what: str):
 
 
 def break_before_init() -> None:
-    """Hooks set up at init_process_group: the stack dumps (faulthandler's signal handlers)."""
-    from distcheck.rank import worker
+    """Hooks set up at init_process_group: the stack dumps (faulthandler's signal handlers) and the
+    Lightning attribution (one of the rank's recorders set up there)."""
+    from distcheck.rank import integrations, worker
 
     worker.install_stack_dumps = _raising("the stack dumps")
+    integrations.install = _raising("the rank's setup of the Lightning attribution")
 
 
 def break_after_init() -> None:
     """Hooks that run inside the user's calls: the tracer (its slow path, which every call first
-    seen takes), the C++-collective sidecar's poll, the DataLoader recorder and the metric recorder."""
+    seen takes: collectives, send/recv, each op of a batch_isend_irecv; and the batch's numbering
+    after it), the C++-collective sidecar's poll and its flush before destroy_process_group (and at
+    the rank's end), the DataLoader recorder and the metric recorder."""
     from distcheck.rank import injected, metrics, samples
 
     runtime = injected._RUNTIME
     runtime.tracer._define = _raising("the tracer")
+    runtime.tracer._claim_batch = _raising("the tracer's batch_isend_irecv numbering")
     runtime.watcher.poll = _raising("the sidecar")
+    runtime.watcher.flush = _raising("the sidecar's flush before destroy_process_group")
     samples.ACTIVE._record = _raising("the sample recorder")
     metrics.user_callsite = _raising("the metric recorder")
+
+
+def break_rank_setup():
+    """The init_process_group hook (tracing the rank right after the user's init) and the
+    destroy_process_group hook (ending its generation), for the next process group; returns
+    what puts them back."""
+    from distcheck.rank import injected
+
+    saved = injected._become_rank, injected._end_generation
+    injected._become_rank = _raising("the init_process_group hook")
+    injected._end_generation = _raising("the destroy_process_group hook")
+
+    def restore() -> None:
+        injected._become_rank, injected._end_generation = saved
+
+    return restore
+
+
+def break_rank_end() -> None:
+    """The rank's end hooks: sys.exit's (recording the failure a harness exits with) and atexit's
+    (writing "finished")."""
+    from distcheck.rank import injected, worker
+
+    injected._record = _raising("the sys.exit hook")
+    worker.finish_rank = _raising("the atexit hook")

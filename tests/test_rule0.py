@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -191,6 +192,91 @@ def test_a_failing_lightning_attribution_leaves_self_log_as_it_was(monkeypatch):
     assert guard.failures()["lightning"]["count"] == 3   # log, log_dict, and the self.log log_dict makes
 
 
+def test_a_failing_flight_recorder_sidecar_thread_is_counted_and_prints_nothing(tmp_path, monkeypatch, capfd):
+    """The thread that dumps the Flight Recorder on the launcher's request: its own error ends it quietly
+    (a thread's uncaught exception would be printed into the user's output)."""
+    from distcheck import torch_features
+    from distcheck.files.launch_dir import LaunchFiles
+    from distcheck.rank import worker
+
+    files = LaunchFiles(tmp_path)
+    files.flight_recorder_request.touch()
+    monkeypatch.setattr(torch_features, "fr_dump_json_function", planted)
+    before = set(threading.enumerate())
+    worker.start_flight_recorder_sidecar(files, 0)
+    for thread in set(threading.enumerate()) - before:
+        thread.join(30)
+        assert not thread.is_alive()
+    assert guard.failures()["sidecar"] == {"count": 1, "error": "Planted: planted"}
+    assert not files.flight_recorder(0).exists()
+    assert capfd.readouterr().err == ""
+
+
+def test_failing_exit_site_and_fork_hooks_change_nothing_and_are_counted(tmp_path, monkeypatch, capfd):
+    """Where a rank called sys.exit (read from its SystemExit), and the tracer's hook in a forked child."""
+    from distcheck.rank import callsite
+    from distcheck.rank.exit_site import exit_site
+
+    monkeypatch.setattr(callsite, "classify_file", planted)
+    try:
+        sys.exit(4)
+    except SystemExit as exc:
+        assert exit_site(exc) is None and exc.code == 4
+    assert guard.failures()["rank_end"] == {"count": 1, "error": "Planted: planted"}
+
+    tracer = Tracer(tmp_path / "rank0.trace", 0)
+    tracer._after_fork = planted
+    pid = os.fork()
+    if pid == 0:   # the child: its hook failed, counted; it goes on (and says so by its exit code)
+        os._exit(0 if guard.failures().get("tracer", {}).get("count") == 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "tracer" not in guard.failures()   # the parent's hook is the child's, not its own
+    assert capfd.readouterr().err == ""
+    tracer.close()
+
+
+def test_failing_init_hooks_of_distchecks_own_rank_and_its_store_wait_leave_the_users_calls_as_they_were(
+        tmp_path, monkeypatch, capfd):
+    """distcheck's worker notes the user's init_process_group in the rank's status; a rank of the user's
+    command waits in the job's store for its generation's number. Failing (a status that cannot be written,
+    the wait's own time-out), the user's init returns its result and the rank is traced alone."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from distcheck.files.launch_dir import LaunchFiles
+    from distcheck.rank import worker
+
+    calls = []
+
+    def users_init(*args, **kwargs):   # stands in for torch's, which the module's process group holds
+        calls.append((args, kwargs))
+        return "the init's own result"
+
+    class FailingStatus:
+        update = staticmethod(planted)
+
+    monkeypatch.setattr(c10d, "init_process_group", users_init)
+    monkeypatch.setattr(dist, "init_process_group", users_init)
+    monkeypatch.setattr(worker, "STATUS", FailingStatus(), raising=False)
+    worker.note_process_group_init()
+    assert dist.init_process_group("gloo", rank=0) == "the init's own result"
+    assert calls == [(("gloo",), {"rank": 0})]
+    assert guard.failures()["rank_setup"] == {"count": 1, "error": "Planted: planted"}
+
+    store = dist.HashStore()
+    store.add(injected.ARRIVALS_KEY, 1)   # another rank arrived first, and never names the generation
+    launch = LaunchFiles(tmp_path / "launch")
+    assert injected.generation_on(store, launch, world=2, wait_s=0.2) == 0   # a generation of its own
+    assert guard.failures()["rank_setup"]["count"] == 2
+    assert "never named it within 0.2 s" in capfd.readouterr().err
+
+
+def test_a_failing_status_publisher_is_not_the_hooks_failure():
+    guard.set_publisher(planted)
+    guard.failed(Hook.TRACER, ValueError("x"))   # the count stays; the status goes out with the next one
+    assert guard.failures()["tracer"]["count"] == 1
+
+
 # -- on real ranks -------------------------------------------------------------------------------------
 
 
@@ -220,6 +306,7 @@ def test_every_hook_on_a_rank_failing_changes_nothing_in_the_job_and_is_reported
     assert expected["rank0.json"]["state_strides"] == [[5], [5]]
     assert expected["rank0.json"]["sampler_error"] == "LookupError: the user's sampler ran dry"
     assert expected["rank0.json"]["metric_update_error"] == "ValueError: the user's update needs a tensor"
+    assert expected["rank1.json"]["recv"] == [5.0, 6.0] and expected["rank0.json"]["batch_isend_irecv"] == [11.0] * 3
 
     traced, seen = _job(tmp_path, "traced", distcheck=True)
     assert traced.returncode == 0 and seen == expected, traced.stdout[-3000:] + traced.stderr[-2000:]
@@ -233,9 +320,47 @@ def test_every_hook_on_a_rank_failing_changes_nothing_in_the_job_and_is_reported
     report = json.loads((tmp_path / "broken.json").read_text())
     [s] = report["scenarios"]
     notes = {f["data"]["hook"]: f for f in s["findings"] if f["kind"] == "coverage" and "hook" in f["data"]}
-    assert set(notes) == {"stack_dumps", "tracer", "sidecar", "samples", "metrics"}, s["findings"]
+    assert set(notes) == {"stack_dumps", "tracer", "sidecar", "samples", "metrics", "rank_setup"}, s["findings"]
     for hook, note in notes.items():
         assert note["severity"] == "info" and note["odd_ranks"] == [0, 1], note
         assert "Planted" in note["data"]["error"] or "PlantedFault" in note["data"]["error"], note
         assert note["data"]["lost"] == HOOK_LOST[Hook(hook)]
     assert [f for f in s["findings"] if f["severity"] == "error"] == []
+
+
+@pytest.mark.e2e
+def test_failing_init_destroy_exit_and_atexit_hooks_change_nothing_in_a_rank_and_are_reported(tmp_path):
+    """One process, its group made twice: distcheck's init_process_group and destroy_process_group hooks
+    fail for the first, its sys.exit and atexit hooks for the second. The job's results and exit code are
+    its own; the report has the crash the job is (it exits 3) and a coverage note per failing hook."""
+    script = SCRIPTS / "rule0_rank_end.py"
+
+    def job(name: str, *, distcheck: bool, broken: bool = False) -> tuple[int, dict | None, dict]:
+        out, report = tmp_path / f"{name}.json", tmp_path / f"{name}-report.json"
+        cmd = [sys.executable, str(script)]
+        if distcheck:
+            cmd = [sys.executable, "-m", "distcheck", "run", "--run-dir", str(tmp_path / f"{name}-run"), "--json",
+                   str(report), "--stall-timeout", "20", "--", *cmd]
+        env = {**os.environ, "RULE0_OUT": str(out), "RULE0_BREAK": "1" if broken else "0"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, cwd=tmp_path, env=env)
+        done = finish_process(proc, str(tmp_path / f"{name}-run"), HARD_TIMEOUT_S)
+        findings = [f for sc in json.loads(report.read_text())["scenarios"] for f in sc["findings"]] if distcheck else []
+        return done.returncode, json.loads(out.read_text()) if out.exists() else None, {
+            "findings": findings, "output": done.stdout[-3000:] + done.stderr[-2000:]}
+
+    code, expected, _ = job("plain", distcheck=False)
+    assert code == 3 and expected["first"]["all_reduce"] == [0.0, 1.0, 2.0] and not expected["initialized_after_destroy"]
+    assert expected["left_main"] == "SystemExit: 3"
+    code, seen, traced = job("traced", distcheck=True)
+    assert (code, seen) == (1, expected), traced["output"]
+    kinds = sorted((f["kind"], f["severity"]) for f in traced["findings"])
+    assert kinds == [("crash", "error")], traced["findings"]   # the job's own failure, named
+
+    code, seen, broken = job("broken", distcheck=True, broken=True)
+    assert (code, seen) == (1, expected), broken["output"]
+    notes = {f["data"]["hook"]: f for f in broken["findings"] if f["kind"] == "coverage" and "hook" in f["data"]}
+    assert set(notes) == {"rank_setup", "rank_end"}, broken["findings"]
+    assert "init_process_group hook" in notes["rank_setup"]["data"]["error"]
+    assert notes["rank_end"]["data"]["count"] >= 2   # destroy's, then sys.exit's (atexit's is the third)
+    assert [(f["kind"], f["severity"]) for f in broken["findings"] if f["kind"] != "coverage"] == [("crash", "error")]

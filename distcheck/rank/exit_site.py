@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import traceback
 
+from distcheck.rank.guard import Hook, failed
+
 
 def exit_site(exc: BaseException) -> str | None:
     """"file:line:function (sys.exit)" of the innermost user frame; None when there is none or on any error."""
@@ -19,5 +21,6 @@ def exit_site(exc: BaseException) -> str | None:
             if classify_file(frame.filename, torch) == USER:
                 where = f"{frame.filename}:{frame.lineno}:{frame.name}"
         return f"{where} (sys.exit)" if where else None
-    except Exception:   # rule 0: a failing hook never changes how the rank ends
+    except Exception as err:   # rule 0: a failing hook never changes how the rank ends; it is counted
+        failed(Hook.RANK_END, err)
         return None

@@ -313,14 +313,14 @@ def _recording_exit(previous: Callable[..., Any]) -> Callable[..., Any]:
     is the rank's failure, with its line; without one, the exit code is."""
     @functools.wraps(previous)
     def exit(code: Any = None) -> None:
-        failed = code not in (None, 0) and not isinstance(code, str)
-        if failed and _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
-            try:
+        try:
+            failing = code not in (None, 0) and not isinstance(code, str)
+            if failing and _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
                 handled = sys.exc_info()[1]
                 _record(handled if handled is not None else SystemExit(code),
                         exit_code=code if isinstance(code, int) else 1)
-            except Exception as exc:   # never keep the process from exiting
-                failed(Hook.RANK_END, exc)
+        except Exception as exc:   # never keep the process from exiting as it asked (rule 0)
+            failed(Hook.RANK_END, exc)
         previous(code)
 
     exit.__distcheck__ = True  # type: ignore[attr-defined]
@@ -377,16 +377,16 @@ def _at_exit() -> None:
     from distcheck.rank import worker
 
     runtime = _RUNTIME
-    if _ENDED or runtime is None or runtime.status.data.pid != os.getpid():
-        return
-    _ENDED = True
-    if runtime.status.data.phase in (Phase.ERROR, Phase.INTERRUPTED):
-        return
     try:
+        if _ENDED or runtime is None or runtime.status.data.pid != os.getpid():
+            return
+        _ENDED = True
+        if runtime.status.data.phase in (Phase.ERROR, Phase.INTERRUPTED):
+            return
         worker.finish_rank(runtime, {})
-    except Exception as exc:   # the process still ends as it would (rule 0)
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None and not stream.closed:
+                stream.flush()
+        worker.wait_for_release(runtime.files, _launcher_alive)
+    except Exception as exc:   # the process still ends as it would, nothing printed at its exit (rule 0)
         failed(Hook.RANK_END, exc)
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    worker.wait_for_release(runtime.files, _launcher_alive)

@@ -1,9 +1,10 @@
 """A user's job for rule 0 (tests/test_rule0.py), run plainly and under ``distcheck run -- torchrun``.
 
-It runs collectives, a DataLoader pass, a torchmetrics metric whose states are non-contiguous
-(torchmetrics' own ``test_non_contiguous_tensors``), and two calls that raise the user's own
-exception through distcheck's hooks (a sampler's, a metric update's). Each rank writes what it
-saw to RULE0_OUT/rank<N>.json: the same with and without distcheck, whatever distcheck's hooks do.
+It runs collectives, a send/recv and a batch_isend_irecv, a DataLoader pass, a torchmetrics metric
+whose states are non-contiguous (torchmetrics' own ``test_non_contiguous_tensors``), and two calls that
+raise the user's own exception through distcheck's hooks (a sampler's, a metric update's). Each rank
+writes what it saw to RULE0_OUT/rank<N>.json: the same with and without distcheck, whatever
+distcheck's hooks do.
 
 With RULE0_BREAK=1, when distcheck traces this process, ``rule0_faults`` first breaks distcheck's
 own hooks (not the program): the job must not notice.
@@ -76,6 +77,19 @@ def main() -> None:
     gathered = [torch.zeros(2) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.full((2,), float(rank)))
     seen["all_gather"] = [g.tolist() for g in gathered]
+    peer = 1 - rank
+    received = torch.zeros(2)
+    if rank == 0:
+        dist.send(torch.tensor([5.0, 6.0]), dst=peer)
+    else:
+        dist.recv(received, src=peer)
+    seen["recv"] = received.tolist()
+    batch_in = torch.zeros(3)
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), 10.0 + rank), peer),
+                                       dist.P2POp(dist.irecv, batch_in, peer)])
+    for request in requests:
+        request.wait()
+    seen["batch_isend_irecv"] = batch_in.tolist()
     data = list(range(10))
     loader = DataLoader(data, batch_size=3, sampler=DistributedSampler(data, shuffle=False))
     seen["batches"] = [b.tolist() for b in loader]
