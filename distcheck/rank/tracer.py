@@ -36,7 +36,6 @@ from time import time_ns
 from typing import Any, Callable
 
 from distcheck.files.trace import (CHECK, FP_SHIFT, NONE, SEQ_BITS, SLOT_STRUCT, TAG_E, X_OK, RecordBatch, clean,
-                                   wait_slots,
                                    encode_shapes, enter_slot, error_record, exit_slot, fingerprint_record,
                                    group_record, segment_record, site_record, text_slots)
 from distcheck.files.trace_writer import TraceWriter
@@ -44,7 +43,7 @@ from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
 from distcheck.library_shapes import NUMBERED_APART
-from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, extra_fields,
+from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, OpSpec, extra_fields,
                                 make_extractor, new_group_sequence, reduce_op_name)
 
 
@@ -109,10 +108,6 @@ class Tracer:
         os.register_at_fork(after_in_child=functools.partial(_in_forked_child, me))
         self._local = _Local()
         self._originals: dict[str, Callable] = {}
-        # id(work) -> (a weak reference to it, the call keys it completes): the handles of P2P calls, whose
-        # ``wait()`` is written as W records (the rank is blocked in those calls while it waits)
-        self._handles: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
-        self._work_wait: tuple[Any, Callable] | None = None   # (torch's Work class, its own wait)
         self.count = 0
         self.slow_calls = 0   # calls that took ``_enter`` (first of their kind, p2p, lists...): a cost to watch
 
@@ -132,7 +127,6 @@ class Tracer:
             self._groups.clear()
             self._gids.clear()
             self._written.clear()
-            self._handles.clear()   # their keys name the finished segment's calls
             self._sites.clear()
             self._fps.clear()
             for cache in self._fast.values():
@@ -199,11 +193,6 @@ class Tracer:
             wrapper = self._wrap_batch(original)
             c10d.batch_isend_irecv = wrapper
             dist.batch_isend_irecv = wrapper
-        work = getattr(c10d, "Work", None)
-        original = getattr(work, "wait", None)
-        if original is not None and self._work_wait is None:
-            self._work_wait = (work, original)
-            work.wait = self._wrap_wait(original)
 
     def uninstall(self) -> None:
         import torch.distributed as dist
@@ -213,10 +202,6 @@ class Tracer:
             setattr(c10d, name, original)
             setattr(dist, name, original)
         self._originals.clear()
-        if self._work_wait is not None:
-            work, original = self._work_wait
-            work.wait = original
-            self._work_wait = None
 
     def close(self) -> None:
         self.writer.close()
@@ -241,7 +226,6 @@ class Tracer:
         getframe = sys._getframe
         multi = name in MULTI_SEQ
         apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
-        waited = name in WAITED_HANDLES    # isend, irecv: their handle's wait() is where the rank blocks
         tracer = self
 
         # Rule 0 (rank.guard): an error of distcheck's own below is caught and counted, never raised into
@@ -275,8 +259,6 @@ class Tracer:
                             append(record)
                         except ValueError:    # the mapping is full: grow it
                             writer.write(record)
-                        if waited:
-                            tracer._hold((result,), (key,))
                     except Exception as exc:
                         failed(Hook.TRACER, exc)
                 elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
@@ -346,10 +328,6 @@ class Tracer:
                     raise   # the user's exception, as it was
                 for key in keys:
                     self._exit_guarded(key, None)
-                try:
-                    self._hold(result, keys)
-                except Exception as exc:
-                    failed(Hook.TRACER, exc)
                 return result
             finally:
                 try:
@@ -360,50 +338,6 @@ class Tracer:
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
-
-    def _hold(self, works: Any, keys: list[int] | tuple[int, ...]) -> None:
-        """Remember the handles a P2P call returned, so a ``wait()`` on one is written as a wait in its calls:
-        one handle per call (gloo's batch), or handles that each complete the whole batch (a coalesced one)."""
-        works = [w for w in (works or ()) if w is not None]
-        if not works or not keys:
-            return
-        keys = tuple(keys)
-        per_call = len(works) == len(keys)
-        handles = self._handles
-        for i, work in enumerate(works):
-            wid = id(work)
-            ref = weakref.ref(work, lambda _, wid=wid: handles.pop(wid, None))
-            handles[wid] = (ref, keys[i:i + 1] if per_call else keys)
-
-    def _wrap_wait(self, original: Callable) -> Callable:
-        """torch's ``Work.wait``, which writes W records around the wait on a P2P call's handle (any other
-        handle's wait is torch's own, untouched)."""
-        handles = self._handles
-        writer = self.writer
-
-        @functools.wraps(original)
-        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            held = handles.get(id(work))
-            if held is None:
-                return original(work, *args, **kwargs)
-            keys = None
-            try:   # rule 0, as in wrap()
-                if held[0]() is work:
-                    keys = held[1]
-                    writer.write(wait_slots(keys, time_ns(), out=False))
-            except Exception as exc:
-                failed(Hook.TRACER, exc)
-            try:
-                return original(work, *args, **kwargs)
-            finally:
-                if keys is not None:
-                    try:
-                        writer.write(wait_slots(keys, time_ns(), out=True))
-                    except Exception as exc:
-                        failed(Hook.TRACER, exc)
-
-        wait.__distcheck_original__ = original  # type: ignore[attr-defined]
-        return wait
 
     def _batch_counters(self, p2p_op_list: list) -> list[tuple[tuple, int]]:
         """(group entry, its counter now) for each group a batch of P2P ops runs on, the group marked busy.
