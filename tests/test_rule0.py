@@ -151,6 +151,38 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_a_metric_call_the_recorder_failed_on_is_not_replayed_against_the_metric(tmp_path):
+    """One update() the recorder could not copy: the metric's result is its own, and the record that no
+    longer explains its state is marked, so the report says distcheck could not check it instead of
+    blaming the metric (a replay without that update would differ)."""
+    code = """
+import json, sys
+from pathlib import Path
+import torch
+from distcheck.rank import guard, metrics
+metrics.install(Path(sys.argv[1]))
+from torchmetrics.aggregation import SumMetric
+copy_inputs, calls = metrics.RECORDER._copy_inputs, []
+def first_fails(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+        raise RuntimeError("planted")
+    return copy_inputs(*args, **kwargs)
+metrics.RECORDER._copy_inputs = first_fails
+m = SumMetric()
+m.update(torch.tensor(1.0))
+m.update(torch.tensor(2.0))
+value = m.compute().item()
+[info] = metrics.RECORDER.drain()
+print(json.dumps({"value": value, "note": info["note"], "computes": len(info["computes"]), **guard.failures()}))
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    assert (seen["value"], seen["computes"], seen["metrics"]["count"]) == (3.0, 1, 1)
+    assert seen["note"] == "distcheck could not record one of its calls (RuntimeError: planted)"
+
+
 def test_a_broken_distcheck_import_leaves_the_users_process_as_it_was(tmp_path):
     """The injected sitecustomize runs in every Python process of ``distcheck run -- CMD``: a distcheck
     that cannot even be imported there (here: a broken one first on the path) changes nothing."""

@@ -100,7 +100,7 @@ class MetricRecorder:
                     or self._credited_elsewhere(obj, kind))
             stack = self._stack()
         except Exception as exc:
-            failed(Hook.METRICS, exc)
+            self._unrecorded(obj, exc)
             return call()
         if skip:
             return call()
@@ -110,7 +110,7 @@ class MetricRecorder:
                 entry = self._entry(obj, collection)
                 copied = self._copy_inputs(args, kwargs or {}) if kind == "update" else None
             except Exception as exc:
-                failed(Hook.METRICS, exc)
+                self._unrecorded(obj, exc)
                 return call()
             if kind == "compute":
                 return self._compute(entry, call)
@@ -118,7 +118,7 @@ class MetricRecorder:
             try:
                 self._after(entry, kind, copied)
             except Exception as exc:
-                failed(Hook.METRICS, exc)
+                self._unrecorded(obj, exc)
             return result
         finally:
             stack.pop()
@@ -139,14 +139,26 @@ class MetricRecorder:
             point = _sync_point(entry.obj)
             t0 = time.time()
         except Exception as exc:   # rule 0: the user's compute() runs unrecorded
-            failed(Hook.METRICS, exc)
+            self._unrecorded(entry.obj, exc)
             return call()
         result = call()
         try:
             self._computed(entry, k, state, point, t0, result)
         except Exception as exc:
-            failed(Hook.METRICS, exc)
+            self._unrecorded(entry.obj, exc)
         return result
+
+    def _unrecorded(self, obj: Any, exc: BaseException) -> None:
+        """A call of ``obj`` went unrecorded (distcheck's own error, counted): what is recorded of ``obj`` no
+        longer explains its states, so it is not replayed, and the report says why instead of blaming it."""
+        failed(Hook.METRICS, exc)
+        try:
+            entry = self.entries.get(id(obj))
+            if entry is not None and entry.obj is obj and not entry.info["note"]:
+                message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                entry.info["note"] = f"distcheck could not record one of its calls ({type(exc).__name__}: {message})"[:300]
+        except Exception:   # counted above; nothing more to do
+            pass
 
     def _computed(self, entry: _Entry, k: int, state: dict | None, point: tuple | None, t0: float,
                   result: Any) -> None:
