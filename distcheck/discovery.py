@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
@@ -74,9 +75,11 @@ def scenarios_in_file(path: Path, builtin: bool = False) -> list[ScenarioSpec]:
         raise UsageError(f"cannot read scenario file {path}: {exc.strerror}") from None
     try:
         tree = ast.parse(source, filename=str(path))
-    except SyntaxError as exc:
+    except SyntaxError as exc:   # the user's own file, scenario or script: its line, as Python names it
+        line = f": {exc.text.strip()}" if exc.text and exc.text.strip() else ""
         raise UsageError(
-            f"{path}:{exc.lineno}: syntax error in scenario file: {exc.msg}", "fix the file and run again",
+            f"{path}:{exc.lineno}: syntax error in your script{line} ({exc.msg})",
+            f"fix line {exc.lineno} of {path.name} and run again ('python {path}' shows the same error)",
         ) from None
     specs = []
     for node in tree.body:
@@ -167,9 +170,18 @@ def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
                     "('distcheck run path/to/script.py -- ARGS') if it calls init_process_group itself",
                 )
             specs.extend(found)
+        elif _looks_like_a_path(target):
+            raise UsageError(f"{target}: no such file or directory",
+                             "check the path (relative to the current directory); 'distcheck list' shows the "
+                             "built-in scenarios")
         else:
             raise unknown_target(target, sorted(builtins))
     return specs
+
+
+def _looks_like_a_path(target: str) -> bool:
+    """A file the user meant (``train.py``, ``jobs/eval``), not a built-in scenario's name."""
+    return target.endswith(".py") or os.sep in target or (os.altsep is not None and os.altsep in target)
 
 
 def unknown_target(target: str, names: list[str]) -> UsageError:

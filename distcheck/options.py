@@ -101,7 +101,9 @@ def check_flags(flags: RunFlags) -> NodeConfig:
     positive("--busy-timeout", flags.busy_timeout)
     positive("--timeout", flags.timeout)
     if flags.nproc_per_node is not None and flags.nproc_per_node < 1:
-        raise UsageError(f"--nproc-per-node must be at least 1 (got {flags.nproc_per_node})")
+        raise UsageError(f"--nproc-per-node must be at least 1 (got {flags.nproc_per_node})",
+                         "give the number of ranks to start on this node, e.g. --nproc-per-node 2, or leave it "
+                         "out (one rank per GPU with nccl, else 4)")
     positive("--max-duration", flags.max_duration)
     positive("--rdzv-timeout", flags.rdzv_timeout)
     nodes = node_config(flags.nnodes, flags.node_rank, flags.rdzv_endpoint, flags.rdzv_id, flags.rdzv_backend,

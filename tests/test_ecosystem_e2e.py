@@ -61,3 +61,24 @@ def test_accelerates_data_loop_test_under_site_packages_is_a_hang_at_its_own_lin
     lines = {d["rank"]: d["callsite"] for d in hang["ranks"]}
     assert lines[0].startswith(str(script) + ":") and lines[0] != lines[1]   # DDP's broadcast, at the script's line
     assert not [f for f in _errors(r.report) if f["kind"] == "mismatch"]
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["raises", "healthy-twin"])
+def test_an_exception_after_end_training_is_the_ranks_own_failure(distcheck, raises):
+    """accelerate's ``end_training()`` destroys the process group in a ``finally:``; the KeyError that follows
+    on both ranks is theirs, at its line (not "something outside the ranks"). The command is timed from its
+    start."""
+    script = SCRIPTS / "end_training_raises.py"
+    r = distcheck("run", "--stall-timeout", "20", "--", *ACCELERATE, str(script), *([] if raises else ["--no-raise"]),
+                  env=CPU, timeout=300)
+    [s] = r.report["scenarios"]
+    assert s["script"] and s["duration_s"] >= 0.6 * r.report["run"]["duration_s"], (s["duration_s"], r.report["run"])
+    if not raises:
+        assert r.returncode == 0 and _errors(r.report) == [], r.stdout[-3000:]
+        return
+    assert r.returncode == 1, r.stdout[-3000:]
+    [crash] = _errors(r.report)
+    assert crash["kind"] == "crash" and "outside the ranks" not in crash["summary"], crash["summary"]
+    assert "KeyError: 'learning_rate'" in crash["summary"] and "rank 1 failed the same way" in crash["summary"]
+    assert crash["callsite"].startswith(f"{script}:{_line_of(script, 'RAISES')}:")
+    assert {d["rank"]: d["state"] for d in s["ranks"]} == {0: "crashed", 1: "crashed"}

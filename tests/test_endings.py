@@ -46,10 +46,10 @@ def test_every_view_names_an_end_the_same_way(end, tmp_path):
     from distcheck.report import json_report, junit, runs_table
 
     observed = ("pass",) if end is EndReason.MAX_DURATION else ("hang",)
-    result = _result(end_reason=str(end), observed=observed, ok=end is EndReason.MAX_DURATION, script=False,
-                     expected=("pass",))
+    result = _result(end_reason=str(end), observed=observed, ok=end is EndReason.MAX_DURATION)   # a script
     report = _report(result, interrupted=end is EndReason.INTERRUPTED)
     assert end.words in terminal.scenario_line(result).plain
+    assert end.words in terminal.scenario_line(dataclasses.replace(result, script=False)).plain   # a scenario
     assert end.words in terminal.summary_line(report).plain
     saved = json.loads(json_report.render(report))
     assert saved["end_reason"] == saved["scenarios"][0]["end_reason"] == end.value
@@ -134,3 +134,30 @@ def test_the_exit_site_of_a_sys_exit_is_the_user_line():
         where = exit_site(exc)
     assert where is not None and "test_endings.py:" in where and where.endswith("(sys.exit)")
     assert exit_site(SystemExit(0)) is None   # no traceback: nothing to say, and never an error
+
+
+def test_messages_point_the_right_way(tmp_path):
+    """No ranks start: a missing script, a script that does not parse, --nproc-per-node 0 and a torn
+    report.json each get one line that says what happened, a hint, and the documented exit code."""
+    import json
+
+    def distcheck(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "distcheck", *args], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+
+    missing = distcheck("run", "jobs/train.py")
+    assert missing.returncode == 2 and missing.stderr.splitlines()[0] == \
+        "distcheck: error: jobs/train.py: no such file or directory", missing.stderr
+    assert "built-in scenarios:" not in missing.stderr
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo'\n")
+    broken = distcheck("run", "train.py")
+    assert broken.returncode == 2 and "train.py:2: syntax error in your script: dist.init_process_group('gloo'" \
+        in broken.stderr.splitlines()[0], broken.stderr
+    none = distcheck("run", "collectives_sanity", "--nproc-per-node", "0")
+    assert none.returncode == 2 and "hint: give the number of ranks to start" in none.stderr, none.stderr
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "report.json").write_text(json.dumps({"schema": "distcheck.report/1"})[:20])
+    torn = distcheck("report", str(run_dir))
+    assert torn.returncode == 5 and f"'distcheck analyze {run_dir}'" in torn.stderr, torn.stderr
+    assert "Traceback" not in missing.stderr + broken.stderr + none.stderr + torn.stderr

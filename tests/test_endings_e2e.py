@@ -7,6 +7,7 @@ terminal's Ctrl-C does. Every signal is sent on evidence of the moment, never af
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,11 +135,43 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert "Traceback" not in out
 
 
-def test_timeout_says_so_on_the_terminal(distcheck):
+def test_timeout_says_so_in_every_view_and_a_script_is_judged_as_a_script(distcheck, tmp_path):
+    """One launch: the terminal, JSON, JUnit, ``distcheck runs`` and ``distcheck analyze`` all name the
+    end the same way, and none judges the script against an expectation it never declared."""
+    import xml.etree.ElementTree as ET
+
+    junit = tmp_path / "junit.xml"
     run = distcheck("run", str(STUCK), "--nproc-per-node", "3", "--stall-timeout", "120", "--timeout", "8",
-                    timeout=120)
+                    "--junit-xml", str(junit), timeout=120)
     assert run.returncode == 4, run.stdout[-3000:]
-    assert "ended by --timeout" in run.stdout, run.stdout
+    assert "stuck_on_event.py: hang (ended by --timeout)" in run.stdout, run.stdout
+    assert run.report["end_reason"] == run.report["scenarios"][0]["end_reason"] == "timeout"
+    [failure] = ET.parse(junit).getroot().iter("failure")
+    assert failure.get("message").startswith("stuck_on_event.py: hang (ended by --timeout): ")
+    assert "expected" not in failure.get("message") + failure.text
+    runs = run_distcheck(["runs", "--dir", str(run.run_dir.parent)], tmp_path, run.run_dir, timeout=60)
+    assert runs.returncode == 0 and "ended by --timeout" in runs.stdout, runs.stdout
+    analyzed = run_distcheck(["analyze", str(run.run_dir)], tmp_path, run.run_dir, timeout=60)
+    assert analyzed.returncode == 4 and "stuck_on_event.py: hang (ended by --timeout)" in analyzed.stdout
+    assert "expected" not in analyzed.stdout, analyzed.stdout
+
+
+def test_the_quick_start_prints_no_torch_log_line(distcheck):
+    """The quick start's crashes make torch's launcher terminate the surviving ranks ("Terminating process
+    ... via signal SIGTERM"): such lines go to the launch's logs/launcher.log, never to the terminal."""
+    run = distcheck("run", "collectives_sanity", "confmat_local_num_classes", "ddp_uneven_inputs", timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    torch_lines = [line for line in out.splitlines()
+                   if re.match(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", line) or "torchelastic" in line
+                   or re.search(r"torch/\S+\.py:\d+\]", line)]
+    assert not torch_lines, torch_lines
+    logged = "".join(p.read_text() for p in run.run_dir.glob("*/logs/launcher.log"))
+    assert "Terminating process" in logged   # the lines were routed, not lost
+    ends = {s["name"]: s["end_reason"] for s in run.report["scenarios"]}
+    assert ends == {"collectives_sanity": "completed", "confmat_local_num_classes": "crash",
+                    "ddp_uneven_inputs": "certain_hang"}, ends
+    assert "ddp_uneven_inputs  expected hang, observed hang (ended at a certain hang)" in run.stdout
 
 
 def test_a_rank_that_leaves_early_is_named_with_its_exit_line(distcheck):

@@ -50,8 +50,11 @@ def analyze_launch(launch_dir: Path) -> tuple[ScenarioResult, int, dict[int, lis
         description="\n".join([f"distcheck traces of {len(traces)} of {world} ranks.", *_notes(traces, status)]),
         launch_dir=str(launch_dir))
     result = scenario_result(scenario, evidence, 0.0, Blame())
-    # The analysis itself is part of a post-mortem's duration.
-    return dataclasses.replace(result, duration_s=time.time() - t0), world, events
+    # A script (or command) is reported as a script: it declared no expectation. Without the run's own record
+    # no expectation is known either, so none is claimed. The analysis itself is a post-mortem's duration.
+    script = bool(saved.get("script")) if saved else True
+    return dataclasses.replace(result, duration_s=time.time() - t0, script=script,
+                               test=saved.get("test") if isinstance(saved.get("test"), str) else None), world, events
 
 
 def _outcomes(launch_dir: Path, files: LaunchFiles, traces: Mapping[int, RankTrace],

@@ -59,16 +59,17 @@ def load_report(run_dir: Path) -> Report:
     if not report_path.exists():
         if _looks_like_run(run_dir):
             raise CorruptInputError(f"{run_dir} has no {REPORT_FILE}: the run did not finish writing it",
-                                    "its traces and logs are still there; re-run to get a report")
+                                    f"its traces are still there: 'distcheck analyze {run_dir}' judges the run "
+                                    "from them")
         raise UsageError(f"{run_dir} is not a distcheck run directory (no {REPORT_FILE})",
                          "list saved runs with 'distcheck runs'")
     try:
         data = json.loads(report_path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise CorruptInputError(f"{report_path} is not text", "the file is damaged; re-run the scenarios") from None
+        raise CorruptInputError(f"{report_path} is not text", _analyze_hint(run_dir)) from None
     except json.JSONDecodeError as exc:
         raise CorruptInputError(f"{report_path} is not valid JSON (line {exc.lineno}: {exc.msg})",
-                                "the file is damaged or was cut short; re-run the scenarios") from None
+                                _analyze_hint(run_dir)) from None
     except OSError as exc:
         raise CorruptInputError(f"cannot read {report_path}: {exc.strerror}") from None
     if not isinstance(data, dict):
@@ -79,7 +80,12 @@ def load_report(run_dir: Path) -> Report:
         raise CorruptInputError(f"{report_path}: {exc}", "re-render it with the distcheck that wrote it") from None
     except (KeyError, TypeError, AttributeError) as exc:
         raise CorruptInputError(f"{report_path} is not a complete distcheck report ({type(exc).__name__}: {exc})",
-                                "the file is damaged; re-run the scenarios") from None
+                                _analyze_hint(run_dir)) from None
+
+
+def _analyze_hint(run_dir: Path) -> str:
+    """A torn report.json: the run's traces say what it would have said."""
+    return f"the file is damaged or was cut short; 'distcheck analyze {run_dir}' re-judges the run from its traces"
 
 
 def scenario_dir(run_dir: Path, name: str, launch_dir: str | None) -> Path:

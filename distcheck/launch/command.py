@@ -447,19 +447,25 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
         _stop(guard, None)
     interrupted = interrupted or watch.end_reason == EndReason.INTERRUPTED
     watch.discover(watch=False)
-    generations = tuple(_generation_outcome(files, i, w, interrupted, guard.returncode, started)
-                        for i, w in sorted(watch.watchdogs.items()))
+    ended = time.time()
+    watched = sorted(watch.watchdogs.items())
+    generations = tuple(_generation_outcome(files, i, w, interrupted, guard.returncode, started,
+                                            span=(started if n == 0 else None, ended if n == len(watched) - 1 else None))
+                        for n, (i, w) in enumerate(watched))
     if not generations and interrupted:
         raise KeyboardInterrupt   # before any rank: nothing to judge, but the run was still interrupted
     if not generations:
         raise _no_rank_error(spec, guard.returncode, files, watch.end_reason == EndReason.TIMEOUT)
     end_reason = EndReason.INTERRUPTED if interrupted else watch.end_reason
-    return CommandOutcome(generations, end_reason, started, time.time(), command_exit=guard.returncode,
+    return CommandOutcome(generations, end_reason, started, ended, command_exit=guard.returncode,
                           why_ended=watch.why_ended, output_tail=command_output_tail(files))
 
 
 def _generation_outcome(files: LaunchFiles, index: int, watchdog: Watchdog, interrupted: bool,
-                        command_exit: int | None, started: float) -> Generation:
+                        command_exit: int | None, started: float,
+                        span: tuple[float | None, float | None] = (None, None)) -> Generation:
+    """``span``: the command's start (for its first generation) and end (for its last); a generation outside
+    any pytest test is timed from there, so a command's duration is the command's, not its ranks' alone."""
     gen = files.generation(index)
     gen.trim_traces()
     statuses = gen.read_statuses()
@@ -468,8 +474,9 @@ def _generation_outcome(files: LaunchFiles, index: int, watchdog: Watchdog, inte
     times = [s.t_start for s in statuses.values() if s.t_start] or [started]
     ends = [s.t_update for s in statuses.values() if s.t_update] or [time.time()]
     tests = [s.test for _, s in sorted(statuses.items()) if s.test]
-    outcome = LaunchOutcome(_end_reason(result, interrupted, failures), min(times),
-                            result.torn_down_at or max(ends), result, failures,
+    first, last = span if not tests else (None, None)
+    outcome = LaunchOutcome(_end_reason(result, interrupted, failures), first or min(times),
+                            last or result.torn_down_at or max(ends), result, failures,
                             world_size=watchdog.monitor.world_size, command_exit=command_exit)
     return Generation(index, gen.root, outcome, test=tests[0] if tests else None)
 

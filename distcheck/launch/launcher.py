@@ -105,19 +105,34 @@ def _worker_environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+LAUNCHER_LOG = "launcher.log"   # in logs/: what torch's launcher machinery logged in distcheck's own process
+
+
 @contextlib.contextmanager
-def _quiet_elastic() -> Iterator[None]:
-    """torchrun logs every worker failure at ERROR; distcheck reports them itself."""
-    names = ["torch.distributed.elastic"] + [
-        n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic.")]
-    saved = {n: logging.getLogger(n).level for n in names}
-    for n in names:
-        logging.getLogger(n).setLevel(logging.CRITICAL)
+def torch_logs_to(path: Path) -> Iterator[None]:
+    """While a launch runs, torch's own log lines in distcheck's process (torchelastic's agent and
+    rendezvous, ``torch.multiprocessing``'s "Terminating process ... via signal SIGTERM", its event
+    records) go to ``path``, not to the terminal: distcheck reports how the ranks ended itself. The
+    loggers' levels stay; their handlers and propagation are restored afterwards."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter("%(levelname).1s %(asctime)s %(process)d %(name)s] %(message)s"))
+    loggers = [logging.getLogger("torch"), *(
+        logger for name, logger in list(logging.root.manager.loggerDict.items())
+        if isinstance(logger, logging.Logger) and name.startswith("torch") and name != "torch"
+        and (logger.handlers or not logger.propagate))]
+    saved = [(logger, list(logger.handlers), logger.propagate) for logger in loggers]
+    for logger in loggers:
+        if all(isinstance(h, logging.NullHandler) for h in logger.handlers) and logger.handlers:
+            continue   # torchelastic's event records that go nowhere keep going nowhere
+        # one that printed on its own (or, with no handler, through logging's last resort) writes to the log
+        logger.handlers, logger.propagate = [handler], False
     try:
         yield
     finally:
-        for n, level in saved.items():
-            logging.getLogger(n).setLevel(level)
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
 
 
 @contextlib.contextmanager
@@ -371,7 +386,8 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     failures: dict[int, RankFailure] = {}
     exit_codes: dict[int, tuple[int, int]] = {}
     error = None
-    with (_worker_environment(_worker_env(spec)), _quiet_elastic(), _restore_signal_handlers(),
+    with (_worker_environment(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
+          _restore_signal_handlers(),
           _survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
         entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it
         watchdog.start()

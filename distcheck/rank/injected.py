@@ -18,7 +18,8 @@ test, or a pool worker re-initializes under another rank). The ranks of one gene
 agree on its number through their own store (``_generation``), and write into that
 generation's files only (``LaunchFiles.generation``): no file is shared with another
 process, and no record is read with another generation's definitions. The default group's
-``destroy_process_group`` ends the process's generation: "finished", and its tracer stops.
+``destroy_process_group`` ends the process's generation: "finished", and its tracer stops; an
+exception that then escapes the process (nobody handled it) is still that generation's failure.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ LAUNCH_DIR_ENV = "DISTCHECK_LAUNCH_DIR"
 LAUNCHER_PID_ENV = "DISTCHECK_LAUNCHER_PID"
 
 _RUNTIME: Any = None        # worker.RankRuntime of this process's current generation
+# The generation this process ended with destroy_process_group: its work is not over until the process
+# ends it, so an exception that escapes afterwards (a library's clean-up in a ``finally:``) is still its failure.
+_ENDED_RUNTIME: Any = None
 _ENDED = False
 _TRACED_ONCE = False        # worker.trace_rank ran in this process (its one-time hooks are in place)
 # Keys in the job's own store (under torch's "default_pg/" prefix): arrivals count the ranks that
@@ -234,14 +238,14 @@ def _trace_again(files: Any, rank: int, main_thread: int) -> Any:
 def _end_generation() -> None:
     """This process's generation is over: "finished" (unless it failed), and its tracer and sidecar
     write nothing more, so a later generation's calls never land in this generation's trace."""
-    global _RUNTIME
+    global _RUNTIME, _ENDED_RUNTIME
     from distcheck.models import Phase
     from distcheck.rank import worker
 
     runtime = _RUNTIME
     if runtime is None or runtime.status.data.pid != os.getpid():
         return
-    _RUNTIME = None
+    _RUNTIME, _ENDED_RUNTIME = None, runtime
     if runtime.status.data.phase == Phase.RUNNING:
         worker.finish_rank(runtime, {})
     runtime.tracer.uninstall()
@@ -280,11 +284,16 @@ def _ancestors() -> list[int]:
     return out
 
 
-def _record(exc: BaseException, exit_code: int = 1) -> None:
+def _record(exc: BaseException, exit_code: int = 1, uncaught: bool = False) -> None:
+    """The rank's failure. ``uncaught``: an exception that ends the process (nobody handled it); after
+    ``destroy_process_group`` it is still the ended generation's failure, with its line. An exit code
+    chosen after the destroy (a test harness's skip code) is not."""
     from distcheck.models import Phase
     from distcheck.rank import worker
 
     runtime = _RUNTIME
+    if runtime is None and uncaught and not isinstance(exc, KeyboardInterrupt):
+        runtime = _ENDED_RUNTIME
     if runtime is None or runtime.status.data.pid != os.getpid():
         return
     if runtime.status.data.phase == Phase.ERROR:
@@ -299,7 +308,7 @@ def _record(exc: BaseException, exit_code: int = 1) -> None:
 def _recording_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
     def excepthook(exc_type: type, exc: BaseException, tb: Any) -> None:
         try:
-            _record(exc)
+            _record(exc, uncaught=True)
         except Exception as err:   # the user's traceback is printed all the same (rule 0)
             failed(Hook.RANK_END, err)
         previous(exc_type, exc, tb)
@@ -352,7 +361,7 @@ def _recording(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         except Exception as exc:
             try:
-                _record(exc)
+                _record(exc, uncaught=True)
             except Exception as err:   # the rank's own exception goes to spawn unchanged (rule 0)
                 failed(Hook.RANK_END, err)
             raise

@@ -132,8 +132,9 @@ def summary_line(report: Report) -> Text:
     verdict = ("PASS", "bold green") if report.verdict == "pass" else ("FAIL", "bold red")
     if report.nothing_ran:
         verdict = ("NOTHING RAN", "bold yellow")
+    # How the whole run ended, where that is not each line's own story: a person or a limit cut it short.
     ended = report.end_reason
-    extra = f" ({ended.words})" if ended.abnormal and ended is not EndReason.CRASH else ""
+    extra = f" ({ended.words})" if ended in (EndReason.INTERRUPTED, EndReason.TIMEOUT, EndReason.MAX_DURATION) else ""
     tests = [s for s in ran if s.test]
     if tests:
         clean = sum(1 for s in tests if s.ok)
@@ -154,7 +155,7 @@ def summary_line(report: Report) -> Text:
 
 def _shown(result: ScenarioResult) -> str:
     """A script's or command's verdict in the summary line ("train.py: ran clean")."""
-    return f"{script_name(result)}: {script_observed(result)}"
+    return f"{script_name(result)}: {script_observed(result)}{_ending(result)}"
 
 
 def command_output(report: Report) -> Text:
