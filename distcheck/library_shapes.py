@@ -18,12 +18,23 @@ Measured on torch 2.13, gloo (tests/test_rules_ecosystem.py and tests/test_ecosy
   ``all_gather_into_tensor`` issued from C++: no Python call of ``torch.distributed`` is made, so
   its record comes from the group counter and the Flight Recorder (``profiling_name``
   ``gloo:all_gather``), its line from the rank's stack.
+  When gloo aborts the rank inside it (a peer's ``all_gather`` of another size met it), the sidecar
+  has often not recorded it yet: the rank's stack at the abort (faulthandler) still shows DTensor's
+  frames above ``_functional_collectives.wait_tensor``, and the call is the group's next number.
 * **DeviceMesh** dimensions are ordinary process groups, one per mesh dimension a rank belongs to.
+  The groups of one dimension are translates of each other ((2, 2) mesh: "dp" is [0, 2] and [1, 3],
+  "tp" is [0, 1] and [2, 3]), so a group's *pattern* (its members less its lowest) names the
+  dimension on every rank alike: the same program on every rank calls the same patterns in the
+  same order.
+* **On the wire**, gloo runs ``all_gather``, ``all_gather_into_tensor`` and a functional
+  all_gather as one algorithm: calls that differ only in that name pair with each other, and gloo
+  aborts the receiver when their sizes differ. Calls of different algorithms never pair (they wait).
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from distcheck.models import Event
 
@@ -78,3 +89,63 @@ def waits_elsewhere(events: Mapping[int, Event]) -> tuple[dict[int, Event], dict
     if 2 * len(sync) != len(events):
         return None   # one side is a majority: the mismatch names the odd ranks (DDP's extra step vs a barrier)
     return sync, {r: e for r, e in events.items() if r not in sync}
+
+
+# -- functional collectives issued from C++ --------------------------------------
+
+FUNCTIONAL_FILE = "/torch/distributed/_functional_collectives.py"
+
+
+@dataclass(frozen=True)
+class FunctionalCall:
+    """A collective a torch API issued from C++: what the user called, and the collective it runs
+    (None: it depends on what the stack does not show, such as a DTensor's placements)."""
+
+    api: str
+    op: str | None
+
+
+# (file fragment, function) of the torch frame the user called → that API; outermost match wins.
+FUNCTIONAL_APIS: tuple[tuple[str, str, FunctionalCall], ...] = (
+    ("/torch/distributed/tensor/_api.py", "full_tensor", FunctionalCall("DTensor.full_tensor()", "all_gather")),
+    ("/torch/distributed/tensor/_api.py", "redistribute", FunctionalCall("DTensor.redistribute()", None)),
+    ("/torch/distributed/tensor/_api.py", "distribute_tensor", FunctionalCall("distribute_tensor()", None)),
+    (FUNCTIONAL_FILE, "all_gather_tensor", FunctionalCall("funcol.all_gather_tensor()", "all_gather")),
+    (FUNCTIONAL_FILE, "all_reduce", FunctionalCall("funcol.all_reduce()", "all_reduce")),
+    (FUNCTIONAL_FILE, "reduce_scatter_tensor", FunctionalCall("funcol.reduce_scatter_tensor()", "reduce_scatter_tensor")),
+    (FUNCTIONAL_FILE, "all_to_all_single", FunctionalCall("funcol.all_to_all_single()", "all_to_all_single")),
+    (FUNCTIONAL_FILE, "broadcast", FunctionalCall("funcol.broadcast()", "broadcast")),
+)
+
+
+def functional_call_in(frames: Sequence[tuple[str, int, str]]) -> FunctionalCall | None:
+    """The functional collective a thread is inside, from its stack (innermost first: (file, line,
+    function)): a frame of ``_functional_collectives`` (issuing or waiting on it), named by the
+    outermost torch API above it that the user called. None when no functional collective is there."""
+    if not any(FUNCTIONAL_FILE in file for file, _, _ in frames):
+        return None
+    for file, _, fn in reversed(frames):   # outermost first: the API the user called
+        for fragment, name, found in FUNCTIONAL_APIS:
+            if fragment in file and fn == name:
+                return found
+    return FunctionalCall("a functional collective", None)
+
+
+# One algorithm on the wire (gloo), whatever the call's name.
+WIRE_OPS: Mapping[str, str] = {"all_gather_into_tensor": "all_gather",
+                               "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+def wire_op(op: str | None) -> str | None:
+    return WIRE_OPS.get(op, op) if op else op
+
+
+# -- DeviceMesh ------------------------------------------------------------------
+
+
+def group_pattern(members: Sequence[int]) -> tuple[int, ...]:
+    """A group's members less its lowest: the same for every group of one mesh dimension."""
+    if not members:
+        return ()
+    low = min(members)
+    return tuple(sorted(m - low for m in members))

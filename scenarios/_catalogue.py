@@ -166,3 +166,36 @@ def pair_and_world(ctx, dist, pair_first: bool):
         world = dist.new_group(everyone)
         pair = dist.new_group([0, 1])
     return pair, world
+
+
+def dtensor_then_metrics(ctx, gathers: bool) -> None:
+    """A tensor sharded over a DeviceMesh of every rank, gathered back with DTensor's ``full_tensor()`` where
+    ``gathers``, then every rank gathers its metrics with ``all_gather_into_tensor`` (DTensor issues its
+    all_gather from C++: no call of torch.distributed's Python API)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = ctx.world_size
+    mesh = init_device_mesh("cpu", (world,))
+    weights = distribute_tensor(torch.arange(8 * world * 11, dtype=torch.float32).reshape(8 * world, 11), mesh, [Shard(0)])
+    if gathers:
+        full = weights.full_tensor()
+        ctx.check_close("full_tensor", full, torch.arange(8 * world * 11, dtype=torch.float32).reshape(8 * world, 11))
+    metrics = torch.zeros(world * 100)
+    dist.all_gather_into_tensor(metrics, torch.full((100,), float(ctx.rank)))
+
+
+def mesh_steps(ctx, loss_dim_of) -> None:
+    """Two steps on a (2, world / 2) DeviceMesh ("dp", "tp"): the loss all-reduced over ``loss_dim_of(rank)``,
+    then the activations over "tp" (both of one shape, so a group mixed up pairs them silently)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, ctx.world_size // 2), mesh_dim_names=("dp", "tp"))
+    for _ in range(2):
+        loss, act = torch.ones(4), torch.ones(4)
+        dist.all_reduce(loss, group=mesh.get_group(loss_dim_of(ctx.rank)))
+        dist.all_reduce(act, group=mesh.get_group("tp"))

@@ -82,3 +82,55 @@ def test_an_exception_after_end_training_is_the_ranks_own_failure(distcheck, rai
     assert "KeyError: 'learning_rate'" in crash["summary"] and "rank 1 failed the same way" in crash["summary"]
     assert crash["callsite"].startswith(f"{script}:{_line_of(script, 'RAISES')}:")
     assert {d["rank"]: d["state"] for d in s["ranks"]} == {0: "crashed", 1: "crashed"}
+
+
+# -- DTensor's full_tensor() on one rank; a DeviceMesh group mixed up (issue 30, cases d and e) --------
+
+DTENSOR = SCRIPTS / "dtensor_full_tensor.py"
+MESH = SCRIPTS / "devicemesh_mixed_groups.py"
+
+
+@pytest.mark.timeout(200)
+def test_full_tensor_on_one_rank_names_that_rank_the_shape_and_the_full_tensor_line(distcheck):
+    r = distcheck("run", str(DTENSOR), "--nproc-per-node", "3", "--stall-timeout", "10", "--", "--only", "0",
+                  timeout=180)
+    assert r.returncode == 1, r.stdout[-3000:]
+    errors = _errors(r.report)
+    # gloo aborts rank 0 inside DTensor's all_gather, issued from C++ (recorded by the sidecar or known from
+    # rank 0's stack at the abort): paired with the peers' all_gather_into_tensor by the group's number
+    m = errors[0]
+    assert m["kind"] == "mismatch" and m["odd_ranks"] == [0] and not m["tie"] and m["fields"] == ["shape"], m["summary"]
+    lines = {d["rank"]: d["callsite"] for d in m["ranks"]}
+    assert lines[0].startswith(f"{DTENSOR}:{_line_of(DTENSOR, 'FULL')}:"), lines
+    assert all(lines[p].startswith(f"{DTENSOR}:{_line_of(DTENSOR, 'NEXT')}:") for p in (1, 2)), lines
+    assert not any("cannot be told" in f["summary"] for f in errors)
+    assert all(f["data"].get("caused_by", {}).get("seq") == m["seq"] for f in errors if f["kind"] == "crash")
+
+
+@pytest.mark.timeout(200)
+def test_the_rank_that_mixed_up_its_mesh_groups_is_named_before_the_cycle(distcheck):
+    r = distcheck("run", str(MESH), "--nproc-per-node", "4", "--stall-timeout", "10", "--", "--odd", "1",
+                  timeout=180)
+    assert r.returncode == 1, r.stdout[-3000:]
+    errors = _errors(r.report)
+    assert [f["kind"] for f in errors] == ["order", "hang"], [f["summary"] for f in errors]
+    culprit, cycle = errors
+    assert culprit["odd_ranks"] == [1] and culprit["fields"] == ["group"]
+    assert culprit["callsite"].startswith(f"{MESH}:{_line_of(MESH, 'LOSS')}:")
+    assert culprit["data"]["out_of_step"]["group_ranks"] == [0, 1]            # "tp" where it meant "dp"
+    assert culprit["data"]["out_of_step"]["expected_group_ranks"] == [1, 3]
+    assert cycle["waiting_ranks"] == [0, 1, 2, 3] and cycle["data"]["caused_by"]["ranks"] == [1]
+    assert r.report["scenarios"][0]["end_reason"] == "certain_hang"   # named at once, no --stall-timeout
+
+
+@pytest.mark.timeout(260)
+def test_full_tensor_on_every_rank_and_one_mesh_pattern_are_clean_beside_cpu_hogs(distcheck):
+    # the healthy twins, as the catalogue's scenarios: two in one launch
+    with cpu_hogs(2):
+        r = distcheck("run", "dtensor_full_tensor_all_ranks", "devicemesh_same_dimension", "--nproc-per-node", "4",
+                      "--stall-timeout", "30", timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:]
+    scenarios = {s["name"]: s for s in r.report["scenarios"]}
+    assert sorted(scenarios) == ["devicemesh_same_dimension", "dtensor_full_tensor_all_ranks"]
+    for s in scenarios.values():   # a late rank under load may be a straggler warning, never an error
+        assert s["ok"] and not [f["summary"] for f in s["findings"] if f["severity"] == "error"], s["findings"]

@@ -1,14 +1,19 @@
 """Library shapes on hand-built traces: gloo's monitored_barrier, a barrier against a data call, the
-files the user named. Pure: no processes, milliseconds each."""
+files the user named, DTensor's full_tensor() on one rank, a DeviceMesh group mixed up. Pure: no processes, milliseconds each."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from distcheck.diagnose.analyze import RunFacts, analyze
+from distcheck.diagnose.common import group_table
+from distcheck.diagnose.out_of_step import out_of_step_ranks
+from distcheck.diagnose.unrecorded import is_unrecorded, unrecorded_call, with_unrecorded_calls
 from distcheck.files import user_code
 from distcheck.files.stacks import LIBRARY, USER, classify_file, torch_dir
-from distcheck.library_shapes import (monitored_barrier_counts, monitored_barrier_waits_for, waits_elsewhere)
+from distcheck.library_shapes import (functional_call_in, group_pattern, monitored_barrier_counts,
+                                     monitored_barrier_waits_for, wire_op, waits_elsewhere)
 from distcheck.models import Event, RankOutcome
 
 SITE = "/home/u/train.py:{}:main"
@@ -116,3 +121,151 @@ def test_a_folder_that_holds_installed_packages_is_not_user_code():
     import sysconfig
     purelib = sysconfig.get_paths()["purelib"]
     assert user_code.named_paths([purelib, os.path.dirname(purelib)]) == []
+
+
+# -- DTensor's full_tensor() on one rank ---------------------------------------------
+
+TORCH_SITE = "/opt/py/lib/python3.11/site-packages/torch"
+# rank 0's main thread as faulthandler wrote it when gloo aborted it inside full_tensor() (torch 2.13)
+FULL_TENSOR_STACK = f"""Fatal Python error: Aborted
+
+Thread 0x00007f6a9e5146c0 (most recent call first):
+  File "/opt/distcheck/rank/native.py", line 447 in loop
+  File "/opt/py/lib/python3.11/threading.py", line 982 in run
+
+Thread 0x00007f6ac2824b80 (most recent call first):
+  File "{TORCH_SITE}/_ops.py", line 1279 in __call__
+  File "{TORCH_SITE}/distributed/_functional_collectives.py", line 142 in wait_tensor
+  File "{TORCH_SITE}/distributed/_functional_collectives.py", line 1122 in wait
+  File "{TORCH_SITE}/distributed/tensor/_redistribute.py", line 1766 in redistribute_local_tensor
+  File "{TORCH_SITE}/distributed/tensor/_api.py", line 731 in redistribute
+  File "{TORCH_SITE}/distributed/tensor/_api.py", line 774 in full_tensor
+  File "/home/u/train.py", line 30 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+"""
+ABORT = ("[enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 200 vs 176. "
+         "Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?")
+
+
+def test_the_functional_collective_a_stack_is_in_is_named_by_the_api_the_user_called():
+    frames = [(f.split('"')[1], int(f.split("line ")[1].split()[0]), f.rsplit(" in ", 1)[1])
+              for f in FULL_TENSOR_STACK.splitlines() if f.strip().startswith("File") and "torch" in f]
+    found = functional_call_in(frames)
+    assert (found.api, found.op) == ("DTensor.full_tensor()", "all_gather")
+    assert functional_call_in([(f"{TORCH_SITE}/distributed/tensor/_api.py", 774, "full_tensor")]) is None   # no collective
+    assert functional_call_in([(f"{TORCH_SITE}/distributed/_functional_collectives.py", 142, "wait_tensor")]).op is None
+    assert wire_op("all_gather_into_tensor") == wire_op("all_gather") == "all_gather" != wire_op("all_reduce")
+
+
+def _full_tensor_on_rank_0(world: int, *, where: str | None = SITE.format(30)):
+    members = tuple(range(world))
+    traces = {r: [ev(r, 1, members=members, line=26), ev(r, 2, members=members, shapes=((5,),), line=28)]
+              for r in members}
+    for r in members[1:]:   # the peers' metric all_gather, broken off by the abort ("Connection reset by peer")
+        traces[r].append(ev(r, 3, "all_gather_into_tensor", members=members, shapes=((100,),), line=34)
+                         ._replace(error="RuntimeError: Connection reset by peer"))
+    outcomes = {0: RankOutcome(rank=0, state="crashed", signal="SIGABRT", exception=ABORT, stack=FULL_TENSOR_STACK,
+                               last_event=traces[0][-1], where=where)}
+    outcomes |= {r: RankOutcome(rank=r, state="stuck", last_event=traces[r][-1]) for r in members[1:]}
+    return traces, outcomes
+
+
+def test_a_rank_that_died_in_full_tensor_before_its_record_had_it_is_paired_with_its_peers_by_seq():
+    traces, outcomes = _full_tensor_on_rank_0(3, where=None)   # the line from the stack itself
+    e = unrecorded_call(outcomes[0], group_table(traces))
+    assert is_unrecorded(e) and (e.group, e.seq, e.op, e.group_ranks) == ("0", 3, "all_gather", (0, 1, 2))
+    assert e.callsite == "/home/u/train.py:30:<module>" and not e.completed
+    assert with_unrecorded_calls(outcomes, group_table(traces))[1] is outcomes[1]   # peers untouched
+    # a crash inside a recorded call, or a stack outside any functional collective: nothing inferred
+    inside = dataclasses.replace(outcomes[0], last_event=traces[0][-1]._replace(t_exit=None))
+    assert unrecorded_call(inside, group_table(traces)) is None
+    assert unrecorded_call(dataclasses.replace(outcomes[0], stack="Fatal Python error: Aborted\n"), group_table(traces)) is None
+
+
+def test_full_tensor_on_one_rank_aborted_by_gloo_names_that_rank_the_shape_and_its_line():
+    traces, outcomes = _full_tensor_on_rank_0(3)
+    found = analyze(traces, outcomes, RunFacts(world_size=3, end_reason="crash"))
+    errors = [f for f in found if f.severity == "error"]
+    assert [f.kind for f in errors] == ["mismatch", "crash"]   # the cause first
+    m, crash = errors
+    assert m.odd_ranks == (0,) and not m.tie and m.fields == ("shape",)   # all_gather against all_gather: the size
+    assert (m.group, m.seq, m.op, m.callsite) == ("0", 3, "all_gather_into_tensor", SITE.format(34))
+    lines = {d.rank: d.callsite for d in m.ranks}
+    assert lines == {0: SITE.format(30), 1: SITE.format(34), 2: SITE.format(34)}
+    assert "DTensor.full_tensor()" in m.summary and "train.py:30" in m.summary and "train.py:34" in m.summary
+    assert "cannot be told" not in m.summary
+    assert crash.data["caused_by"]["seq"] == 3 and "most likely a consequence" in crash.summary
+
+
+def test_full_tensor_on_one_of_two_ranks_is_a_tie():
+    traces, outcomes = _full_tensor_on_rank_0(2)
+    [m] = [f for f in analyze(traces, outcomes, RunFacts(world_size=2, end_reason="crash")) if f.kind == "mismatch"]
+    assert m.tie and m.odd_ranks == () and {d.rank: d.callsite for d in m.ranks}[0] == SITE.format(30)
+
+
+def test_full_tensor_recorded_by_the_sidecar_against_an_all_reduce_is_an_op_and_shape_mismatch():
+    members = (0, 1, 2)
+    traces = {r: [ev(r, 1, members=members)] for r in members}
+    traces[0].append(ev(0, 2, "all_gather", members=members, shapes=((8, 11),), line=30, done=False,
+                        label="DTensor all_gather")._replace(native=True, reduce_op=None, device=None))
+    for r in (1, 2):
+        traces[r].append(ev(r, 2, members=members, shapes=((300,),), line=34, done=False))
+    [m] = [f for f in stalled(traces) if f.severity == "error"]
+    assert m.kind == "mismatch" and m.odd_ranks == (0,) and set(m.fields) == {"op", "shape"}
+    assert {d.rank: d.callsite for d in m.ranks}[0] == SITE.format(30)
+
+
+# -- a DeviceMesh group mixed up ---------------------------------------------------
+
+DP, TP = {0: ("1", (0, 2)), 2: ("1", (0, 2)), 1: ("2", (1, 3)), 3: ("2", (1, 3))}, \
+    {0: ("3", (0, 1)), 1: ("3", (0, 1)), 2: ("4", (2, 3)), 3: ("4", (2, 3))}
+LOSS, ACT = 24, 25
+
+
+def mesh_ev(rank: int, dim: dict, seq: int, line: int, done: bool = True) -> Event:
+    group, members = dim[rank]
+    return ev(rank, seq, members=members, line=line, done=done)._replace(group=group)
+
+
+def _mesh_traces(odd: int | None) -> dict[int, list[Event]]:
+    """Each rank: loss over dp, then activations over tp, two steps; ``odd`` takes tp for its loss. Each
+    trace ends where the real run's ranks ended (tests/scripts/ecosystem/devicemesh_mixed_groups.py)."""
+    if odd is None:
+        return {r: [mesh_ev(r, DP, 1, LOSS), mesh_ev(r, TP, 1, ACT), mesh_ev(r, DP, 2, LOSS), mesh_ev(r, TP, 2, ACT)]
+                for r in range(4)}
+    assert odd == 1
+    return {0: [mesh_ev(0, DP, 1, LOSS), mesh_ev(0, TP, 1, ACT), mesh_ev(0, DP, 2, LOSS, done=False)],
+            1: [mesh_ev(1, TP, 1, LOSS), mesh_ev(1, TP, 2, ACT, done=False)],
+            2: [mesh_ev(2, DP, 1, LOSS), mesh_ev(2, TP, 1, ACT, done=False)],
+            3: [mesh_ev(3, DP, 1, LOSS, done=False)]}
+
+
+def test_a_mesh_dimension_is_one_pattern_on_every_rank():
+    assert group_pattern((0, 2)) == group_pattern((1, 3)) == (0, 2) != group_pattern((2, 3))
+    assert group_pattern(()) == ()
+
+
+def test_the_rank_that_used_the_wrong_mesh_dimension_is_named_before_the_cycle():
+    traces = _mesh_traces(odd=1)
+    assert out_of_step_ranks(traces) == {1: (0, [0, 3])}
+    errors = [f for f in stalled(traces) if f.severity == "error"]
+    assert [f.kind for f in errors] == ["order", "hang"]
+    culprit, cycle = errors
+    assert culprit.odd_ranks == (1,) and culprit.callsite == SITE.format(LOSS) and culprit.fields == ("group",)
+    assert (culprit.group, culprit.seq) == ("3", 1) and culprit.data["out_of_step"]["expected_group"] == "2"
+    assert "Rank 1" in culprit.summary and "train.py:24" in culprit.summary
+    assert cycle.waiting_ranks == (0, 1, 2, 3) and cycle.data["caused_by"]["ranks"] == [1]
+
+
+def test_ranks_that_follow_one_mesh_pattern_have_no_rank_out_of_step():
+    assert out_of_step_ranks(_mesh_traces(odd=None)) == {}
+    outcomes = {r: RankOutcome(rank=r, state="finished", phase="finished") for r in range(4)}
+    assert [f for f in analyze(_mesh_traces(odd=None), outcomes, RunFacts(world_size=4)) if f.severity == "error"] == []
+
+
+def test_a_symmetric_cycle_has_no_rank_out_of_step():
+    # two ranks, each in the other's group first: either could be the odd one, so neither is named
+    a, b = ("1", (0, 1)), ("2", (0, 1))
+    traces = {0: [ev(0, 1, members=a[1], done=False)._replace(group=a[0])],
+              1: [ev(1, 1, members=b[1], done=False)._replace(group=b[0])]}
+    assert out_of_step_ranks(traces) == {}

@@ -18,6 +18,8 @@ from distcheck.diagnose.metrics import find_metric_results
 from distcheck.diagnose.hang import find_hangs, find_startup_hang, find_timeout
 from distcheck.diagnose.mismatch import find_mismatches
 from distcheck.diagnose.numeric import explain_numbers, find_numeric
+from distcheck.diagnose.out_of_step import caused_by_out_of_step, find_out_of_step
+from distcheck.diagnose.unrecorded import with_unrecorded_calls
 from distcheck.diagnose.coverage import find_coverage_gaps
 from distcheck.diagnose.straggler import find_late_arrivals, find_stragglers
 from distcheck.models import Event, Finding, RankOutcome, RankState
@@ -38,11 +40,15 @@ def analyze(
     mismatch is the root cause, the dead or stuck rank its consequence.
     """
     table = group_table(traces)
+    outcomes = with_unrecorded_calls(outcomes, table)   # a C++-issued call a rank died in before its record had it
     mismatches = find_mismatches(table)
     mismatches += find_backend_mismatches(outcomes, traces, mismatches)   # gloo's words, where fingerprints say nothing
     crashes = find_crashes(outcomes, facts, mismatches) or find_command_failure(facts)
     hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
     hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
+    out_of_step = find_out_of_step(traces, hangs)   # the rank that broke its groups' pattern, before its cycle
+    hangs = caused_by_out_of_step(hangs, out_of_step)
+    mismatches += out_of_step
     counts = find_count_differences(table, facts, explained=bool(crashes or hangs or facts.end_reason in ABNORMAL_ENDS),
                                     outcomes=outcomes)
     timeout = find_timeout(outcomes, facts, crashes + hangs)

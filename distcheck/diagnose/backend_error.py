@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from distcheck.diagnose.common import call, detail
+from distcheck.diagnose.unrecorded import is_unrecorded, unrecorded_finding
 from distcheck.models import Event, Finding, RankDetail, RankOutcome
 from distcheck.text import rank_list, site
 
@@ -107,6 +108,8 @@ def _finding(found: list[tuple[SizeAbort, Event | None]], traces: Mapping[int, S
     receivers = [a.rank for a, _ in found]
     a, inside = found[0]
     senders = _senders(receivers, inside, traces)
+    if is_unrecorded(inside):   # a C++-issued call only the aborted rank's stack knew (diagnose.unrecorded)
+        return unrecorded_finding(inside, {x.rank: (x.received, x.expected) for x, _ in found}, senders, a.words, a.text)
     odd, tie = _blame(senders, a.received, receivers, inside is not None and not inside.is_p2p)
     where = f"inside {call(inside)} at {site(inside.callsite)}" if inside else "outside any recorded call"
     got = "; ".join(f"rank {x.rank} received {x.received} bytes where it expected {x.expected}" for x, _ in found)

@@ -154,6 +154,8 @@ def contradicts(f: Finding, outcomes: Mapping[int, RankOutcome]) -> bool:
     it had finished, or it was stuck in another call."""
     if f.kind != "hang" or f.seq is None:
         return False
+    # a cycle puts each rank in its own part's call
+    parts = {r: (p.get("group"), p.get("seq"), p.get("op")) for p in f.data.get("cycle") or () for r in p.get("ranks", ())}
     for r in f.waiting_ranks:
         o = outcomes.get(r)
         if o is None:
@@ -161,7 +163,7 @@ def contradicts(f: Finding, outcomes: Mapping[int, RankOutcome]) -> bool:
         if o.state == RankState.FINISHED:
             return True
         e = o.last_event
-        if o.state == RankState.STUCK and e is not None and (e.group, e.seq, e.op) != (f.group, f.seq, f.op):
+        if o.state == RankState.STUCK and e is not None and (e.group, e.seq, e.op) != parts.get(r, (f.group, f.seq, f.op)):
             return True
     return False
 

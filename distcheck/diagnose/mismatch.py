@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from distcheck.diagnose.common import Table, detail, majority, who
 from distcheck.diagnose.order import crossing_finding
 from distcheck.diagnose.splits import broken_pairs, odd_side, splits_finding
-from distcheck.library_shapes import waits_elsewhere
+from distcheck.library_shapes import waits_elsewhere, wire_op
 from distcheck.models import JOIN_LABEL, UNKNOWN_OP, Event, Finding
 from distcheck.text import field_value, plural, rank_list
 
@@ -71,8 +71,8 @@ def _signature(e: Event, members: tuple[int, ...], gid: _GroupIds | None = None,
     """The compared fields; ``blur`` drops what a C++-issued call's record cannot know (reduce op,
     device, root), so a Python call and a C++ one are compared on op, shapes, dtypes and group only."""
     group = e.group_ranks or members
-    if blur:
-        return (e.op, None, e.shapes, e.dtypes, None, None, gid(group) if gid else group, None)
+    if blur:   # a C++ call is named by its algorithm (funcol's all_gather is gloo's allgather, as all_gather_into_tensor)
+        return (wire_op(e.op), None, e.shapes, e.dtypes, None, None, gid(group) if gid else group, None)
     return (e.op, e.reduce_op, e.shapes, e.dtypes, e.device, e.root, gid(group) if gid else group, e.members)
 
 
