@@ -174,10 +174,14 @@ def test_the_quick_start_prints_no_torch_log_line(distcheck):
     assert "ddp_uneven_inputs  expected hang, observed hang (ended at a certain hang)" in run.stdout
 
 
-def test_a_rank_that_leaves_early_is_named_with_its_exit_line(distcheck):
+@pytest.mark.parametrize("form", ["script", "command"])
+def test_a_rank_that_leaves_early_is_named_with_its_exit_line(distcheck, form):
+    """``distcheck run early_exit.py`` and ``distcheck run -- torchrun ... early_exit.py`` alike."""
     early = SCRIPTS / "early_exit.py"
     line = next(i for i, text in enumerate(early.read_text().splitlines(), 1) if "sys.exit" in text)
-    run = distcheck("run", str(early), "--nproc-per-node", "2", "--stall-timeout", "5", timeout=120)
+    how = [str(early), "--nproc-per-node", "2"] if form == "script" else \
+        ["--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(early)]
+    run = distcheck("run", "--stall-timeout", "5", *how, timeout=120)
     assert run.returncode == 1, run.stdout[-3000:]
     hang = next(f for f in run.report["scenarios"][0]["findings"] if f["kind"] == "hang")
     assert "rank 1" in hang["summary"] and f"early_exit.py:{line}" in hang["summary"], hang["summary"]

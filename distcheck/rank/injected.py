@@ -328,6 +328,11 @@ def _recording_exit(previous: Callable[..., Any]) -> Callable[..., Any]:
                 handled = sys.exc_info()[1]
                 _record(handled if handled is not None else SystemExit(code),
                         exit_code=code if isinstance(code, int) else 1)
+            elif _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
+                # a clean exit mid-job: where its work ended, for a hang its peers then show (rank.exit_site)
+                from distcheck.rank.exit_site import exit_site_of_caller
+
+                _RUNTIME.status.update(where=exit_site_of_caller(sys._getframe(1)))
         except Exception as exc:   # never keep the process from exiting as it asked (rule 0)
             failed(Hook.RANK_END, exc)
         previous(code)
