@@ -156,7 +156,8 @@ class MetricRecorder:
             entry = self.entries.get(id(obj))
             if entry is not None and entry.obj is obj and not entry.info["note"]:
                 message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                entry.info["note"] = f"distcheck could not record one of its calls ({type(exc).__name__}: {message})"[:300]
+                why = f"{type(exc).__name__}: {message}"
+                entry.info["note"] = f"distcheck could not record one of its calls ({why})"[:300]
         except Exception:   # counted above; nothing more to do
             pass
 
