@@ -93,6 +93,18 @@ def test_a_failing_rank_end_hook_lets_the_users_exception_through_unchanged(monk
     assert seen == [(KeyError, error, None)]      # the previous excepthook still prints the user's error
     assert guard.failures()["rank_end"]["count"] == 2
 
+    # sys.exit: a rank's status that cannot be written (a clean exit notes its line, a failing one its failure)
+    class FailingStatus:
+        data = type("Data", (), {"pid": os.getpid()})()
+        update = staticmethod(planted)
+
+    monkeypatch.setattr(injected, "_RUNTIME", type("Runtime", (), {"status": FailingStatus()})())
+    exits = []
+    for code in (0, 3):
+        injected._recording_exit(exits.append)(code)
+    assert exits == [0, 3]                        # the exit the user asked for, each time
+    assert guard.failures()["rank_end"]["count"] == 4
+
 
 def test_a_failing_post_import_hook_leaves_the_users_import_as_it_was():
     """The hooks that patch torchmetrics and Lightning run right after their import: failing, the import
@@ -247,14 +259,15 @@ def test_a_failing_flight_recorder_sidecar_thread_is_counted_and_prints_nothing(
 def test_failing_exit_site_and_fork_hooks_change_nothing_and_are_counted(tmp_path, monkeypatch, capfd):
     """Where a rank called sys.exit (read from its SystemExit), and the tracer's hook in a forked child."""
     from distcheck.rank import callsite
-    from distcheck.rank.exit_site import exit_site
+    from distcheck.rank.exit_site import exit_site, exit_site_of_caller
 
     monkeypatch.setattr(callsite, "classify_file", planted)
     try:
         sys.exit(4)
     except SystemExit as exc:
         assert exit_site(exc) is None and exc.code == 4
-    assert guard.failures()["rank_end"] == {"count": 1, "error": "Planted: planted"}
+    assert exit_site_of_caller(sys._getframe()) is None
+    assert guard.failures()["rank_end"] == {"count": 2, "error": "Planted: planted"}
 
     tracer = Tracer(tmp_path / "rank0.trace", 0)
     tracer._after_fork = planted
