@@ -60,6 +60,11 @@ def test_every_view_names_an_end_the_same_way(end, tmp_path):
         assert end.words in failed.text
     (tmp_path / "report.json").write_text(json.dumps(saved))
     assert runs_table.ended(summarize(tmp_path)) == end.words
+    from distcheck.report import chrome_trace, html_timeline
+
+    assert f"ended: {end.words}" in html_timeline.render(report, {})
+    if end is not EndReason.MAX_DURATION:
+        assert f"train.py: hang ({end.words})" in chrome_trace.render(report, {})
 
 
 def test_a_script_is_judged_as_a_script_in_junit_too():

@@ -16,6 +16,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from distcheck.models import Event, Report
+from distcheck.report.words import verdict
 from distcheck.report.timeline import ScenarioTimeline, build_all
 
 # chrome://tracing's reserved colour names (Perfetto picks its own colours by name)
@@ -46,7 +47,7 @@ def _slice_args(tl: ScenarioTimeline, s) -> dict[str, Any]:
 def _scenario_events(pid: int, tl: ScenarioTimeline, base: float) -> list[dict[str, Any]]:
     r = tl.result
     shift = tl.origin - base
-    title = f"{r.name}: expected {'+'.join(r.expected) or 'pass'}, observed {'+'.join(r.observed) or 'pass'}"
+    title = verdict(r) if r.script else f"{r.name}: {verdict(r)}"   # a script as a script (report.words)
     out: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "ts": 0, "args": {"name": title}},
         {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "ts": 0, "args": {"sort_index": pid}},

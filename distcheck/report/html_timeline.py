@@ -17,7 +17,8 @@ from html import escape
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from distcheck.models import Event, Report, ScenarioResult
+from distcheck.models import EndReason, Event, Report, ScenarioResult
+from distcheck.report.words import verdict
 from distcheck.text import short_path
 from distcheck.torch_features import describe
 from distcheck.report.timeline import Marker, ScenarioTimeline, Slice, build_all, zoom
@@ -313,15 +314,13 @@ def _badge(result: ScenarioResult) -> str:
 
 
 def _scenario(tl: ScenarioTimeline | None, result: ScenarioResult) -> str:
-    expected = "+".join(result.expected) or "pass"
-    observed = "+".join(result.observed) or "pass"
     parts = [f'<section class="scenario" id="{escape(result.name)}">',
              f"<h2>{_badge(result)} {escape(result.name)}</h2>"]
     if result.skipped:
         parts.append(f'<div class="desc">skipped: {escape(result.skipped)}</div></section>')
         return "\n".join(parts)
-    parts.append(f'<div class="meta">expected <b>{escape(expected)}</b>, observed <b>{escape(observed)}</b> · '
-                 f"ended: {escape(result.end_reason)} · {result.duration_s:.1f} s · "
+    parts.append(f'<div class="meta"><b>{escape(verdict(result))}</b> · '   # a script as a script (report.words)
+                 f"ended: {escape(EndReason.of(result.end_reason).words)} · {result.duration_s:.1f} s · "
                  f"{len(result.ranks)} ranks · source {escape(short_path(result.source))}</div>")
     if result.description:
         parts.append(f'<div class="desc">{escape(result.description)}</div>')

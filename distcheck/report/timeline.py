@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from distcheck.models import Event, Finding, Report, ScenarioResult
+from distcheck.models import EndReason, Event, Finding, Report, ScenarioResult
 from distcheck.text import id_list
 
 FULL_CALLS = 400      # a lane with at most this many calls is drawn whole
@@ -267,12 +267,12 @@ def _end_marker(result: ScenarioResult, origin: float) -> tuple[list[Marker], tu
     """How the launch ended, and the stall window (seconds from the origin) when there was one."""
     if result.stall_onset is not None and result.detected_at is not None:
         stall = (result.stall_onset - origin, result.detected_at - origin)
-        what = {"stall": "stall detected", "timeout": "--timeout reached",
-                "max_duration": "--max-duration reached"}.get(result.end_reason, result.end_reason)
+        what = EndReason.of(result.end_reason).words   # as every view says it
         return [Marker(kind="stall", t=stall[1],
                        text=f"{what} after {result.detected_at - result.stall_onset:.1f} s without progress")], stall
     if result.ended_at is not None:
-        return [Marker(kind="end", t=result.ended_at - origin, text=f"launch ended ({result.end_reason})")], None
+        return [Marker(kind="end", t=result.ended_at - origin,
+                       text=f"launch ended ({EndReason.of(result.end_reason).words})")], None
     return [], None
 
 
