@@ -107,9 +107,9 @@ def unrecorded_finding(inside: Event, receivers: Mapping[int, tuple[int, int]], 
                  f"(shape {field_value('shape', peer_side.shapes)})")
     mine = (f"{_api(inside)} on rank {inside.rank} at {site(inside.callsite)} issued "
             f"{'an ' + inside.op if inside.op != '?' else 'a collective'} from C++ as #{inside.seq} (group {inside.group})")
-    blame = (f"rank {inside.rank} is the one out of step: its peers agree on their call" if odd else
-             "no side has a majority (a tie), so the records cannot say which side is out of step")
-    summary = (f"{mine}, where {peer_text}: {blame}, and the buffers differ in size — gloo aborted "
+    blame = (f"Rank {inside.rank} is out of step (its peers agree on their call)" if odd else
+             "No side has a majority (a tie), so the records cannot say which side is out of step")
+    summary = (f"{mine}, where {peer_text}. {blame}, and the buffers differ in size: gloo aborted "
                f"{rank_list(receivers)} ({got}: \"{words}\"). Call {_api(inside)} on every rank of its mesh, "
                f"or on none.")
     role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
