@@ -108,6 +108,7 @@ def test_a_rank_busy_past_the_busy_timeout_is_a_hang_naming_its_busy_line(distch
     assert hang["waiting_ranks"] == [1] and hang["absent_ranks"] == [0]
     assert 5 - 0.5 <= hang["detected_after_s"] <= 5 + 2
     assert f"late_rank0.py:{line_of(script, 'BUSY')}" in hang["summary"]
+    assert only(r.report)["end_reason"] == "busy_timeout" and "(ended by --busy-timeout)" in r.stdout   # its own end
 
 
 def test_the_object_count_is_compared_and_the_sender_is_the_odd_one(distcheck):
