@@ -382,7 +382,8 @@ def run_batch(unit: list[ScenarioSpec], options: RunOptions, run_dir: Path, batc
 
 def skipped_result(spec: ScenarioSpec, reason: str) -> ScenarioResult:
     return ScenarioResult(name=spec.name, source=spec.file, expected=spec.expect, observed=(), ok=True,
-                          duration_s=0.0, skipped=reason, description=spec.description, end_reason=EndReason.NOTHING_RAN)
+                          duration_s=0.0, skipped=reason, description=spec.description,
+                          end_reason=EndReason.NOTHING_RAN)
 
 
 def run_info(options: RunOptions, run_dir: Path, started: float, command_output: str | None = None) -> RunInfo:

@@ -181,7 +181,8 @@ def test_a_rank_making_progress_without_cpu_is_late_until_the_busy_timeout():
     assert d.observe(30.0, ranks(r0=downloading, r1=WAITING)) is Decision.CONTINUE
     assert d.waiting_for_late(30.0, ranks(r0=downloading, r1=WAITING)) == [0]
     assert d.observe(60.0, ranks(r0=downloading, r1=WAITING)) is Decision.BUSY_TIMEOUT   # its own end reason
-    assert Decision.BUSY_TIMEOUT.end_reason is EndReason.BUSY_TIMEOUT and Decision.DEADLOCK.end_reason is EndReason.CERTAIN_HANG
+    assert Decision.BUSY_TIMEOUT.end_reason is EndReason.BUSY_TIMEOUT
+    assert Decision.DEADLOCK.end_reason is EndReason.CERTAIN_HANG
 
 
 def test_a_rank_that_stopped_making_progress_is_stuck_a_stall_timeout_later():

@@ -450,7 +450,8 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
     ended = time.time()
     watched = sorted(watch.watchdogs.items())
     generations = tuple(_generation_outcome(files, i, w, interrupted, guard.returncode, started,
-                                            span=(started if n == 0 else None, ended if n == len(watched) - 1 else None))
+                                            span=(started if n == 0 else None,
+                                                  ended if n == len(watched) - 1 else None))
                         for n, (i, w) in enumerate(watched))
     if not generations and interrupted:
         raise KeyboardInterrupt   # before any rank: nothing to judge, but the run was still interrupted

@@ -127,7 +127,8 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
     skipped = len(report.scenarios) - len(ran)
     attrs = {
         "name": suite_name, "errors": str(errors + cut_short), "failures": str(failures), "skipped": str(skipped),
-        "tests": str(len(report.scenarios) + cut_short + nothing_ran), "time": f"{run.duration_s:.3f}", "timestamp": run.started_at,
+        "tests": str(len(report.scenarios) + cut_short + nothing_ran), "time": f"{run.duration_s:.3f}",
+        "timestamp": run.started_at,
         "hostname": _x(run.hostname or "unknown"),
     }
     root = ET.Element("testsuites", {"name": "distcheck"})
