@@ -50,7 +50,7 @@ def test_every_view_names_an_end_the_same_way(end, tmp_path):
     report = _report(result, interrupted=end is EndReason.INTERRUPTED)
     assert end.words in terminal.scenario_line(result).plain
     assert end.words in terminal.scenario_line(dataclasses.replace(result, script=False)).plain   # a scenario
-    assert end.words in terminal.summary_line(report).plain
+    assert terminal.summary_line(report).plain.count(end.words) == 1
     saved = json.loads(json_report.render(report))
     assert saved["end_reason"] == saved["scenarios"][0]["end_reason"] == end.value
     xml = ET.fromstring(junit.render(report))

@@ -145,7 +145,8 @@ def summary_line(report: Report) -> Text:
     else:
         counts = f"  {ok}/{len(ran)} scenarios behaved as expected"
     return Text.assemble(
-        command_output(report), verdict, counts, f", {skipped} skipped" if skipped else "", extra,
+        command_output(report), verdict, counts, f", {skipped} skipped" if skipped else "",
+        "" if extra and counts.endswith(extra) else extra,   # a script's own line already says it
         (f"  · {report.run.backend} × {report.run.world_size} ranks · {report.run.duration_s:.1f} s", "dim"),
         (f"\n      run dir: {short_path(report.run.run_dir)}", "dim"),
         (f"\n      {torch_line}" if (torch_line := describe(report.run.torch_version, report.run.torch_features))
