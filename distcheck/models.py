@@ -445,13 +445,16 @@ class Report:
 
     @property
     def end_reason(self) -> EndReason:
-        """How the run ended: interrupted, nothing ran, else the most telling of its launches' ends."""
+        """How the run ended: interrupted, nothing ran, cut short by --timeout (it stops the run), else its one
+        launch's end; a run of several launches that went through them all completed (each has its own)."""
         if self.interrupted:
             return EndReason.INTERRUPTED
         if self.nothing_ran:
             return EndReason.NOTHING_RAN
         ends = [EndReason.of(s.end_reason) for s in self.scenarios if not s.skipped]
-        return min(ends, key=lambda e: e.priority, default=EndReason.COMPLETED)
+        if EndReason.TIMEOUT in ends:
+            return EndReason.TIMEOUT
+        return ends[0] if len(ends) == 1 else EndReason.COMPLETED
 
     def to_dict(self) -> dict[str, Any]:
         return {
