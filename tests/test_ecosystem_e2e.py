@@ -134,3 +134,48 @@ def test_full_tensor_on_every_rank_and_one_mesh_pattern_are_clean_beside_cpu_hog
     assert sorted(scenarios) == ["devicemesh_same_dimension", "dtensor_full_tensor_all_ranks"]
     for s in scenarios.values():   # a late rank under load may be a straggler warning, never an error
         assert s["ok"] and not [f["summary"] for f in s["findings"] if f["severity"] == "error"], s["findings"]
+
+
+# -- torch.distributed.pipelining: P2P waits on the schedule's handles ---------------------------------------
+
+PIPELINE_LINES = {0: "FIRST-STAGE", 1: "MIDDLE-STAGE", 2: "LAST-STAGE"}
+
+
+def test_a_pipeline_whose_middle_stage_splits_the_batch_differently_is_a_certain_hang_at_schedule_step(distcheck):
+    """ScheduleGPipe on 3 gloo ranks, the middle stage with 4 microbatches where its neighbours have 2: every
+    rank ends blocked in ``work.wait()`` on a P2P handle. Named as certain, long before the stall timeout,
+    at each rank's ``schedule.step(...)`` line (the P2P is the library's)."""
+    script = SCRIPTS / "pipeline_microbatches_mismatch.py"
+    r = distcheck("run", str(script), "--nproc-per-node", "3", "--stall-timeout", "120", timeout=240)
+    assert r.returncode == 1, r.stdout[-3000:]
+    [s] = r.report["scenarios"]
+    assert s["end_reason"] == "certain_hang" and s["duration_s"] < 60, (s["end_reason"], s["duration_s"])
+    states = {d["rank"]: d["state"] for d in s["ranks"]}
+    # the cycle is certain once stages 0 and 1 wait in it; the last stage may still be on its way to its wait
+    assert states[0] == states[1] == "stuck" and states[2] in ("stuck", "running"), states
+    errors = _errors(r.report)
+    assert errors and all(f["kind"] == "hang" for f in errors), [f["summary"] for f in errors]
+    cycle = errors[0]
+    assert cycle["waiting_ranks"] == [0, 1] and cycle["data"]["evidence"].startswith("certain:"), cycle["summary"]
+    named = {}
+    for f in errors:
+        for d in f["ranks"]:
+            if d.get("callsite"):
+                named[d["rank"]] = (d["op"], d["callsite"])
+    # the last stage too, once it waits in its backward send to the middle one
+    assert set(named) == ({0, 1, 2} if states[2] == "stuck" else {0, 1}), (named, states)
+    for rank, (op, callsite) in named.items():
+        assert op in ("isend", "irecv") and callsite.startswith(f"{script}:{_line_of(script, PIPELINE_LINES[rank])}:")
+
+
+@pytest.mark.parametrize("hogs", [0, 4], ids=["quiet", "beside-cpu-hogs"])
+def test_a_pipeline_whose_stages_agree_on_microbatches_runs_clean(distcheck, hogs):
+    """The healthy twin: ranks wait on each other's P2P handles all the time while their peers compute; no
+    verdict on a wait whose peer can still post the matching op, on a quiet or a loaded node."""
+    with cpu_hogs(hogs):
+        r = distcheck("run", str(SCRIPTS / "pipeline_gpipe.py"), "--nproc-per-node", "3", "--stall-timeout", "20",
+                      timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert _errors(r.report) == []
+    [s] = r.report["scenarios"]
+    assert s["end_reason"] not in ("certain_hang", "stall"), s["end_reason"]

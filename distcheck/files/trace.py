@@ -13,6 +13,12 @@ knows it and waits or stops there:
     T  w0 = 3 | length << 8                    w1, w2 = the first 16 bytes of a text record
     C  w0 = 4 | index << 8                     w1, w2 = its next 16 bytes
     Y  w0 = 5 | flags << 8                     w1 = t_sync_ns       w2 = a digest of the main thread's stack
+    W  w0 = 6 | phase << 8 (0 in, 1 out)       w1 = call key        w2 = t_ns
+
+W records are a wait on an async call's handle (``work.wait()`` on what ``isend``, ``irecv`` or
+``batch_isend_irecv`` returned): the call key is the async call's own, whose E and X records came
+before (the call returned at once), ``in`` is written before the wait starts and ``out`` when it
+returns or raises. A rank between the two is blocked in that call, as in a blocking one.
 
 The Y (sync) record has one fixed place, the third slot, right after the
 version record, and is overwritten in place; every other record is appended.
@@ -86,7 +92,8 @@ NONE = "-"
 SLOT = 32
 SLOT_STRUCT = struct.Struct("<4Q")
 CHECK = 0x5D1C_7A3B_9E1F_4C65
-TAG_E, TAG_X, TAG_T, TAG_C, TAG_Y = 1, 2, 3, 4, 5
+TAG_E, TAG_X, TAG_T, TAG_C, TAG_Y, TAG_W = 1, 2, 3, 4, 5, 6
+WAIT_IN, WAIT_OUT = TAG_W, TAG_W | 1 << 8   # w0 of a W record: the wait began / ended
 SYNC_OFFSET = 2 * SLOT             # the Y record's fixed place: after the version record (a T and a C slot)
 SYNC_RECORDER = 1                  # a Y flag: C++-issued calls are watched (the Flight Recorder is readable)
 X_OK = TAG_X                       # w0 of an X record without an error
@@ -99,7 +106,7 @@ NATIVE = "n"                       # F's kind for a call issued from C++
 F_FIELDS = 12
 MAX_FIELD_CHARS = 1000
 MAX_ERROR_CHARS = 300
-VERSION_LINE = b"V\tdistcheck-trace\t4\n"
+VERSION_LINE = b"V\tdistcheck-trace\t5\n"
 _LITTLE = sys.byteorder == "little"
 
 
@@ -125,6 +132,12 @@ def enter_slot(group_id: int, fp_id: int, seq: int, t_enter_ns: int) -> bytes:
 
 def exit_slot(key: int, t_exit_ns: int, error_id: int = 0) -> bytes:
     return slot(TAG_X | error_id << 8, key, t_exit_ns)
+
+
+def wait_slots(keys: Iterable[int], t_ns: int, out: bool) -> bytes:
+    """W records: the rank begins (``out`` False) or ends waiting on the handles of these async calls."""
+    w0 = WAIT_OUT if out else WAIT_IN
+    return b"".join(SLOT_STRUCT.pack(w0, key, t_ns, w0 ^ key ^ t_ns ^ CHECK) for key in keys)
 
 
 def sync_slot(t_sync_ns: int, stack_digest: int, recorder: bool) -> bytes:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from distcheck.files.trace import (SEQ_MASK, SHARED_NATIVE, SLOT, TAG_C, TAG_E, TAG_T, TAG_X, TAG_Y, VERSION_LINE,
-                                   X_OK, Tables, Text, first_bad, slot_words, text_at, text_slots, used_bytes)
+from distcheck.files.trace import (SEQ_MASK, SHARED_ASYNC, SHARED_NATIVE, SLOT, TAG_C, TAG_E, TAG_T, TAG_X, TAG_Y,
+                                   VERSION_LINE, WAIT_IN, WAIT_OUT, X_OK, Tables, Text, first_bad, slot_words, text_at,
+                                   text_slots, used_bytes)
 from distcheck.models import Event
 
 
@@ -33,7 +34,11 @@ class RankTrace:
 
 
 def parse_trace(rank: int, data: bytes) -> RankTrace:
-    """Parse a whole trace file. Tolerates a torn last record and records it cannot resolve."""
+    """Parse a whole trace file. Tolerates a torn last record and records it cannot resolve.
+
+    An async call (``isend``, ``irecv``, a ``batch_isend_irecv`` op) whose handle the rank was still waiting
+    on when its trace ends (a W record in, none out) is read as a blocking call it entered when that wait
+    began and never left, the rank's newest call: that is where the rank is blocked."""
     trace = RankTrace(rank=rank)
     used = used_bytes(data)
     n = used // SLOT
@@ -80,6 +85,7 @@ class _Parse:
         self.enters: list[tuple] = []
         self.exits: dict[int, int] = {}
         self.errors: dict[int, str] = {}
+        self.waiting: dict[int, int] = {}   # call key -> when the rank began waiting on its handle, not done yet
 
     def run(self, W0: array, W1: array, W2: array) -> None:
         tables, exits, enters = self.tables, self.exits, self.enters
@@ -104,6 +110,10 @@ class _Parse:
             elif tag == TAG_X:
                 exits[w1] = w2
                 self.errors[w1] = tables.errors.get(w0 >> 8, "error")
+            elif w0 == WAIT_IN:
+                self.waiting[w1] = w2
+            elif w0 == WAIT_OUT:
+                self.waiting.pop(w1, None)
             elif tag == TAG_Y:
                 continue
             elif tag == TAG_T or tag == TAG_C:
@@ -135,10 +145,18 @@ class _Parse:
         events = self.trace.events
         start = len(events)
         append, exits, errors, rank, new = events.append, self.exits, self.errors, self.trace.rank, tuple.__new__
+        waiting = self.waiting
+        blocked = []
         for key, t, (group, op, rest) in self.enters:
+            if waiting and key in waiting and rest[SHARED_ASYNC]:   # still waiting on its handle: blocked in it
+                blocked.append(new(Event, (rank, group, key & SEQ_MASK, op, waiting[key] / 1e9, None,
+                                           errors.get(key) if errors else None)
+                                   + rest[:SHARED_ASYNC] + (False,) + rest[SHARED_ASYNC + 1:]))
+                continue
             t_exit = exits.get(key)
             append(new(Event, (rank, group, key & SEQ_MASK, op, t / 1e9, None if t_exit is None else t_exit / 1e9,
                                errors.get(key) if errors else None) + rest))
+        events.extend(sorted(blocked, key=_t_enter))
         if any(rest[SHARED_NATIVE] for _, _, rest in self.tables.shared.values()):
             # C++-issued calls are written when the sidecar sees them, a little after they
             # started: put them where they belong (the trace is in call order otherwise).
@@ -146,6 +164,7 @@ class _Parse:
         self.enters.clear()
         self.exits.clear()
         self.errors.clear()
+        self.waiting.clear()
 
 
 def _t_enter(e: Event) -> float:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from distcheck.files.trace import (NONE, SEQ_MASK, SHARED_ASYNC, SHARED_LABEL, SHARED_MEMBERS, SLOT, SYNC_OFFSET,
-                                   TAG_E, TAG_T, TAG_X, Tables, encode_shapes, first_bad, read_sync, slot_words,
-                                   text_at)
+                                   TAG_E, TAG_T, TAG_X, WAIT_IN, WAIT_OUT, Tables, encode_shapes, first_bad, read_sync,
+                                   slot_words, text_at)
 
 
 class OpenCall(NamedTuple):
@@ -36,6 +36,7 @@ class TraceTail:
 
     READ_BYTES = 1024 * 1024      # at most this much per read: the file's preallocated end is zeros
     LEFT_KEPT = 32                # blocking calls left, remembered for peers still waiting in one of them
+    ASYNC_KEPT = 4096             # async calls whose handle may yet be waited on (a W record names them)
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -46,6 +47,8 @@ class TraceTail:
         # (group, seq) -> signature of the newest blocking calls the rank left: a peer still waiting in one
         # of them with a signature that can never pair is a certain hang (``launch.waitfor``)
         self.left: OrderedDict[tuple[str, int], str] = OrderedDict()
+        # call key -> shared, of the newest async calls: a wait on one's handle (W) opens it as a blocking call
+        self._async: OrderedDict[int, tuple] = OrderedDict()
         self._offset = 0
         self._tables = Tables()
         # The rank's last Y record: (wall time, recorder) — every call its groups counted before that
@@ -126,6 +129,17 @@ class TraceTail:
                         self.entered[s[0]] = seq
                     if not s[2][SHARED_ASYNC]:   # async calls return at once; their wait is elsewhere
                         opened[w1] = (w2, s)
+                    else:
+                        self._keep_async(w1, s)
+            elif w0 == WAIT_IN or w0 == WAIT_OUT:   # a wait on an async call's handle: blocked in that call
+                self.records += 1
+                self.last_record_ns = max(self.last_record_ns, w2)
+                if w0 == WAIT_OUT:
+                    opened.pop(w1, None)
+                else:
+                    s = self._async.get(w1)
+                    if s is not None:
+                        opened[w1] = (w2, s)
             elif tag == TAG_T:
                 text, j = text_at(words, i, good)
                 if not text.complete:
@@ -135,10 +149,16 @@ class TraceTail:
                     self._tables = tables = Tables()
                     self.entered = {}
                     self.left.clear()
+                    self._async.clear()
                 i = j
                 continue
             i += 1
         return good
+
+    def _keep_async(self, key: int, shared: tuple) -> None:
+        self._async[key] = shared
+        if len(self._async) > self.ASYNC_KEPT:
+            self._async.popitem(last=False)
 
     def _remember_left(self, key: int, shared: tuple) -> None:
         self.left[(shared[0], key & SEQ_MASK)] = _signature(shared[1], shared[2])

@@ -2,7 +2,12 @@
 
 A rank waiting in a collective (group, seq) waits for the members of the group
 that have not entered that call yet; a P2P call (group ``p2p:src>dst``, the
-same number on both sides) waits for its peer's matching call. The hang is
+same number on both sides) waits for its peer's matching call. That includes a
+rank blocked in ``work.wait()`` on the handle of an ``isend``/``irecv`` or of a
+``batch_isend_irecv`` op (a pipelining schedule's P2P): it waits in that call
+(the trace's W records), for the peer (a global rank) until the peer posts the
+matching op; a peer that posted it, even asynchronously and not waited on yet,
+is not awaited (the backend pairs posted ops by themselves). The hang is
 *certain* when no future can release the waiting rank: everything it waits
 for, followed through the graph, is
 
@@ -29,6 +34,7 @@ from distcheck.text import rank_list
 
 # Groups whose waits cannot be followed: a receive from any source has no one peer to wait for.
 _ANY_SOURCE = "p2p:any>"
+_P2P = "p2p:"
 
 
 class Waiter(Protocol):
@@ -117,6 +123,8 @@ class _Graph:
 def _absent(group: str, seq: int, members: Sequence[int], ranks: Mapping[int, Waiter]) -> frozenset[int] | None:
     if str(group).startswith(_ANY_SOURCE):
         return None
+    if str(group).startswith(_P2P) and _takes_any_source(group, ranks):
+        return None   # its receiver also receives from any source: that may be the receive that pairs with it
     out = set()
     for m in members:
         peer = ranks.get(m)
@@ -127,11 +135,21 @@ def _absent(group: str, seq: int, members: Sequence[int], ranks: Mapping[int, Wa
     return frozenset(out)
 
 
+def _takes_any_source(group: str, ranks: Mapping[int, Waiter]) -> bool:
+    """Whether the receiver of P2P pair ``p2p:src>dst`` ever received from any source (a send to it is then
+    not paired by number)."""
+    _, _, dst = str(group).rpartition(">")
+    receiver = ranks.get(int(dst)) if dst.isdigit() else None
+    return receiver is not None and f"{_ANY_SOURCE}{dst}" in receiver.entered
+
+
 def _clash(rank: int, ranks: Mapping[int, Waiter]) -> str | None:
     """Why the rank's call can never complete though every member entered it: all still wait there with
     fingerprints that differ, or one left it after a call that can never pair with the rank's (it will
     not come back to that number). None: the call may be completing."""
     for group, seq, members, signature in ranks[rank].waits:
+        if str(group).startswith(_P2P):
+            return None   # both sides posted a send and its receive: the transfer is under way (or gloo aborts)
         others = []
         for m in members:
             peer = ranks.get(m)

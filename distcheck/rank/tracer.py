@@ -37,13 +37,13 @@ from typing import Any, Callable
 
 from distcheck.files.trace import (CHECK, FP_SHIFT, NONE, SEQ_BITS, SLOT_STRUCT, TAG_E, X_OK, RecordBatch, clean,
                                    encode_shapes, enter_slot, error_record, exit_slot, fingerprint_record,
-                                   group_record, segment_record, site_record, text_slots)
+                                   group_record, segment_record, site_record, text_slots, wait_slots)
 from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
 from distcheck.library_shapes import NUMBERED_APART
-from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, OpSpec, extra_fields,
+from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, extra_fields,
                                 make_extractor, new_group_sequence, reduce_op_name)
 
 
@@ -108,6 +108,10 @@ class Tracer:
         os.register_at_fork(after_in_child=functools.partial(_in_forked_child, me))
         self._local = _Local()
         self._originals: dict[str, Callable] = {}
+        # id(work) -> (a weak reference to it, the call keys it completes): the handles of P2P calls, whose
+        # ``wait()`` is written as W records (the rank is blocked in those calls while it waits)
+        self._handles: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+        self._work_wait: tuple[Any, Callable] | None = None   # (torch's Work class, its own wait)
         self.count = 0
         self.slow_calls = 0   # calls that took ``_enter`` (first of their kind, p2p, lists...): a cost to watch
 
@@ -127,6 +131,7 @@ class Tracer:
             self._groups.clear()
             self._gids.clear()
             self._written.clear()
+            self._handles.clear()   # their keys name the finished segment's calls
             self._sites.clear()
             self._fps.clear()
             for cache in self._fast.values():
@@ -193,6 +198,11 @@ class Tracer:
             wrapper = self._wrap_batch(original)
             c10d.batch_isend_irecv = wrapper
             dist.batch_isend_irecv = wrapper
+        work = getattr(c10d, "Work", None)
+        original = getattr(work, "wait", None)
+        if original is not None and self._work_wait is None:
+            self._work_wait = (work, original)
+            work.wait = self._wrap_wait(original)
 
     def uninstall(self) -> None:
         import torch.distributed as dist
@@ -202,6 +212,10 @@ class Tracer:
             setattr(c10d, name, original)
             setattr(dist, name, original)
         self._originals.clear()
+        if self._work_wait is not None:
+            work, original = self._work_wait
+            work.wait = original
+            self._work_wait = None
 
     def close(self) -> None:
         self.writer.close()
@@ -226,6 +240,8 @@ class Tracer:
         getframe = sys._getframe
         multi = name in MULTI_SEQ
         apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
+        waited = name in WAITED_HANDLES    # isend, irecv: their handle's wait() is where the rank blocks
+        p2p = spec.p2p is not None
         tracer = self
 
         # Rule 0 (rank.guard): an error of distcheck's own below is caught and counted, never raised into
@@ -259,6 +275,8 @@ class Tracer:
                             append(record)
                         except ValueError:    # the mapping is full: grow it
                             writer.write(record)
+                        if waited:
+                            tracer._hold((result,), (key,))
                     except Exception as exc:
                         failed(Hook.TRACER, exc)
                 elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
@@ -270,6 +288,8 @@ class Tracer:
                         tracer._resync()
                     if mark is not None:
                         tracer._skew_after(mark[0], mark[1], apart)
+                        if p2p:
+                            tracer._claim_rest(mark[0], mark[1])
                     tracer.busy_group = None   # after the numbers: the sidecar reads it first
                 except Exception as exc:
                     failed(Hook.TRACER, exc)
@@ -277,6 +297,16 @@ class Tracer:
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
+
+    def _claim_rest(self, entry: tuple, before: int) -> None:
+        """After a P2P call: the counter numbers it took past the one claimed when it started (send_object_list and
+        recv_object_list send the size, then the data) are a Python call's too, not C++-issued collectives."""
+        try:
+            after = entry[3]()
+        except Exception:
+            return
+        if after > before + 1:
+            entry[5].extend(range(before - entry[4] + 2, after - entry[4] + 1))
 
     def _mark(self, pg: Any) -> tuple[tuple, int] | None:
         """(the group's entry, its counter now) before a call numbered apart starts."""
@@ -328,6 +358,10 @@ class Tracer:
                     raise   # the user's exception, as it was
                 for key in keys:
                     self._exit_guarded(key, None)
+                try:
+                    self._hold(result, keys)
+                except Exception as exc:
+                    failed(Hook.TRACER, exc)
                 return result
             finally:
                 try:
@@ -338,6 +372,50 @@ class Tracer:
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
+
+    def _hold(self, works: Any, keys: list[int] | tuple[int, ...]) -> None:
+        """Remember the handles a P2P call returned, so a ``wait()`` on one is written as a wait in its calls:
+        one handle per call (gloo's batch), or handles that each complete the whole batch (a coalesced one)."""
+        works = [w for w in (works or ()) if w is not None]
+        if not works or not keys:
+            return
+        keys = tuple(keys)
+        per_call = len(works) == len(keys)
+        handles = self._handles
+        for i, work in enumerate(works):
+            wid = id(work)
+            ref = weakref.ref(work, lambda _, wid=wid: handles.pop(wid, None))
+            handles[wid] = (ref, keys[i:i + 1] if per_call else keys)
+
+    def _wrap_wait(self, original: Callable) -> Callable:
+        """torch's ``Work.wait``, which writes W records around the wait on a P2P call's handle (any other
+        handle's wait is torch's own, untouched)."""
+        handles = self._handles
+        writer = self.writer
+
+        @functools.wraps(original)
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            held = handles.get(id(work))
+            if held is None:
+                return original(work, *args, **kwargs)
+            keys = None
+            try:   # rule 0, as in wrap()
+                if held[0]() is work:
+                    keys = held[1]
+                    writer.write(wait_slots(keys, time_ns(), out=False))
+            except Exception as exc:
+                failed(Hook.TRACER, exc)
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                if keys is not None:
+                    try:
+                        writer.write(wait_slots(keys, time_ns(), out=True))
+                    except Exception as exc:
+                        failed(Hook.TRACER, exc)
+
+        wait.__distcheck_original__ = original  # type: ignore[attr-defined]
+        return wait
 
     def _batch_counters(self, p2p_op_list: list) -> list[tuple[tuple, int]]:
         """(group entry, its counter now) for each group a batch of P2P ops runs on, the group marked busy.
