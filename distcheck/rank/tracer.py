@@ -393,6 +393,13 @@ class Tracer:
         handles = self._handles
         writer = self.writer
 
+        def record(keys: tuple[int, ...], out: bool) -> None:
+            data = wait_slots(keys, time_ns(), out)
+            try:
+                writer.append(data)
+            except ValueError:    # the mapping is full: grow it
+                writer.write(data)
+
         @functools.wraps(original)
         def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
             held = handles.get(id(work))
@@ -402,7 +409,7 @@ class Tracer:
             try:   # rule 0, as in wrap()
                 if held[0]() is work:
                     keys = held[1]
-                    writer.write(wait_slots(keys, time_ns(), out=False))
+                    record(keys, False)
             except Exception as exc:
                 failed(Hook.TRACER, exc)
             try:
@@ -410,7 +417,7 @@ class Tracer:
             finally:
                 if keys is not None:
                     try:
-                        writer.write(wait_slots(keys, time_ns(), out=True))
+                        record(keys, True)
                     except Exception as exc:
                         failed(Hook.TRACER, exc)
 
