@@ -217,18 +217,29 @@ def worker(args: argparse.Namespace) -> None:
     mine = range(args.first, args.last + 1)
     dirs = {n: LaunchFiles(Path(args.root) / f"node{n}" / LAUNCH) for n in mine}
     # One idle process per node stands for its ranks' processes: each node's teardown ends its own (a node
-    # that found its ranks' process already gone would report them as exited inside the barrier).
+    # that found its ranks' process already gone would report them as exited inside the barrier). On a real
+    # cluster each node's distcheck is a process of its own, so its last-line ``kill_descendants`` reaches
+    # only its own ranks; here the nodes share a worker process, so each idle process is kept out of that
+    # sweep (``procs.keep``): the first node to tear down would otherwise end every sibling node's ranks,
+    # which then report them as having exited inside the barrier (a crash, not the planted hang).
+    from distcheck.launch import procs
+
     idle = {n: subprocess.Popen(["sleep", "86400"]) for n in mine}
+    for proc in idle.values():
+        procs.keep(proc.pid)
     for n in mine:
         write_ranks(dirs[n], range(n * rpn, (n + 1) * rpn), n, prefix, idle[n].pid)
     uploaded: dict[int, int] = {}
     errors: list[str] = []
+    published: dict[int, float] = {}        # node -> when it first published every rank of its own in the hang
+    node_polls: list[float] = []            # the nodes' own polls (their ranks' files), seconds each
 
     def node(n: int) -> None:
         try:
             cluster = ClusterStore(_config(nodes, n, args.port))
             channel, counter = counted_channel(cluster, world)
             dog = Watchdog(dirs[n], world, _limits(), poll_s=args.node_poll_s, channel=channel)
+            _watch_node(n, dog, channel, published, node_polls)
             started = time.time()
             dog.start()
             dog.join()
@@ -256,10 +267,30 @@ def worker(args: argparse.Namespace) -> None:
     for t in threads:
         t.join()
     bench.set(f"bench/uploads/{args.first}", json.dumps(uploaded))
+    bench.set(f"bench/published/{args.first}", json.dumps({"at": published, "polls": node_polls[-2000:]}))
     bench.set(f"bench/errors/{args.first}", json.dumps(errors))
     for proc in idle.values():
         proc.kill()
         proc.wait()
+
+
+def _watch_node(n: int, dog: Any, channel: Any, published: dict[int, float], polls: list[float]) -> None:
+    """Times a simulated node's own polls, and when it first published its ranks in the planted hang."""
+    inner_poll, inner_publish = dog.monitor.poll, channel.publish
+
+    def poll() -> Any:
+        t = time.perf_counter()
+        out = inner_poll()
+        polls.append(time.perf_counter() - t)
+        return out
+
+    def publish(progress: Any) -> None:
+        inner_publish(progress)
+        if n not in published and progress and all(p.waits or p.finished for p in progress.values()) \
+                and any(p.waits for p in progress.values()):
+            published[n] = time.time()
+
+    dog.monitor.poll, channel.publish = poll, publish
 
 
 # -- node 0 --------------------------------------------------------------------------------------------
@@ -290,8 +321,9 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     write_ranks(files, range(rpn), 0, prefix, idle.pid)
     others = list(range(1, nodes))
     poll_costs: list[float] = []
+    phases: list[dict[str, float]] = []
     dog = Watchdog(files, world, _limits(), channel=channel)
-    _time_polls(dog, poll_costs)
+    _time_polls(dog, poll_costs, phases)
     started = time.time()
     dog.start()
     deadline = time.monotonic() + 600
@@ -333,14 +365,25 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     store_bytes = counter.bytes + cluster.liveness.store.bytes + int(bench.add("bench/store_bytes", 0))
     uploads = [upload0]
     errors = []
+    published_at: list[float] = []
+    node_polls: list[float] = []
     for c in _contiguous(others, args.workers):
         uploads += json.loads(bench.get(f"bench/uploads/{c[0]}")).values()
         errors += json.loads(bench.get(f"bench/errors/{c[0]}"))
+        got = json.loads(bench.get(f"bench/published/{c[0]}"))
+        published_at += got["at"].values()
+        node_polls += got["polls"]
+    last_published = max(published_at) if len(published_at) == nodes - 1 else None
     idle.kill()
     hang = next((f for f in result.findings if f.kind == "hang"), None)
     finished_rank = (nodes - 1) * rpn + FINISHED_LOCAL_RANK
     named = hang is not None and finished_rank in hang.absent_ranks \
         and f"{hang.callsite}:".startswith(f"{SYNTHETIC_FILE}:{BARRIER_LINE}:")
+    # Where the time from the onset to the decision went: until node 0 saw every rank but the planted one
+    # waiting (the simulated nodes polling their files and publishing), then node 0's own polls.
+    after = [p for p in phases if p["t"] + p["local"] + p["channel"] >= onset - 0.5]
+    all_in = next((p for p in after if p["waiting"] >= world - 1), None)
+    seen_all_at = all_in["t"] + all_in["local"] + all_in["channel"] if all_in else None
     row = {
         "nodes": nodes, "ranks": world,
         "hang_named_after_onset_s": round(detected - onset, 3),
@@ -355,6 +398,13 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "evidence": dog.result.evidence,
         "finding": hang.summary if hang else None,
         "findings": [f"{f.kind}: {f.summary[:300]}" for f in result.findings],
+        "last_node_published_after_onset_s": round(last_published - onset, 3) if last_published else None,
+        "named_after_last_publish_s": round(detected - last_published, 3) if last_published else None,
+        "node_poll_s_median": round(median(node_polls), 4),
+        "node_poll_s_p90": round(sorted(node_polls)[int(0.9 * len(node_polls))], 4) if node_polls else None,
+        "all_waiting_seen_after_onset_s": round(seen_all_at - onset, 3) if seen_all_at else None,
+        "polls_after_onset": [{k: round(v, 4) for k, v in p.items() if k != "t"} | {"at": round(p["t"] - onset, 3)}
+                              for p in after][:60],
         "gather_s": round(gathered - detected, 2), "judge_s": round(judged - gathered, 2),
         "reports_s": round(reported - judged, 2),
         "report_files_bytes": sizes,
@@ -369,21 +419,37 @@ def _contiguous(items: list[int], parts: int) -> list[list[int]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def _time_polls(dog: Any, costs: list[float]) -> None:
-    """How long each of node 0's polls takes (its ranks' files, the channel, the judgement), not its sleep."""
+def _time_polls(dog: Any, costs: list[float], phases: list[dict[str, float]] | None = None) -> None:
+    """How long each of node 0's polls takes (its ranks' files, the channel, the judgement), not its sleep;
+    ``phases`` gets each poll's parts: when it began (wall time), its own ranks' files (``local``), the
+    channel's publish and merge (``channel``), the judgement (``judge``) and how many ranks were waiting."""
     inner_poll, inner_observe = dog.monitor.poll, dog.detector.observe
-    began = [0.0]
+    channel = dog.channel
+    inner_everyone = channel.everyone
+    began = [0.0, 0.0, 0.0, 0.0]
 
     def poll() -> Any:
-        began[0] = time.perf_counter()
-        return inner_poll()
+        began[0], began[3] = time.perf_counter(), time.time()
+        out = inner_poll()
+        began[1] = time.perf_counter()
+        return out
+
+    def everyone(local: Any) -> Any:
+        out = inner_everyone(local)
+        began[2] = time.perf_counter()
+        return out
 
     def observe(now: float, ranks: Any) -> Any:
+        judge_from = time.perf_counter()
         decision = inner_observe(now, ranks)
-        costs.append(time.perf_counter() - began[0])
+        end = time.perf_counter()
+        costs.append(end - began[0])
+        if phases is not None:
+            phases.append({"t": began[3], "local": began[1] - began[0], "channel": judge_from - began[1],
+                           "judge": end - judge_from, "waiting": sum(1 for p in ranks.values() if p.waits)})
         return decision
 
-    dog.monitor.poll, dog.detector.observe = poll, observe
+    dog.monitor.poll, dog.detector.observe, channel.everyone = poll, observe, everyone
 
 
 def write_reports(report: Any, files: Any, out: Path) -> dict[str, int]:
@@ -446,8 +512,9 @@ def run_row(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
 
 # -- the table -------------------------------------------------------------------------------------------
 
-COLUMNS = ["nodes", "ranks", "hang_named_after_onset_s", "node0_peak_rss_mib", "report_after_decision_s",
-           "poll_s_median", "store_bytes_total", "upload_bytes_per_node", "planted_named"]
+COLUMNS = ["nodes", "ranks", "hang_named_after_onset_s", "last_node_published_after_onset_s",
+           "named_after_last_publish_s", "node0_peak_rss_mib", "report_after_decision_s", "poll_s_median",
+           "poll_s_median_hung", "node_poll_s_median", "store_bytes_total", "upload_bytes_per_node", "planted_named"]
 
 
 def main() -> None:

@@ -201,7 +201,7 @@ class Event(NamedTuple):
         d = dict(d)
         d["shapes"] = tuple(tuple(s) for s in d.get("shapes", ()))
         d["dtypes"] = tuple(d.get("dtypes", ()))
-        d["group_ranks"] = tuple(d.get("group_ranks", ()))
+        d["group_ranks"] = ranks_from_json(d.get("group_ranks", ()))
         if d.get("splits") is not None:
             d["splits"] = tuple(tuple(side) for side in d["splits"])
         if d.get("members") is not None:
@@ -210,6 +210,39 @@ class Event(NamedTuple):
 
 
 _EVENT_FIELDS = set(Event._fields)
+
+
+def ranks_from_json(value: Any) -> tuple[int, ...]:
+    """A list of ranks as report.json writes it: plain, or as runs of consecutive ranks (``[[0, 4095]]``,
+    the form ``report.json_report`` writes a long ``group_ranks`` in)."""
+    value = value or ()
+    if value and isinstance(value[0], (list, tuple)):
+        return tuple(r for a, b in value for r in range(a, b + 1))
+    return tuple(value)
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict``'s copy of one value, with a list of plain values copied whole: asdict walks
+    each element, and at 4,096 ranks (every rank's last call and fingerprint naming its group) that was
+    50 M calls and minutes for one report."""
+    if isinstance(value, (list, tuple)):
+        if hasattr(value, "_fields"):                      # a NamedTuple (Event)
+            return type(value)(*[_plain(v) for v in value])
+        if set(map(type, value)) <= _SCALARS:
+            return list(value) if isinstance(value, list) else tuple(value)
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _as_dict(value)
+    return value
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
 @dataclass(frozen=True)
@@ -250,7 +283,7 @@ class RankOutcome:
     peak_rss_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = _as_dict(self)
         d["last_event"] = self.last_event.to_dict() if self.last_event else None
         return d
 
@@ -281,10 +314,13 @@ class RankDetail:
     fingerprint: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _as_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RankDetail:
+        fingerprint = d.get("fingerprint")
+        if fingerprint and "group_ranks" in fingerprint:
+            d = {**d, "fingerprint": {**fingerprint, "group_ranks": list(ranks_from_json(fingerprint["group_ranks"]))}}
         return cls(**d)
 
 
@@ -309,7 +345,7 @@ class Finding:
     data: dict[str, Any] = field(default_factory=dict)  # kind-specific detail (numeric, duplicates, ...)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = _as_dict(self)
         for key in ("waiting_ranks", "absent_ranks", "odd_ranks", "fields"):
             d[key] = list(d[key])
         d["ranks"] = [r.to_dict() for r in self.ranks]

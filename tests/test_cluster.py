@@ -106,7 +106,10 @@ def test_a_waiting_ranks_members_cross_the_store_as_runs_and_come_back_whole():
     members = tuple(r for r in range(4096) if r != 7)
     waiting = RankProgress(phase=Phase.RUNNING, open_collectives=1, waits=(("0", 5001, members, "barrier|x"),),
                            entered={"0": 5001}, settled=True)
-    other.publish({4095: waiting})
-    assert len(store.get("distcheck/job/launch/progress/1")) < 1000
-    got = leader.everyone({})[4095]
+    other.publish({4094: waiting, 4095: waiting})
+    assert len(store.get("distcheck/job/launch/progress/1")) < 2000
+    merged = leader.everyone({})
+    got = merged[4095]
     assert got.waits == waiting.waits and got.entered == waiting.entered and got.settled
+    # every rank in one call shares one tuple of its members on node 0 (4,096 of them: 16 M entries otherwise)
+    assert merged[4094].waits[0][2] is got.waits[0][2]

@@ -95,3 +95,34 @@ def test_a_wide_hang_groups_alike_ranks_and_shows_the_planted_window_in_full():
     close_up = page[page.index("close-up: around hang"):]
     assert re.search(rf"rank 0: barrier #{calls + 1}\b", close_up)      # the stuck call, drawn in full
     assert f"rank {finished}: never entered barrier #{calls + 1}" in close_up or "never entered barrier" in close_up
+
+
+def test_a_4096_rank_report_json_stays_small_and_reads_back_whole():
+    # Each rank's last call names its whole group, as do the finding's fingerprints: one rank per line, that
+    # was hundreds of MB at 4,096 ranks. Long groups go as runs; they read back as every rank.
+    from distcheck.models import Report as Loaded
+    from distcheck.report import json_report
+
+    world = 4096
+    report, _ = hang(world, 2, finished=4059)
+    result = report.scenarios[0]
+    last = {r: _event(r, 3, world, op="barrier", returned=False) for r in range(world)}
+    ranks = tuple(RankOutcome(rank=o.rank, state=o.state, collectives=o.collectives, last_event=last[o.rank],
+                              where=SITE) for o in result.ranks)
+    detail = tuple(RankDetail(rank=r, role="waiting", op="barrier", seq=3, callsite=SITE,
+                              fingerprint=last[r].fingerprint()) for r in range(world) if r != 4059)
+    finding = result.findings[0]
+    finding = type(finding)(**{**finding.__dict__, "ranks": finding.ranks + detail})
+    report = Report(run=report.run, scenarios=(type(result)(**{**result.__dict__, "ranks": ranks,
+                                                                "findings": (finding,)}),))
+    text = json_report.render(report)
+    assert len(text) < 10_000_000, len(text)
+    data = json.loads(text)
+    assert data["scenarios"][0]["ranks"][0]["last_event"]["group_ranks"] == [[0, 4095]]
+    back = Loaded.from_dict(data).scenarios[0]
+    assert back.ranks[17].last_event.group_ranks == tuple(range(world))
+    assert back.findings[0].ranks[1].fingerprint["group_ranks"] == list(range(world))
+    assert back.findings[0].waiting_ranks == finding.waiting_ranks
+    # a small group is written as it is
+    small, _ = hang(4, 2, finished=3)
+    assert json.loads(json_report.render(small)) == small.to_dict()

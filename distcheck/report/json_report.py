@@ -1,11 +1,62 @@
-"""JSON renderer: the versioned report schema (``distcheck.report/1``)."""
+"""JSON renderer: the versioned report schema (``distcheck.report/1``).
+
+Bounded at scale: a list of plain values (a finding's ranks, a call's shapes) stays on one line, and a
+call's ``group_ranks`` of more than ``RUNS_ABOVE`` ranks is written as runs of consecutive ranks
+(``[[0, 4095]]``; ``models.ranks_from_json`` reads both forms). Every rank's last call names its whole
+group: at 4,096 ranks, one rank per line made that part alone hundreds of MB.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from distcheck.models import Report
 
+RUNS_ABOVE = 16
+
 
 def render(report: Report) -> str:
-    return json.dumps(report.to_dict(), indent=2, sort_keys=False) + "\n"
+    return _dump(_bounded(report.to_dict()), 0) + "\n"
+
+
+def _bounded(value: Any) -> Any:
+    """The report's data with every long ``group_ranks`` as runs."""
+    if isinstance(value, dict):
+        return {k: (_runs(v) if k == "group_ranks" and isinstance(v, list) and len(v) > RUNS_ABOVE else _bounded(v))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_bounded(v) for v in value]
+    return value
+
+
+def _runs(ranks: list[int]) -> list[list[int]] | list[int]:
+    out: list[list[int]] = []
+    for r in ranks:
+        if not isinstance(r, int):
+            return ranks
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def _flat(value: list) -> bool:
+    return all(not isinstance(v, (dict, list, tuple)) or (isinstance(v, (list, tuple)) and _flat(v)) for v in value)
+
+
+def _dump(value: Any, level: int) -> str:
+    """``json.dumps(indent=2)``, except that a list holding no objects is written on one line."""
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        pad = "  " * (level + 1)
+        items = [f"{pad}{json.dumps(str(k))}: {_dump(v, level + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * level + "}"
+    if isinstance(value, (list, tuple)):
+        if not value or _flat(value):
+            return json.dumps(value)
+        pad = "  " * (level + 1)
+        return "[\n" + ",\n".join(pad + _dump(v, level + 1) for v in value) + "\n" + "  " * level + "]"
+    return json.dumps(value)
