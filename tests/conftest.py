@@ -23,6 +23,20 @@ collect_ignore = ["scripts"]
 HARD_TIMEOUT_S = 240
 
 
+# Modules whose tests share one module-scoped launch (or CPU hogs): under pytest-xdist (pyproject's
+# `-n 3 --dist loadgroup`) each stays on one worker, so that launch happens once; every other test is
+# handed out on its own.
+SHARED_LAUNCH_MODULES = {"test_faults", "test_postmortem", "test_records_e2e", "test_renderers",
+                         "test_timeline_browser"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__ if item.module else ""
+        if module in SHARED_LAUNCH_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
 def survivors(marker: str, launcher_pid: int | None = None) -> list[psutil.Process]:
     """Live processes whose command line mentions ``marker`` (a run dir path), or that distcheck process
     ``launcher_pid`` started: its fork server and the scenario ranks forked from it, whose command lines

@@ -78,6 +78,26 @@ def test_a_failing_tracer_returns_the_users_result_and_raises_the_users_own_exce
     tracer.close()
 
 
+def test_a_failing_p2p_wait_record_returns_torchs_own_wait_result(tmp_path, process_group, monkeypatch):
+    from distcheck.rank import tracer as tracer_module
+    from distcheck.rank.ops import OPS
+
+    tracer = Tracer(tmp_path / "rank0.trace", 0)
+    tracer.install()
+    try:
+        # an isend's signature issuing a real async call, whose Work stands for the P2P handle (a one-rank
+        # group has no peer); the wait's W records are what fails here, before and after torch's wait
+        isend = tracer.wrap("isend", lambda tensor, dst=None, group=None, tag=0, group_dst=None:
+                            dist.all_reduce(tensor, async_op=True), OPS["isend"], signature_of=dist.isend)
+        handle = isend(torch.ones(4), 0)
+        monkeypatch.setattr(tracer_module, "wait_slots", planted)
+        assert handle.wait() is True                      # torch's own result, through the failing wrapper
+        assert guard.failures()["tracer"] == {"count": 2, "error": "Planted: planted"}   # the wait's in and out
+    finally:
+        tracer.uninstall()
+        tracer.close()
+
+
 def test_a_failing_rank_end_hook_lets_the_users_exception_through_unchanged(monkeypatch):
     monkeypatch.setattr(injected, "_record", planted)
     error = KeyError("the user's own")
