@@ -145,8 +145,9 @@ def test_a_pipeline_whose_middle_stage_splits_the_batch_differently_is_a_certain
     """ScheduleGPipe on 3 gloo ranks, the middle stage with 4 microbatches where its neighbours have 2: every
     rank ends blocked in ``work.wait()`` on a P2P handle. Named as certain, long before the stall timeout,
     at each rank's ``schedule.step(...)`` line (the P2P is the library's)."""
-    script = SCRIPTS / "pipeline_microbatches_mismatch.py"
-    r = distcheck("run", str(script), "--nproc-per-node", "3", "--stall-timeout", "120", timeout=240)
+    script = SCRIPTS / "pipeline_gpipe.py"
+    r = distcheck("run", str(script), "--nproc-per-node", "3", "--stall-timeout", "120", "--", "--middle-budget", "2",
+                  "--steps", "3", timeout=240)
     assert r.returncode == 1, r.stdout[-3000:]
     [s] = r.report["scenarios"]
     assert s["end_reason"] == "certain_hang" and s["duration_s"] < 60, (s["end_reason"], s["duration_s"])
