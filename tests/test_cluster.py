@@ -113,3 +113,22 @@ def test_a_waiting_ranks_members_cross_the_store_as_runs_and_come_back_whole():
     assert got.waits == waiting.waits and got.entered == waiting.entered and got.settled
     # every rank in one call shares one tuple of its members on node 0 (4,096 of them: 16 M entries otherwise)
     assert merged[4094].waits[0][2] is got.waits[0][2]
+
+
+def test_a_value_past_the_stores_message_limit_crosses_in_parts():
+    # c10d's TCPStore refuses a message over 8 MiB: a 512-node result (196 MB) reset node 0's connection.
+    import datetime
+
+    import pytest
+    from torch.distributed import TCPStore
+
+    from distcheck.launch.cluster import _put, _take
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    text = "0123456789abcdef" * (10 * 1024 * 1024 // 16)     # 10 MiB
+    with pytest.raises(Exception):
+        client.set("plain", text)
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    _put(client, "result", text)
+    assert _take(client, "result") == text

@@ -431,7 +431,7 @@ class LaunchChannel:
         """This node's ranks' files and its launch summary, for node 0's report."""
         bundle = {"summary": summary, "files": {   # base64: traces are binary
             rel: base64.b64encode(data).decode("ascii") for rel, data in files.shipped_contents()}}
-        self.store.set(f"bundle/{self.config.node_rank}", json.dumps(bundle))
+        _put(self.store, f"bundle/{self.config.node_rank}", json.dumps(bundle))
 
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:
         """Node 0: every other node's bundle, written into this launch's directory.
@@ -458,7 +458,7 @@ class LaunchChannel:
             if node in pending:
                 continue
             self._gathered.append(node)
-            bundle = json.loads(self.store.get(f"bundle/{node}"))
+            bundle = json.loads(_take(self.store, f"bundle/{node}"))
             for rel, data in bundle["files"].items():
                 path = files.root / rel
                 if not path.exists():
@@ -469,7 +469,9 @@ class LaunchChannel:
 
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
         """Publish the verdict, then stay until every live node has read it: the store ends with node 0."""
-        self.store.set("result", json.dumps(result))
+        from distcheck.report.json_report import bounded
+
+        _put(self.store, "result", json.dumps(bounded(result)))   # a 4,096-rank result's groups as runs
         wait_for_keys(self.store, [f"read/{n}" for n in self._gathered], timeout_s)
         # (a node that went away says so itself)
 
@@ -477,6 +479,24 @@ class LaunchChannel:
         if not wait_for_keys(self.store, ["result"], timeout_s):
             raise LaunchError(f"node 0 published no result within {timeout_s:g} s",
                               "its report may still be in its run dir")
-        result = json.loads(self.store.get("result"))
+        result = json.loads(_take(self.store, "result"))
         self.store.set(f"read/{self.config.node_rank}", "1")
         return result
+
+
+# c10d's TCPStore refuses a message over 8 MiB ("Invalid payload size"): a 512-node result was 196 MB, and a
+# node's bundle of long traces passes that too. A large value goes as parts, then a head naming how many.
+PART_BYTES = 4 * 1024 * 1024
+
+
+def _put(store: Any, key: str, text: str) -> None:
+    data = text.encode("utf-8")
+    parts = max(1, -(-len(data) // PART_BYTES))
+    for i in range(parts):
+        store.set(f"{key}/part/{i}", data[i * PART_BYTES:(i + 1) * PART_BYTES])
+    store.set(key, json.dumps({"parts": parts}))   # last: whoever waits for ``key`` finds every part
+
+
+def _take(store: Any, key: str) -> str:
+    parts = json.loads(store.get(key))["parts"]
+    return b"".join(store.get(f"{key}/part/{i}") for i in range(parts)).decode("utf-8")

@@ -17,16 +17,16 @@ RUNS_ABOVE = 16
 
 
 def render(report: Report) -> str:
-    return _dump(_bounded(report.to_dict()), 0) + "\n"
+    return _dump(bounded(report.to_dict()), 0) + "\n"
 
 
-def _bounded(value: Any) -> Any:
-    """The report's data with every long ``group_ranks`` as runs."""
+def bounded(value: Any) -> Any:
+    """A report's data (or a scenario's) with every long ``group_ranks`` as runs."""
     if isinstance(value, dict):
-        return {k: (_runs(v) if k == "group_ranks" and isinstance(v, list) and len(v) > RUNS_ABOVE else _bounded(v))
-                for k, v in value.items()}
+        return {k: (_runs(v) if k == "group_ranks" and isinstance(v, (list, tuple)) and len(v) > RUNS_ABOVE
+                    else bounded(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_bounded(v) for v in value]
+        return [bounded(v) for v in value]
     return value
 
 
