@@ -207,7 +207,7 @@ def test_a_command_on_two_nodes_is_judged_as_one_job(tmp_path, no_survivors, scr
     port, master_port = free_port(), free_port()
     procs = [_command_node(n, port, master_port, tmp_path, *script_args) for n in (0, 1)]
     try:
-        outs = [p.communicate(timeout=90) for p in procs]
+        outs = [p.communicate(timeout=180) for p in procs]   # two nodes of torchrun: 15 s quiet, minutes at load 30
     finally:
         for p in procs:
             kill_tree(p)

@@ -412,14 +412,16 @@ class Tracer:
                     record(keys, False)
             except Exception as exc:
                 failed(Hook.TRACER, exc)
-            try:
-                return original(work, *args, **kwargs)
-            finally:
-                if keys is not None:
-                    try:
-                        record(keys, True)
-                    except Exception as exc:
-                        failed(Hook.TRACER, exc)
+            result = original(work, *args, **kwargs)
+            # Only a wait that returned ends the rank's wait in the record. One that raised is, nearly always, a
+            # peer that died or was ended while this rank waited (distcheck's teardown after a hang): the rank
+            # was stuck in that call, and its record must say so, not that the wait completed.
+            if keys is not None:
+                try:
+                    record(keys, True)
+                except Exception as exc:
+                    failed(Hook.TRACER, exc)
+            return result
 
         wait.__distcheck_original__ = original  # type: ignore[attr-defined]
         return wait
