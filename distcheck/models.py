@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -217,7 +218,7 @@ def ranks_from_json(value: Any) -> tuple[int, ...]:
     the form ``report.json_report`` writes a long ``group_ranks`` in)."""
     value = value or ()
     if value and isinstance(value[0], (list, tuple)):
-        return tuple(r for a, b in value for r in range(a, b + 1))
+        return tuple(itertools.chain.from_iterable(range(a, b + 1) for a, b in value))
     return tuple(value)
 
 

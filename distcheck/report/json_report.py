@@ -31,6 +31,10 @@ def bounded(value: Any) -> Any:
 
 
 def _runs(ranks: list[int]) -> list[list[int]] | list[int]:
+    first, last = ranks[0], ranks[-1]
+    if (type(first) is int and type(last) is int and last - first + 1 == len(ranks)
+            and list(ranks) == list(range(first, last + 1))):   # the common case (a whole world), at C speed
+        return [[first, last]]
     out: list[list[int]] = []
     for r in ranks:
         if not isinstance(r, int):
