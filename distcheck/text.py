@@ -7,7 +7,8 @@ from typing import Any, Iterable
 
 
 def rank_list(ranks: Iterable[int]) -> str:
-    """'rank 0', 'ranks 1, 2, 3', 'ranks 0-15' for long runs."""
+    """'rank 0', 'ranks 1, 2, 3', 'ranks 0-15' for long runs, and past 8 ranks runs everywhere
+    ('ranks 0-4058, 4060-4095': a large job's sentence stays one line, not 4,095 numbers)."""
     rs = sorted(set(ranks))
     if not rs:
         return "no rank"
@@ -15,6 +16,8 @@ def rank_list(ranks: Iterable[int]) -> str:
         return f"rank {rs[0]}"
     if len(rs) > 4 and rs == list(range(rs[0], rs[-1] + 1)):
         return f"ranks {rs[0]}-{rs[-1]}"
+    if len(rs) > 8:
+        return "ranks " + id_list(rs, limit=len(rs))
     return "ranks " + ", ".join(map(str, rs))
 
 

@@ -126,3 +126,11 @@ def test_a_4096_rank_report_json_stays_small_and_reads_back_whole():
     # a small group is written as it is
     small, _ = hang(4, 2, finished=3)
     assert json.loads(json_report.render(small)) == small.to_dict()
+
+
+def test_a_large_jobs_rank_list_reads_as_runs_and_a_small_one_as_it_was():
+    from distcheck.text import rank_list
+
+    assert rank_list([r for r in range(4096) if r != 4059]) == "ranks 0-4058, 4060-4095"   # one line, not 4,095 numbers
+    assert rank_list(range(16)) == "ranks 0-15"
+    assert rank_list([0, 1, 2]) == "ranks 0, 1, 2" and rank_list([2]) == "rank 2"
