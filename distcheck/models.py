@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 REPORT_SCHEMA = "distcheck.report/1"
 UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
@@ -213,9 +213,30 @@ class Event(NamedTuple):
 _EVENT_FIELDS = set(Event._fields)
 
 
+def rank_runs(ranks: Sequence[Any]) -> list[list[int]] | Sequence[Any]:
+    """Ranks as runs of consecutive ranks (``[[0, 4095]]``): how report.json writes a long ``group_ranks``
+    and a node publishes a call's members. ``ranks_from_json`` reads them back. A list that is not plain
+    ranks (already runs) is returned as it is."""
+    if not ranks:
+        return []
+    first, last = ranks[0], ranks[-1]
+    if (type(first) is int and type(last) is int and last - first + 1 == len(ranks)
+            and list(ranks) == list(range(first, last + 1))):   # the common case (a whole group), at C speed
+        return [[first, last]]
+    out: list[list[int]] = []
+    for r in ranks:
+        if not isinstance(r, int):
+            return ranks
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
 def ranks_from_json(value: Any) -> tuple[int, ...]:
     """A list of ranks as report.json writes it: plain, or as runs of consecutive ranks (``[[0, 4095]]``,
-    the form ``report.json_report`` writes a long ``group_ranks`` in)."""
+    ``rank_runs``' form)."""
     value = value or ()
     if value and isinstance(value[0], (list, tuple)):
         return tuple(itertools.chain.from_iterable(range(a, b + 1) for a, b in value))

@@ -18,7 +18,8 @@ knows it and waits or stops there:
 W records are a wait on an async call's handle (``work.wait()`` on what ``isend``, ``irecv`` or
 ``batch_isend_irecv`` returned): the call key is the async call's own, whose E and X records came
 before (the call returned at once), ``in`` is written before the wait starts and ``out`` when it
-returns or raises. A rank between the two is blocked in that call, as in a blocking one.
+returns (a wait that raised writes no ``out``: its peer died or was ended while the rank waited, and
+the rank stays in that call). A rank between the two is blocked in that call, as in a blocking one.
 
 The Y (sync) record has one fixed place, the third slot, right after the
 version record, and is overwritten in place; every other record is appended.

@@ -30,6 +30,7 @@ from distcheck.launch.rendezvous import bound_listener, listen_fd_backend
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.torch_features import quiet_native_stderr
 from distcheck.launch.watchdog import RankProgress
+from distcheck.models import rank_runs, ranks_from_json
 
 DEFAULT_RDZV_PORT = 29500
 
@@ -308,7 +309,7 @@ def _packed(progress: RankProgress) -> dict[str, Any]:
     whole group, and at 4,096 ranks their plain lists made a node's progress 190 KB (97 MB per change at 512
     nodes, 2 s to parse on node 0); as runs it is a few hundred bytes."""
     data = asdict(progress)
-    data["waits"] = [[group, seq, _runs(members), signature] for group, seq, members, signature in progress.waits]
+    data["waits"] = [[group, seq, rank_runs(members), signature] for group, seq, members, signature in progress.waits]
     return data
 
 
@@ -322,17 +323,7 @@ def _unpacked(data: dict[str, Any]) -> RankProgress:
 def _members(runs: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
     """A call's members from their runs, one tuple shared by every rank in the call: at 4,096 ranks waiting
     in one barrier, a tuple each was 16 M entries (about 0.6 GB and seconds of node 0's poll)."""
-    return tuple(r for a, b in runs for r in range(a, b + 1))
-
-
-def _runs(ranks: Iterable[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for r in ranks:
-        if out and r == out[-1][1] + 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return out
+    return ranks_from_json(runs)
 
 
 class LaunchChannel:

@@ -5,7 +5,7 @@ hang whose peers wait for that rank names the line it left at. Never raises into
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from typing import Any, Iterable
 
 from distcheck.rank.guard import Hook, failed
 
@@ -13,15 +13,7 @@ from distcheck.rank.guard import Hook, failed
 def exit_site(exc: BaseException) -> str | None:
     """"file:line:function (sys.exit)" of the innermost user frame; None when there is none or on any error."""
     try:
-        from distcheck.files.stacks import torch_dir
-        from distcheck.rank.callsite import USER, classify_file
-
-        torch = torch_dir()
-        where = None
-        for frame in traceback.extract_tb(exc.__traceback__):
-            if classify_file(frame.filename, torch) == USER:
-                where = f"{frame.filename}:{frame.lineno}:{frame.name}"
-        return f"{where} (sys.exit)" if where else None
+        return _user_site(reversed(list(traceback.walk_tb(exc.__traceback__))))
     except Exception as err:   # rule 0: a failing hook never changes how the rank ends; it is counted
         failed(Hook.RANK_END, err)
         return None
@@ -32,15 +24,20 @@ def exit_site_of_caller(frame: Any) -> str | None:
     of ``sys.exit``) outward. A rank of the user's own command records it through distcheck's
     ``sys.exit`` hook (``rank.injected``)."""
     try:
-        from distcheck.files.stacks import torch_dir
-        from distcheck.rank.callsite import USER, classify_file
-
-        torch = torch_dir()
-        while frame is not None:
-            if classify_file(frame.f_code.co_filename, torch) == USER:
-                return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name} (sys.exit)"
-            frame = frame.f_back
-        return None
+        return _user_site(traceback.walk_stack(frame))
     except Exception as err:   # rule 0: counted, never raised
         failed(Hook.RANK_END, err)
         return None
+
+
+def _user_site(frames: Iterable[tuple[Any, int]]) -> str | None:
+    """The first user frame of ``frames`` ((frame, line), innermost first), as "file:line:function (sys.exit)"."""
+    from distcheck.files.stacks import torch_dir
+    from distcheck.rank.callsite import USER, classify_file
+
+    torch = torch_dir()
+    for frame, line in frames:
+        code = frame.f_code
+        if classify_file(code.co_filename, torch) == USER:
+            return f"{code.co_filename}:{line}:{code.co_name} (sys.exit)"
+    return None

@@ -2,8 +2,8 @@
 
 Bounded at scale: a list of plain values (a finding's ranks, a call's shapes) stays on one line, and a
 call's ``group_ranks`` of more than ``RUNS_ABOVE`` ranks is written as runs of consecutive ranks
-(``[[0, 4095]]``; ``models.ranks_from_json`` reads both forms). Every rank's last call names its whole
-group: at 4,096 ranks, one rank per line made that part alone hundreds of MB.
+(``models.rank_runs``: ``[[0, 4095]]``; ``models.ranks_from_json`` reads both forms). Every rank's last
+call names its whole group: at 4,096 ranks, one rank per line made that part alone hundreds of MB.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from distcheck.models import Report
+from distcheck.models import Report, rank_runs
 
 RUNS_ABOVE = 16
 
@@ -23,27 +23,11 @@ def render(report: Report) -> str:
 def bounded(value: Any) -> Any:
     """A report's data (or a scenario's) with every long ``group_ranks`` as runs."""
     if isinstance(value, dict):
-        return {k: (_runs(v) if k == "group_ranks" and isinstance(v, (list, tuple)) and len(v) > RUNS_ABOVE
+        return {k: (rank_runs(v) if k == "group_ranks" and isinstance(v, (list, tuple)) and len(v) > RUNS_ABOVE
                     else bounded(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [bounded(v) for v in value]
     return value
-
-
-def _runs(ranks: list[int]) -> list[list[int]] | list[int]:
-    first, last = ranks[0], ranks[-1]
-    if (type(first) is int and type(last) is int and last - first + 1 == len(ranks)
-            and list(ranks) == list(range(first, last + 1))):   # the common case (a whole world), at C speed
-        return [[first, last]]
-    out: list[list[int]] = []
-    for r in ranks:
-        if not isinstance(r, int):
-            return ranks
-        if out and r == out[-1][1] + 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return out
 
 
 def _flat(value: list) -> bool:
