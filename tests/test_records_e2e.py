@@ -9,9 +9,14 @@ finding may accuse the job. Faults are still named right under load: a C++-issue
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from conftest import kill_tree
 
 from distcheck.torch_features import features
 
@@ -59,6 +64,16 @@ def test_healthy_ddp_script_records_every_rank_the_same_count_including_ddps_cal
     assert {x["collectives"] for x in _only(r.report)["ranks"]} == {16}   # + 5 logging all_reduces + barrier
 
 
+# The runs beside the hogs start together, one concurrent group for the whole module: the node is busier
+# than 2x oversubscribed while they run, and the hogs (and the suite) wait for one group, not eight launches.
+LOADED_TIMEOUT = 400
+FAULTS = {                       # name: (script, ranks, script arguments)
+    "ddp_uneven": (Path(__file__).parent / "scripts" / "ddp_uneven.py", 2, ()),
+    "dcp_save_rank0": (SCRIPTS / "dcp_save_rank0.py", 3, ("{tmp}/ckpt",)),
+    "ddp_oom_skip": (SCRIPTS / "ddp_oom_skip.py", 3, ()),
+}
+
+
 @pytest.fixture(scope="module")
 def loaded_node():
     """Two busy loops per core for the whole module: every run below competes for the CPU."""
@@ -66,19 +81,58 @@ def loaded_node():
         yield pids
 
 
+@pytest.fixture(scope="module")
+def loaded_runs(loaded_node, tmp_path_factory) -> dict:
+    """Every script of this module's loaded tests, run by one ``distcheck run`` each, all at once beside
+    the hogs; name -> the finished run. Each is killed whole at LOADED_TIMEOUT and leaves no survivor."""
+    from conftest import DistcheckRun, finish_process
+
+    jobs = {script: (SCRIPTS / script, ranks, (), ()) for script, ranks in HEALTHY.items()
+            if not (script.startswith("fsdp2") and not features().fully_shard_cpu)}
+    jobs.update({name: (path, ranks, ("--stall-timeout", "5"), args) for name, (path, ranks, args) in FAULTS.items()
+                 if name != "ddp_oom_skip" or features().flight_recorder_gloo})
+    started = {}
+    for name, (path, ranks, ours, args) in jobs.items():
+        tmp = tmp_path_factory.mktemp(name.replace(".", "_"))
+        out, err = open(tmp / "stdout", "w+"), open(tmp / "stderr", "w+")
+        cmd = [sys.executable, "-m", "distcheck", "run", str(path), "--nproc-per-node", str(ranks), *ours,
+               "--run-dir", str(tmp / "run"), "--json", str(tmp / "report.json")]
+        cmd += ["--", *(a.format(tmp=tmp) for a in args)] if args else []
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True, cwd=tmp)
+        started[name] = (proc, tmp, out, err)
+    runs, deadline = {}, time.monotonic() + LOADED_TIMEOUT   # one deadline for the whole group
+    try:
+        for name, (proc, tmp, out, err) in started.items():
+            finish_process(proc, str(tmp / "run"), max(1.0, deadline - time.monotonic()))
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read())
+            done = subprocess.CompletedProcess(proc.args, proc.returncode, *texts)
+            runs[name] = DistcheckRun(done, tmp / "run", tmp / "report.json")
+    finally:
+        for proc, _, out, err in started.values():
+            kill_tree(proc)
+            out.close()
+            err.close()
+    return runs
+
+
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
 @pytest.mark.parametrize("script", sorted(HEALTHY))
-def test_healthy_script_under_load_is_exact_and_clean(distcheck, loaded_node, script):
+def test_healthy_script_under_load_is_exact_and_clean(loaded_runs, script):
     if script.startswith("fsdp2") and not features().fully_shard_cpu:
         pytest.skip(features().missing_note("fully_shard_cpu"))
-    r = distcheck("run", str(SCRIPTS / script), "--nproc-per-node", str(HEALTHY[script]), timeout=400)
+    r = loaded_runs[script]
     _assert_exact_and_clean(r, script)
     if script != "p2p_ring.py":
         assert _native_calls(r) > 0, "the C++-issued calls are in the record"
 
 
-def test_cpp_issued_hang_under_load(distcheck, loaded_node):
-    uneven = Path(__file__).parent / "scripts" / "ddp_uneven.py"
-    r = distcheck("run", str(uneven), "--nproc-per-node", "2", "--stall-timeout", "5", timeout=400)
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
+def test_cpp_issued_hang_under_load(loaded_runs):
+    uneven = FAULTS["ddp_uneven"][0]
+    r = loaded_runs["ddp_uneven"]
     assert r.returncode == 1
     [hang] = [f for f in _only(r.report)["findings"] if f["kind"] == "hang"]
     assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]
@@ -87,21 +141,22 @@ def test_cpp_issued_hang_under_load(distcheck, loaded_node):
     assert "BACKWARD" in uneven.read_text().splitlines()[int(hang["callsite"].split(":")[1]) - 1]
 
 
-def test_rank0_only_dcp_save_under_load_is_a_hang_on_the_save_line(distcheck, loaded_node, tmp_path):
-    script = SCRIPTS / "dcp_save_rank0.py"
-    r = distcheck("run", str(script), "--nproc-per-node", "3", "--stall-timeout", "5", "--",
-                  str(tmp_path / "ckpt"), timeout=400)
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
+def test_rank0_only_dcp_save_under_load_is_a_hang_on_the_save_line(loaded_runs):
+    script = FAULTS["dcp_save_rank0"][0]
+    r = loaded_runs["dcp_save_rank0"]
     assert r.returncode == 1
     [hang] = [f for f in _only(r.report)["findings"] if f["kind"] == "hang"]
     assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1, 2], hang["summary"]
     assert "# SAVE" in script.read_text().splitlines()[int(hang["callsite"].split(":")[1]) - 1]
 
 
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
 @pytest.mark.skipif(not features().flight_recorder_gloo, reason="only the Flight Recorder says the size of DDP's "
                     "bucket, and gloo has none before torch 2.8")
-def test_oom_skip_under_load_is_a_shape_mismatch_against_ddps_bucket(distcheck, loaded_node):
-    script = SCRIPTS / "ddp_oom_skip.py"
-    r = distcheck("run", str(script), "--nproc-per-node", "3", "--stall-timeout", "5", timeout=400)
+def test_oom_skip_under_load_is_a_shape_mismatch_against_ddps_bucket(loaded_runs):
+    script = FAULTS["ddp_oom_skip"][0]
+    r = loaded_runs["ddp_oom_skip"]
     assert r.returncode == 1
     [m] = [f for f in _only(r.report)["findings"] if f["kind"] == "mismatch"]
     assert m["odd_ranks"] == [1] and m["fields"] == ["shape"], m["summary"]
