@@ -254,12 +254,13 @@ def _unsharded(s: dict, world: int) -> None:
 @check("lightning_confmat_limit_val")
 def _seed_confmat(s: dict, world: int) -> None:
     # The sync is right (the replay agrees); the rows count only the 120 samples per rank the cut pass saw.
+    assert s["observed"] == ["pass"]
     [agree] = findings(s, "numeric")
     assert agree["severity"] == "info" and agree["data"]["agrees"] and agree["data"]["samples"] == 120 * world
     assert sum(agree["data"]["class_counts"]) == 120 * world
     [val] = [f for f in findings(s, "coverage") if f["data"].get("stage") == "validation"]   # torch < 2.8: + a recorder note
-    assert val["data"]["covered"] == 120 * world and val["data"]["limit"] == {"setting": "limit_val_batches",
-                                                                              "value": 10}
+    assert (val["data"]["covered"], val["data"]["dataset_size"]) == (120 * world, 10_000)
+    assert val["data"]["limit"] == {"setting": "limit_val_batches", "value": 10}
 
 
 @check("straggler")
@@ -431,6 +432,9 @@ def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
     assert set(CATALOGUE) <= set(names)
     verify(r, 4, names)
     _terminal_says_what_was_duplicated_and_which_entries_are_off(r.stdout, r.scenario("sampler_padding_confmat"))
+    # the seed's cut pass, in the words the terminal uses (tests/test_metrics_reference.py's seed test was this)
+    assert ("validation covered 480 of 10,000 samples (4 ranks × 10 batches × 12; limit_val_batches=10)"
+            in _plain(r.stdout)), r.stdout[-5000:]
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_2 + 30)

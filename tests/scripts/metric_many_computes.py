@@ -1,5 +1,5 @@
 """60 compute() calls of one metric (a reset every 10): the check covers the first, the last and a
-spread between. --wrong-reduce: its count is reduced with "max" from the start."""
+spread between. --wrong-reduce: beside it, the same metric whose count is reduced with "max" from the start."""
 
 import sys
 
@@ -11,10 +11,10 @@ WRONG = "--wrong-reduce" in sys.argv
 
 
 class Total(Metric):
-    def __init__(self):
+    def __init__(self, wrong=False):
         super().__init__()
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
-        self.add_state("n", default=torch.tensor(0), dist_reduce_fx="max" if WRONG else "sum")
+        self.add_state("n", default=torch.tensor(0), dist_reduce_fx="max" if wrong else "sum")
 
     def update(self, x):
         self.total += x.sum()
@@ -26,10 +26,11 @@ class Total(Metric):
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-m = Total()
+metrics = [Total()] + ([Total(wrong=True)] if WRONG else [])
 for step in range(60):
-    if step % 10 == 0:
-        m.reset()
-    m.update(torch.full((rank + 1,), float(step)))
-    m.compute()
+    for m in metrics:
+        if step % 10 == 0:
+            m.reset()
+        m.update(torch.full((rank + 1,), float(step)))
+        m.compute()
 dist.destroy_process_group()
