@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from launch_group import run_together
 from load import cpu_hogs
 
 pytestmark = pytest.mark.e2e
@@ -28,13 +29,43 @@ def _errors(report: dict) -> list[dict]:
     return [f for f in s["findings"] if f["severity"] == "error"]
 
 
-@pytest.mark.parametrize("hogs", [0, 2], ids=["quiet", "beside-cpu-hogs"])
-def test_a_late_rank_at_monitored_barrier_is_no_mismatch(distcheck, hogs):
-    with cpu_hogs(hogs):
-        r = distcheck("run", str(MONITORED), "--nproc-per-node", "3", "--stall-timeout", "30", "--",
-                      "--late", "2", "--late-s", "6", timeout=240)
+# -- beside CPU hogs: the loaded runs of this module start together, beside one set of hogs ---------------
+
+LOADED_TIMEOUT = 300
+LOADED = {   # name: `distcheck run` arguments; each test below asserts on one
+    "monitored": [str(MONITORED), "--nproc-per-node", "3", "--stall-timeout", "30", "--", "--late", "2",
+                  "--late-s", "6"],
+    # the healthy twins of DTensor's full_tensor() and a DeviceMesh pattern, as the catalogue's scenarios
+    "dtensor_mesh": ["dtensor_full_tensor_all_ranks", "devicemesh_same_dimension", "--nproc-per-node", "4",
+                     "--stall-timeout", "30"],
+    "pipeline": [str(SCRIPTS / "pipeline_gpipe.py"), "--nproc-per-node", "3", "--stall-timeout", "20"],
+}
+# one worker runs the tests on loaded_runs (pytest-xdist's loadgroup), so the group is launched once
+BESIDE_HOGS = "test_ecosystem_e2e_beside_hogs"
+
+
+@pytest.fixture(scope="module")
+def loaded_runs(tmp_path_factory) -> dict:
+    """Every run of LOADED at once, beside two busy loops per core: each competes for the CPU with the hogs
+    and with the others. name -> the finished run."""
+    with cpu_hogs():
+        return run_together(LOADED, tmp_path_factory.mktemp, LOADED_TIMEOUT)
+
+
+def _assert_late_rank_at_monitored_barrier_is_no_mismatch(r) -> None:
     assert r.returncode == 0, r.stdout[-3000:]
     assert _errors(r.report) == []
+
+
+def test_a_late_rank_at_monitored_barrier_is_no_mismatch(distcheck):
+    r = distcheck("run", *LOADED["monitored"], timeout=240)
+    _assert_late_rank_at_monitored_barrier_is_no_mismatch(r)
+
+
+@pytest.mark.xdist_group(BESIDE_HOGS)
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
+def test_a_late_rank_at_monitored_barrier_beside_cpu_hogs_is_no_mismatch(loaded_runs):
+    _assert_late_rank_at_monitored_barrier_is_no_mismatch(loaded_runs["monitored"])
 
 
 def test_a_rank_that_skips_monitored_barrier_is_named(distcheck):
@@ -123,12 +154,11 @@ def test_the_rank_that_mixed_up_its_mesh_groups_is_named_before_the_cycle(distch
     assert r.report["scenarios"][0]["end_reason"] == "certain_hang"   # named at once, no --stall-timeout
 
 
-@pytest.mark.timeout(260)
-def test_full_tensor_on_every_rank_and_one_mesh_pattern_are_clean_beside_cpu_hogs(distcheck):
+@pytest.mark.xdist_group(BESIDE_HOGS)
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
+def test_full_tensor_on_every_rank_and_one_mesh_pattern_are_clean_beside_cpu_hogs(loaded_runs):
     # the healthy twins, as the catalogue's scenarios: two in one launch
-    with cpu_hogs(2):
-        r = distcheck("run", "dtensor_full_tensor_all_ranks", "devicemesh_same_dimension", "--nproc-per-node", "4",
-                      "--stall-timeout", "30", timeout=240)
+    r = loaded_runs["dtensor_mesh"]
     assert r.returncode == 0, r.stdout[-3000:]
     scenarios = {s["name"]: s for s in r.report["scenarios"]}
     assert sorted(scenarios) == ["devicemesh_same_dimension", "dtensor_full_tensor_all_ranks"]
@@ -169,14 +199,20 @@ def test_a_pipeline_whose_middle_stage_splits_the_batch_differently_is_a_certain
         assert op in ("isend", "irecv") and callsite.startswith(f"{script}:{_line_of(script, PIPELINE_LINES[rank])}:")
 
 
-@pytest.mark.parametrize("hogs", [0, 4], ids=["quiet", "beside-cpu-hogs"])
-def test_a_pipeline_whose_stages_agree_on_microbatches_runs_clean(distcheck, hogs):
-    """The healthy twin: ranks wait on each other's P2P handles all the time while their peers compute; no
-    verdict on a wait whose peer can still post the matching op, on a quiet or a loaded node."""
-    with cpu_hogs(hogs):
-        r = distcheck("run", str(SCRIPTS / "pipeline_gpipe.py"), "--nproc-per-node", "3", "--stall-timeout", "20",
-                      timeout=240)
+def _assert_pipeline_runs_clean(r) -> None:
     assert r.returncode == 0, r.stdout[-3000:]
     assert _errors(r.report) == []
     [s] = r.report["scenarios"]
     assert s["end_reason"] not in ("certain_hang", "stall"), s["end_reason"]
+
+
+def test_a_pipeline_whose_stages_agree_on_microbatches_runs_clean(distcheck):
+    """The healthy twin: ranks wait on each other's P2P handles all the time while their peers compute; no
+    verdict on a wait whose peer can still post the matching op, on a quiet node (and beside CPU hogs, below)."""
+    _assert_pipeline_runs_clean(distcheck("run", *LOADED["pipeline"], timeout=240))
+
+
+@pytest.mark.xdist_group(BESIDE_HOGS)
+@pytest.mark.timeout(LOADED_TIMEOUT + 60)
+def test_a_pipeline_whose_stages_agree_on_microbatches_runs_clean_beside_cpu_hogs(loaded_runs):
+    _assert_pipeline_runs_clean(loaded_runs["pipeline"])

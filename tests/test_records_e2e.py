@@ -9,17 +9,13 @@ finding may accuse the job. Faults are still named right under load: a C++-issue
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_tree
-
 from distcheck.torch_features import features
 
+from launch_group import run_together
 from load import cpu_hogs
 
 pytestmark = pytest.mark.e2e
@@ -84,38 +80,14 @@ def loaded_node():
 @pytest.fixture(scope="module")
 def loaded_runs(loaded_node, tmp_path_factory) -> dict:
     """Every script of this module's loaded tests, run by one ``distcheck run`` each, all at once beside
-    the hogs; name -> the finished run. Each is killed whole at LOADED_TIMEOUT and leaves no survivor."""
-    from conftest import DistcheckRun, finish_process
-
-    jobs = {script: (SCRIPTS / script, ranks, (), ()) for script, ranks in HEALTHY.items()
+    the hogs; name -> the finished run."""
+    jobs = {script: [str(SCRIPTS / script), "--nproc-per-node", str(ranks)] for script, ranks in HEALTHY.items()
             if not (script.startswith("fsdp2") and not features().fully_shard_cpu)}
-    jobs.update({name: (path, ranks, ("--stall-timeout", "5"), args) for name, (path, ranks, args) in FAULTS.items()
-                 if name != "ddp_oom_skip" or features().flight_recorder_gloo})
-    started = {}
-    for name, (path, ranks, ours, args) in jobs.items():
-        tmp = tmp_path_factory.mktemp(name.replace(".", "_"))
-        out, err = open(tmp / "stdout", "w+"), open(tmp / "stderr", "w+")
-        cmd = [sys.executable, "-m", "distcheck", "run", str(path), "--nproc-per-node", str(ranks), *ours,
-               "--run-dir", str(tmp / "run"), "--json", str(tmp / "report.json")]
-        cmd += ["--", *(a.format(tmp=tmp) for a in args)] if args else []
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True, cwd=tmp)
-        started[name] = (proc, tmp, out, err)
-    runs, deadline = {}, time.monotonic() + LOADED_TIMEOUT   # one deadline for the whole group
-    try:
-        for name, (proc, tmp, out, err) in started.items():
-            finish_process(proc, str(tmp / "run"), max(1.0, deadline - time.monotonic()))
-            texts = []
-            for f in (out, err):
-                f.seek(0)
-                texts.append(f.read())
-            done = subprocess.CompletedProcess(proc.args, proc.returncode, *texts)
-            runs[name] = DistcheckRun(done, tmp / "run", tmp / "report.json")
-    finally:
-        for proc, _, out, err in started.values():
-            kill_tree(proc)
-            out.close()
-            err.close()
-    return runs
+    for name, (path, ranks, args) in FAULTS.items():
+        if name != "ddp_oom_skip" or features().flight_recorder_gloo:
+            jobs[name] = [str(path), "--nproc-per-node", str(ranks), "--stall-timeout", "5"] + (["--", *args] if args
+                                                                                                else [])
+    return run_together(jobs, lambda name: tmp_path_factory.mktemp(name.replace(".", "_")), LOADED_TIMEOUT)
 
 
 @pytest.mark.timeout(LOADED_TIMEOUT + 60)
