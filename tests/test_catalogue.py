@@ -38,6 +38,7 @@ CATALOGUE = (
     "cpu_state_on_nccl",
 )
 
+PASSES_AT_2 = ("collectives_sanity", "auroc_all_ranks_compute")   # with numeric checks, and no finding at all
 Check = Callable[[dict, int], None]
 CHECKS: dict[str, Check] = {}
 
@@ -396,9 +397,27 @@ def _nccl_only(s: dict, world: int) -> None:
 
 @check("auroc_rank0_only_compute")
 def _seed(s: dict, world: int) -> None:
+    # (was also tests/test_run_e2e.py's seed test, a launch of its own)
+    assert s["observed"] == ["hang"]
     [h] = findings(s, "hang")
     assert h["waiting_ranks"] == [0] and h["absent_ranks"] == list(range(1, world))
     assert h["label"] == "BinaryAUROC.compute"
+    assert h["op"] in ("barrier", "all_gather") and h["seq"] >= 1
+    assert h["callsite"].split(":")[0].endswith("scenarios/auroc_rank0_only_compute.py")
+    assert "metric.compute()" in source_line(h["callsite"])
+    assert h["detected_after_s"] <= STALL + 3
+    ranks = {x["rank"]: x for x in s["ranks"]}
+    assert ranks[0]["state"] == "stuck" and all(ranks[i]["state"] == "finished" for i in range(1, world))
+    launch = Path(s["launch_dir"])
+    assert sorted(p.name for p in (launch / "traces").iterdir()) == [f"rank{i}.trace" for i in range(world)]
+    for trace in (launch / "traces").iterdir():   # no preallocated, unwritten end left once the ranks are gone
+        data = trace.read_bytes()
+        assert data and len(data) % 32 == 0 and data[-32:] != bytes(32), trace.name
+    assert (launch / "stacks" / "rank0.txt").read_text().count("barrier") >= 1
+    # PyTorch's Flight Recorder, dumped on the stall: rank 0 enqueued the collective, never completed it
+    if features().flight_recorder_gloo:   # gloo has none before torch 2.8
+        [fr] = ranks[0]["flight_recorder"].values()
+        assert fr["last_enqueued_collective"] >= 1 > fr["last_completed_collective"]
 
 
 # -- the runs ------------------------------------------------------------------------------
@@ -432,6 +451,7 @@ def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
     assert set(CATALOGUE) <= set(names)
     verify(r, 4, names)
     _terminal_says_what_was_duplicated_and_which_entries_are_off(r.stdout, r.scenario("sampler_padding_confmat"))
+    assert "BinaryAUROC.compute" in r.stdout   # the seed hang's label, in the terminal view
     # the seed's cut pass, in the words the terminal uses (tests/test_metrics_reference.py's seed test was this)
     assert ("validation covered 480 of 10,000 samples (4 ranks × 10 batches × 12; limit_val_batches=10)"
             in _plain(r.stdout)), r.stdout[-5000:]
@@ -440,7 +460,15 @@ def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
 @pytest.mark.timeout(HARD_TIMEOUT_2 + 30)
 def test_the_catalogue_behaves_as_expected_on_2_gloo_ranks(distcheck):
     # On 2 ranks every odd-one-out of the catalogue becomes a tie: no side is blamed.
-    r = distcheck("run", *CATALOGUE, "--nproc-per-node", "2", "--backend", "gloo", "--stall-timeout", str(STALL),
-                  timeout=HARD_TIMEOUT_2, env=WIDE)
+    # Two pass scenarios ride along in the catalogue's shared launch (they were test_run_e2e.py's pass test).
+    r = distcheck("run", *CATALOGUE, *PASSES_AT_2, "--nproc-per-node", "2", "--backend", "gloo", "--stall-timeout",
+                  str(STALL), timeout=HARD_TIMEOUT_2, env=WIDE)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
-    verify(r, 2, CATALOGUE)
+    verify(r, 2, CATALOGUE + PASSES_AT_2)
+    report = r.report
+    assert report["schema"] == "distcheck.report/1" and report["verdict"] == "pass"
+    assert report["run"]["world_size"] == 2 and report["run"]["backend"] == "gloo"
+    for name in PASSES_AT_2:   # no finding at all, not even a note, and every rank exited 0
+        s = r.scenario(name)
+        assert s["ok"] and s["observed"] == ["pass"] and s["findings"] == [], (name, s["findings"])
+        assert all(x["state"] == "finished" and x["exit_code"] == 0 for x in s["ranks"]), name
