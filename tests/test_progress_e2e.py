@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from launch_group import run_together
+
 pytestmark = pytest.mark.e2e
 
 PROGRESS = Path(__file__).parent / "scripts" / "progress"
@@ -63,7 +65,7 @@ def test_send_send_is_one_cycle_finding_naming_both_ranks(distcheck, tmp_path):
     assert "batch_isend_irecv" in hang["summary"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def slow_server():
     """A local HTTP server that trickles 1 KB every 0.1 s for SLOW_S seconds."""
     class Trickle(http.server.BaseHTTPRequestHandler):
@@ -87,10 +89,24 @@ def slow_server():
     server.server_close()
 
 
-@pytest.mark.parametrize("script", ["slow_writer.py", "waits_on_child.py", "slow_download.py"])
-def test_a_late_rank_making_progress_without_cpu_is_not_called_hung(distcheck, script, request):
-    arg = request.getfixturevalue("slow_server") if script == "slow_download.py" else SLOW_S
-    r = distcheck("run", str(PROGRESS / script), "--nproc-per-node", "2", "--stall-timeout", STALL, "--", arg)
+LATE = ("slow_writer.py", "waits_on_child.py", "slow_download.py")
+LATE_TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def late_runs(slow_server, tmp_path_factory) -> dict:
+    """The three late-not-hung scripts, one launch each, started together: most of each is its slow part,
+    at about zero CPU, so they wait side by side rather than one after the other. script -> the run."""
+    jobs = {script: [str(PROGRESS / script), "--nproc-per-node", "2", "--stall-timeout", STALL, "--",
+                     slow_server if script == "slow_download.py" else SLOW_S] for script in LATE}
+    return run_together(jobs, lambda script: tmp_path_factory.mktemp(script.replace(".", "_")), LATE_TIMEOUT)
+
+
+@pytest.mark.xdist_group("test_progress_e2e_late")   # one worker runs the three, so the group is launched once
+@pytest.mark.timeout(LATE_TIMEOUT + 60)
+@pytest.mark.parametrize("script", LATE)
+def test_a_late_rank_making_progress_without_cpu_is_not_called_hung(late_runs, script):
+    r = late_runs[script]
     s = _only(r.report)
     assert r.returncode == 0 and s["end_reason"] == "completed", [f["summary"] for f in s["findings"]]
     assert not [f for f in s["findings"] if f["severity"] == "error"]
