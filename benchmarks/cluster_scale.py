@@ -232,6 +232,7 @@ def worker(args: argparse.Namespace) -> None:
     uploaded: dict[int, int] = {}
     errors: list[str] = []
     published: dict[int, float] = {}        # node -> when it first published every rank of its own in the hang
+    first_published: set[int] = set()       # nodes whose watchdog has published their ranks once
     node_polls: list[float] = []            # the nodes' own polls (their ranks' files), seconds each
 
     def node(n: int) -> None:
@@ -239,7 +240,7 @@ def worker(args: argparse.Namespace) -> None:
             cluster = ClusterStore(_config(nodes, n, args.port))
             channel, counter = counted_channel(cluster, world)
             dog = Watchdog(dirs[n], world, _limits(), poll_s=args.node_poll_s, channel=channel)
-            _watch_node(n, dog, channel, published, node_polls)
+            _watch_node(n, dog, channel, published, node_polls, first_published)
             started = time.time()
             dog.start()
             dog.join()
@@ -256,6 +257,12 @@ def worker(args: argparse.Namespace) -> None:
     threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in mine]
     for t in threads:
         t.start()
+    # Ready once every node of this worker has published its ranks once: its store connections are up and
+    # its watchdog polls. (Counting a node ready when its thread started put nodes whose connection was
+    # still being retried in the row: at 64 nodes, some first polled seconds after the onset, and their
+    # late start was counted as detection time.)
+    while len(first_published) < len(mine) and not errors:
+        time.sleep(0.05)
     bench.add("bench/ready", len(mine))
     bench.wait(["bench/onset_at"])
     at = float(bench.get("bench/onset_at"))
@@ -274,7 +281,8 @@ def worker(args: argparse.Namespace) -> None:
         proc.wait()
 
 
-def _watch_node(n: int, dog: Any, channel: Any, published: dict[int, float], polls: list[float]) -> None:
+def _watch_node(n: int, dog: Any, channel: Any, published: dict[int, float], polls: list[float],
+                first: set[int]) -> None:
     """Times a simulated node's own polls, and when it first published its ranks in the planted hang."""
     inner_poll, inner_publish = dog.monitor.poll, channel.publish
 
@@ -286,6 +294,8 @@ def _watch_node(n: int, dog: Any, channel: Any, published: dict[int, float], pol
 
     def publish(progress: Any) -> None:
         inner_publish(progress)
+        if progress:
+            first.add(n)
         if n not in published and progress and all(p.waits or p.finished for p in progress.values()) \
                 and any(p.waits for p in progress.values()):
             published[n] = time.time()
@@ -399,6 +409,8 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "finding": hang.summary if hang else None,
         "findings": [f"{f.kind}: {f.summary[:300]}" for f in result.findings],
         "last_node_published_after_onset_s": round(last_published - onset, 3) if last_published else None,
+        "nodes_published_after_onset_s": {q: round(sorted(published_at)[int(q / 100 * (len(published_at) - 1))]
+                                                   - onset, 3) for q in (10, 50, 90, 100)} if published_at else None,
         "named_after_last_publish_s": round(detected - last_published, 3) if last_published else None,
         "node_poll_s_median": round(median(node_polls), 4),
         "node_poll_s_p90": round(sorted(node_polls)[int(0.9 * len(node_polls))], 4) if node_polls else None,

@@ -219,7 +219,8 @@ def result_of_launch(spec: Target, options: RunOptions, launch_dir: Path, outcom
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills,
                      command_exit=outcome.command_exit, evidence=outcome.watchdog.evidence,
-                     late_evidence=outcome.watchdog.late_evidence, records_lost=outcome.records_lost)
+                     late_evidence=outcome.watchdog.late_evidence, records_lost=outcome.records_lost,
+                     elided={r: t.elided for r, t in run.traces.items() if t.elided})
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
                         why_ended=f"the records of {rank_list(outcome.records_lost)} went with their lost node"
                         if outcome.records_lost else None,

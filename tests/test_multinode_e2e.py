@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,16 +17,18 @@ from conftest import (free_port, kill_tree, listening_sockets, process_groups_in
                       wait_for)
 from distcheck.launch.cluster import SILENT_AFTER_S, check_endpoint_address, node_address, node_config
 from distcheck.errors import LaunchError, UsageError
+from distcheck.files.trace_reader import parse_trace
+from distcheck.files.trace_window import KEEP_CALLS, WHOLE_UP_TO
 
 pytestmark = pytest.mark.e2e
 
 
-def _node(rank: int, port: int, tmp_path, *extra: str) -> subprocess.Popen:
+def _node(rank: int, port: int, tmp_path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "distcheck", "run", "--nnodes", "2", "--node-rank", str(rank),
             "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t{port}",
             "--run-dir", str(tmp_path / f"node{rank}"), "--json", str(tmp_path / f"node{rank}.json"), *extra]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=tmp_path)
+                            start_new_session=True, cwd=tmp_path, env={**os.environ, **(env or {})})
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
@@ -79,6 +84,42 @@ def test_two_nodes_one_merged_report_with_a_hang_across_nodes(tmp_path):
     assert sanity["ok"] and sanity["collectives_compared"] > 0
     assert "node 0 wrote the full report" in out1
     assert not survivors(str(tmp_path))
+
+
+LONG_REDUCE = Path(__file__).parent / "scripts" / "long" / "long_reduce.py"
+
+
+def test_a_long_run_crosses_as_windows_and_a_reduction_mismatched_before_them_is_found_on_its_node(tmp_path):
+    """1,500 calls a rank: node 1 sends its ranks' last calls and digests of the rest, keeps the whole traces;
+    the last rank's MAX at call #300 (every other rank sums) is found by digest, with where its records are."""
+    port = free_port()
+    target = [str(LONG_REDUCE), "--stall-timeout", "20"]
+    procs = [_node(n, port, tmp_path, *target, env={"PLANT_MAX": "1"}) for n in (0, 1)]
+    (rc0, out0, err0), (rc1, out1, err1) = _finish(procs, 240)
+    assert rc0 == 1, out0[-3000:] + err0[-2000:]     # the run behaved otherwise than a clean script
+    report = json.loads((tmp_path / "node0.json").read_text())
+    [s] = report["scenarios"]
+    assert s["end_reason"] == "completed" and not s["ok"]
+    nodes = {r["rank"]: r["node"] for r in s["ranks"]}
+    assert 1500 > WHOLE_UP_TO and nodes[3] != nodes[0]
+    [mismatch] = [f for f in s["findings"] if f["severity"] == "error"]
+    assert mismatch["kind"] == "mismatch" and mismatch["odd_ranks"] == [3] and "#257-#512" in mismatch["summary"]
+    whole = tmp_path / f"node{nodes[3]}" / "long_reduce" / "traces" / "rank3.trace"
+    assert f"rank 3 on node {nodes[3]} in {whole}" in mismatch["summary"]
+    assert not any("lost" in f["summary"] for f in s["findings"]), s["findings"]
+    [note] = [f for f in s["findings"] if f["kind"] == "coverage"]
+    assert note["severity"] == "info" and f"#{1500 - KEEP_CALLS + 1} of group 0" in note["summary"]
+    # the whole trace stayed on its node; node 0 got its window
+    assert len(parse_trace(3, whole.read_bytes()).events) == 1500
+    copy = tmp_path / "node0" / "long_reduce" / "traces" / "rank3.trace"
+    assert copy.stat().st_size < whole.stat().st_size / 4
+    assert s["collectives_compared"] > 0
+    # as the finding says: the whole traces copied into node 0's launch dir, `distcheck analyze` names the call
+    for trace in whole.parent.glob("rank*.trace"):
+        shutil.copy(trace, copy.parent / trace.name)
+    analyzed = subprocess.run([sys.executable, "-m", "distcheck", "analyze", str(tmp_path / "node0")],
+                              capture_output=True, text=True, timeout=120)
+    assert "all_reduce #300 (group 0): rank 3 called it with a different reduce_op" in analyzed.stdout, analyzed.stdout
 
 
 def test_a_node_whose_distcheck_is_killed_mid_run_ends_the_run_with_the_report_so_far(tmp_path):

@@ -21,6 +21,7 @@ from distcheck.diagnose.numeric import explain_numbers, find_numeric
 from distcheck.diagnose.out_of_step import caused_by_out_of_step, find_out_of_step
 from distcheck.diagnose.unrecorded import with_unrecorded_calls
 from distcheck.diagnose.coverage import find_coverage_gaps
+from distcheck.diagnose.windows import find_window_divergence, window_note
 from distcheck.diagnose.straggler import find_late_arrivals, find_stragglers
 from distcheck.models import Event, Finding, RankOutcome, RankState
 
@@ -41,7 +42,7 @@ def analyze(
     """
     table = group_table(traces)
     outcomes = with_unrecorded_calls(outcomes, table)   # a C++-issued call a rank died in before its record had it
-    mismatches = find_mismatches(table)
+    mismatches = find_mismatches(table) + find_window_divergence(facts.elided)   # and before long traces' windows
     mismatches += find_backend_mismatches(outcomes, traces, mismatches)   # gloo's words, where fingerprints say nothing
     crashes = find_crashes(outcomes, facts, mismatches) or find_command_failure(facts)
     hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
@@ -61,7 +62,7 @@ def analyze(
     caused = [f for f in stopped if "caused_by" in f.data]
     first = [f for f in stopped if f not in caused]
     found = (first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
-            + find_coverage_gaps(outcomes) + find_partial_coverage(results))
+            + find_coverage_gaps(outcomes) + find_partial_coverage(results) + window_note(facts.elided))
     return agreeing(found, outcomes)   # no second finding may say a rank was elsewhere
 
 

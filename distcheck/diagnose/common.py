@@ -9,7 +9,7 @@ sequence number is decided by majority, and a tie is stated as a tie — never
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from distcheck.files.stacks import IDLE_IN_POOL
@@ -41,6 +41,8 @@ class RunFacts:
     evidence: str | None = None          # why distcheck ended the run ("certain: ranks 1-3 finished")
     late_evidence: Mapping[int, str] | None = None   # rank -> the progress a late rank showed
     records_lost: tuple[int, ...] = ()   # ranks whose records went with a lost node: what they did is unknown
+    # rank -> group -> the calls node 0 compared by digest only (``files.trace_window``); empty: every record
+    elided: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
 
 
 

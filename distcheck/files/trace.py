@@ -37,6 +37,7 @@ id, one tab-separated line each (``-`` for "none"):
     F  fp-id  op  reduce_op  shapes  dtypes  device  root  kind  site-id  splits  members
     R  error-id  "Type: message" (an error an X record names)
     B  scenario-name          (a batched launch: the next scenario's own trace starts here)
+    K, H                      (a long trace's window on node 0: ``files.trace_window``)
 
 kind: ``0`` a blocking call, ``1`` an async one (``async_op=True``, isend:
 its wait happens elsewhere), ``n`` a call issued from C++ (DDP's reducer,
@@ -344,6 +345,10 @@ class Tables:
         self.shared: dict[int, tuple] = {}
         self.version = False
         self.segment: str | None = None    # the name of a B record just read
+        # A window's (``files.trace_window``): group -> (first call kept, calls cut, block -> digest), and
+        # (node, path) of the whole trace
+        self.kept: dict[str, tuple[int, int, dict[int, str]]] = {}
+        self.held_at: tuple[int, str] | None = None
 
     def define(self, text: str) -> int:
         """Take a text record's lines into the tables; return how many lines were not understood."""
@@ -373,6 +378,11 @@ class Tables:
             self.version = p[1] == "distcheck-trace"
         elif tag == "B" and n == 2:
             self.segment = p[1]
+        elif tag == "K" and n == 5:
+            digests = {} if p[4] == NONE else {int(b): d for b, d in (x.split(":") for x in p[4].split(","))}
+            self.kept[p[1]] = (int(p[2]), int(p[3]), digests)
+        elif tag == "H" and n == 3:
+            self.held_at = (int(p[1]), p[2])
         else:
             return False
         return True

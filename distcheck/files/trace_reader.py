@@ -13,6 +13,7 @@ from typing import Iterator
 from distcheck.files.trace import (SEQ_MASK, SHARED_ASYNC, SHARED_NATIVE, SLOT, TAG_C, TAG_E, TAG_T, TAG_X, TAG_Y,
                                    VERSION_LINE, WAIT_IN, WAIT_OUT, X_OK, Tables, Text, first_bad, slot_words, text_at,
                                    text_slots, used_bytes)
+from distcheck.files.trace_window import Elided, common_window, elided_of
 from distcheck.models import Event
 
 
@@ -31,6 +32,8 @@ class RankTrace:
     events: list[Event] = field(default_factory=list)
     corrupt_records: int = 0
     truncated: bool = False      # the file ended in the middle of a record
+    # group -> the calls this copy lacks (a window of a long trace, ``files.trace_window``); empty: whole
+    elided: dict[str, Elided] = field(default_factory=dict)
 
 
 def parse_trace(rank: int, data: bytes) -> RankTrace:
@@ -50,7 +53,9 @@ def parse_trace(rank: int, data: bytes) -> RankTrace:
         trace.corrupt_records = 1 if data.strip(b"\0") else 0   # not a trace file (or one from an older distcheck)
         return trace
     with _no_gc():
-        _Parse(trace, tables).run(words[0:4 * good:4], words[1:4 * good:4], words[2:4 * good:4])
+        parse = _Parse(trace, tables)
+        parse.run(words[0:4 * good:4], words[1:4 * good:4], words[2:4 * good:4])
+    trace.elided.update(elided_of(parse.tables))
     return trace
 
 
@@ -209,4 +214,5 @@ def read_trace_dir(trace_dir: Path) -> dict[int, RankTrace]:
             except ValueError:
                 continue
             traces[rank] = parse_trace(rank, path.read_bytes())
+        common_window(traces)   # windows of long traces: every rank compared on the calls all of them kept
     return traces

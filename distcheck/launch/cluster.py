@@ -28,6 +28,7 @@ import psutil
 from distcheck.errors import LaunchError, UsageError
 from distcheck.launch.rendezvous import bound_listener, listen_fd_backend
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.trace_window import window
 from distcheck.torch_features import quiet_native_stderr
 from distcheck.launch.watchdog import RankProgress
 from distcheck.models import rank_runs, ranks_from_json
@@ -430,9 +431,15 @@ class LaunchChannel:
     # -- after the launch ---------------------------------------------------
 
     def upload(self, files: LaunchFiles, summary: dict[str, Any]) -> None:
-        """This node's ranks' files and its launch summary, for node 0's report."""
+        """This node's ranks' files and its launch summary, for node 0's report. A long trace crosses as its
+        window (``files.trace_window``: its last calls, digests of the rest); the whole one stays here."""
+        node = self.config.node_rank
+
+        def crossing(rel: str, data: bytes) -> bytes:
+            return window(data, node, str(files.root / rel)) if rel.startswith("traces/") else data
+
         bundle = {"summary": summary, "files": {   # base64: traces are binary
-            rel: base64.b64encode(data).decode("ascii") for rel, data in files.shipped_contents()}}
+            rel: base64.b64encode(crossing(rel, data)).decode("ascii") for rel, data in files.shipped_contents()}}
         _put(self.store, f"bundle/{self.config.node_rank}", json.dumps(bundle))
 
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:

@@ -202,6 +202,7 @@ class ActivityMeter:
         self.children_s = children_s
         self._last: dict[int, tuple[float, float, int, int]] = {}    # rank -> (when, cpu s, io bytes, wakeups)
         self._tree: dict[int, tuple[float, list[psutil.Process]]] = {}
+        self._children: tuple[float, dict[int, list[int]]] = (float("-inf"), {})   # when, ppid -> child pids
         self.latest: dict[int, Activity] = {}
 
     def sample(self, rank: int, pid: int | None, now: float) -> Activity | None:
@@ -222,6 +223,12 @@ class ActivityMeter:
                                      max(0, totals[2] - last[3]))
         return self.latest[rank]
 
+    def forget(self, rank: int) -> None:
+        """The rank is inside a collective: what its tree does there (a backend spinning on a core) is no
+        evidence of progress outside, so its next sample starts afresh."""
+        self._last.pop(rank, None)
+        self.latest.pop(rank, None)
+
     def rebaseline(self, rank: int, pid: int | None, now: float) -> None:
         """Forget what was counted so far (distcheck's own stack request made the rank write)."""
         totals = self._totals(rank, pid, now)
@@ -234,8 +241,7 @@ class ActivityMeter:
         when, tree = self._tree.get(rank, (0.0, []))
         if not tree or tree[0].pid != pid or now - when >= self.children_s:
             try:
-                root = psutil.Process(pid)
-                tree = [root] + root.children(recursive=True)
+                tree = [psutil.Process(pid)] + _processes(self._descendants(pid, now))
             except psutil.Error:
                 return None
             self._tree[rank] = (now, tree)
@@ -255,6 +261,35 @@ class ActivityMeter:
                 if i == 0:
                     return None
         return cpu, io, wakeups
+
+
+    def _descendants(self, pid: int, now: float) -> list[int]:
+        """Every descendant of ``pid``, from one scan of the process table per ``children_s`` shared by
+        all ranks (psutil's ``children`` scans the whole table for each call: a node of 8 ranks beside
+        hundreds of processes spent most of its poll there)."""
+        when, children = self._children
+        if now - when >= self.children_s:
+            children = {}
+            for proc in psutil.process_iter(["ppid"]):
+                children.setdefault(proc.info["ppid"], []).append(proc.pid)
+            self._children = (now, children)
+        out, todo = [], list(children.get(pid, ()))
+        while todo:
+            child = todo.pop()
+            out.append(child)
+            todo.extend(children.get(child, ()))
+        return out
+
+
+def _processes(pids: Iterable[int]) -> list[psutil.Process]:
+    """Handles on those of ``pids`` still running (a child may end between the scan and now)."""
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return out
 
 
 class Activity(NamedTuple):

@@ -287,7 +287,10 @@ class RankMonitor:
     def _evidence(self, rank: int, pid: int | None, digest: int | None, now: float, outside: bool) -> dict:
         """What shows the rank making progress outside the collectives (``evidence``, in words) and how
         long ago it was seen (``evidence_age``); nothing when nothing does."""
-        self._activity.sample(rank, pid, now)
+        if outside:
+            self._activity.sample(rank, pid, now)
+        else:
+            self._activity.forget(rank)
         if digest is not None:
             old = self._stacks.get(rank)
             if old is None or old[0] != digest:

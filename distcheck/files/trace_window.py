@@ -1,0 +1,166 @@
+"""A long trace's window: what of a rank's trace crosses to node 0 on a multi-node run.
+
+A 10-minute pre-flight writes ~100 calls a second per rank; at 4,096 ranks the whole traces are
+gigabytes, and node 0 could neither hold nor judge them in time. So a node sends node 0 each rank's
+trace whole only while it has at most ``WHOLE_UP_TO`` calls. A longer one goes as its *window*: every
+definition, the rank's last ``KEEP_CALLS`` calls, and for each group a digest of every block of
+``BLOCK`` calls before them (the op and reduce op of each call, by number). The whole trace stays in
+the node's own launch dir, and the window says where (an ``H`` record).
+
+On node 0 (``common_window``), every rank's calls of a group are cut at the same number, the highest
+any window of that group starts at, so the analysis compares ranks on the calls all of them kept
+(a call one rank's window lacks is then never taken for a lost record or a divergence). The blocks
+before the cut are compared by digest (``diagnose.windows``): ranks that issued another op or reduce op
+there are found, the records that would name the call stay on the nodes.
+
+The records this module adds to the format (``files.trace`` reads them into ``Tables``):
+
+    K  group  first-kept-seq  calls-elided  block:digest,block:digest,...
+    H  node  path-of-the-whole-trace
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG_T, Tables, clean, first_bad,
+                                   slot_words, text_at, text_slots, used_bytes)
+
+WHOLE_UP_TO = 1000     # calls: a rank's trace with no more than this crosses whole
+KEEP_CALLS = 200       # the last calls of a longer trace that cross to node 0
+BLOCK = 256            # calls per digest of the calls before the window
+
+
+@dataclass(frozen=True)
+class Elided:
+    """What a rank's copy on node 0 lacks of one group: calls before ``first_kept``, compared by digest."""
+
+    first_kept: int                        # the first call number kept (every call before it was cut)
+    count: int                             # how many of the rank's calls were cut
+    digests: Mapping[int, str] = field(default_factory=dict)   # block -> digest, for complete blocks cut
+    held_at: tuple[int, str] | None = None  # (node, path) of the rank's whole trace; None: node 0 has it
+
+
+def digest_of(calls: Iterable[tuple[int, str, str]]) -> dict[int, str]:
+    """Block -> digest of (seq, op, reduce op) of every call in it, for the blocks ``calls`` fill.
+
+    A block is calls ``b * BLOCK + 1`` to ``(b + 1) * BLOCK`` of one group; a block with a number missing
+    gets no digest (there is nothing whole to compare)."""
+    blocks: dict[int, list[tuple[int, str, str]]] = defaultdict(list)
+    for seq, op, reduce_op in calls:
+        blocks[(seq - 1) // BLOCK].append((seq, op, reduce_op or NONE))
+    out = {}
+    for block, items in blocks.items():
+        items.sort()
+        if [s for s, _, _ in items] != list(range(block * BLOCK + 1, (block + 1) * BLOCK + 1)):
+            continue
+        h = hashlib.blake2b(digest_size=8)
+        for seq, op, reduce_op in items:
+            h.update(f"{seq}:{op}:{reduce_op};".encode())
+        out[block] = h.hexdigest()
+    return out
+
+
+def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_up_to: int = WHOLE_UP_TO) -> bytes:
+    """The bytes of ``data`` (a whole trace file) that cross to node 0: all of it while it is short (or a
+    batched launch's, whose scenarios restart their numbers), else its window."""
+    used = used_bytes(data)
+    n = used // SLOT
+    words = slot_words(memoryview(data), n)
+    good = first_bad(words, 0, n)
+    tables = Tables()
+    texts: list[tuple[int, int]] = []                  # (first slot, end slot) of each text record
+    enters: list[tuple[int, str, int, str, str]] = []  # (slot, group, seq, op, reduce op) of each E record
+    i = 0
+    while i < good:
+        w0 = words[4 * i]
+        tag = w0 & 0xFF
+        if tag == TAG_T:
+            text, j = text_at(words, i, good)
+            if not text.complete:
+                break
+            line = text.text()
+            if line.startswith(("B\t", "K\t")):
+                return data   # a batched launch's trace, or one already cut: sent as it is
+            tables.define(line)
+            texts.append((i, j))
+            i = j
+            continue
+        if tag == TAG_E:
+            call = _call(tables, w0)
+            if call is not None:
+                enters.append((i, call[0], words[4 * i + 1] & SEQ_MASK, call[1], call[2]))
+        i += 1
+    if len(enters) <= whole_up_to:
+        return data
+    cut = enters[-keep][0]
+    return _windowed(data, used, cut, texts, enters[:-keep], enters[-keep:], node, held_at)
+
+
+def _call(tables: Tables, w0: int) -> tuple[str, str, str] | None:
+    """(group, op, reduce op) of an E record's first word."""
+    s = tables.shared.get(w0) or tables.shared_of(w0)
+    if s is None:
+        return None
+    group, op, rest = s
+    return group, op, rest[0] or NONE
+
+
+def _windowed(data: bytes, used: int, cut: int, texts: list[tuple[int, int]], cut_calls: list[tuple],
+              kept_calls: list[tuple], node: int, held_at: str) -> bytes:
+    first_kept: dict[str, int] = {}
+    for _, group, seq, _, _ in kept_calls:
+        first_kept[group] = min(seq, first_kept.get(group, seq))
+    by_group: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
+    for _, group, seq, op, reduce_op in cut_calls:
+        by_group[group].append((seq, op, reduce_op))
+    lines = []
+    for group, calls in sorted(by_group.items()):
+        first = first_kept.get(group, max(seq for seq, _, _ in calls) + 1)
+        digests = ",".join(f"{b}:{d}" for b, d in sorted(digest_of(c for c in calls if c[0] < first).items()))
+        lines.append(f"K\t{clean(group)}\t{first}\t{len(calls)}\t{digests or NONE}\n")
+    lines.append(f"H\t{node}\t{clean(held_at)}\n")
+    header = data[:SYNC_OFFSET + SLOT]
+    before = b"".join(data[a * SLOT:b * SLOT] for a, b in texts if a < cut and a * SLOT >= len(header))
+    return header + text_slots("".join(lines).encode()) + before + data[cut * SLOT:used]
+
+
+def elided_of(tables: Tables) -> dict[str, Elided]:
+    """The ``K`` and ``H`` records a window's ``Tables`` read: group -> what its copy lacks."""
+    held = tables.held_at
+    return {group: Elided(first, count, digests, held) for group, (first, count, digests) in tables.kept.items()}
+
+
+def common_window(traces: Mapping[int, object]) -> None:
+    """Cut every rank's calls of a group at the same number, the highest its windows start at, in place
+    (``traces``: rank -> ``trace_reader.RankTrace``); a rank node 0 has whole gets, for the calls cut,
+    the digests its window would have carried, so that every rank's blocks can be compared."""
+    cuts: dict[str, int] = {}
+    for trace in traces.values():
+        for group, e in trace.elided.items():
+            cuts[group] = max(cuts.get(group, 0), e.first_kept)
+    if not cuts:
+        return
+    for trace in traces.values():
+        cut_calls: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
+        kept = []
+        for e in trace.events:
+            cut = cuts.get(e.group)
+            if cut is not None and e.seq < cut:
+                cut_calls[e.group].append((e.seq, e.op, e.reduce_op))
+            else:
+                kept.append(e)
+        if not cut_calls:
+            continue
+        trace.events[:] = kept
+        for group, calls in cut_calls.items():
+            had = trace.elided.get(group)
+            if had is None:
+                trace.elided[group] = Elided(cuts[group], len(calls), digest_of(calls))
+            else:   # a window that starts below the common cut: its own calls up to the cut are digested too
+                more = digest_of(calls)
+                trace.elided[group] = Elided(cuts[group], had.count + len(calls),
+                                             {**had.digests, **more}, had.held_at)
