@@ -30,7 +30,7 @@ from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG
                                    slot_words, text_at, text_slots, used_bytes)
 
 WHOLE_UP_TO = 1000     # calls: a rank's trace with no more than this crosses whole
-KEEP_CALLS = 200       # the last calls of a longer trace that cross to node 0
+KEEP_CALLS = 64        # the last calls of a longer trace that cross to node 0
 BLOCK = 256            # calls per digest of the calls before the window
 
 
