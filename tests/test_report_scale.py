@@ -5,6 +5,8 @@ share a lane, while the ranks a finding singles out keep their own; a small run 
 
 from __future__ import annotations
 
+import functools
+
 import json
 import re
 
@@ -16,11 +18,17 @@ T0 = 1_800_000_000.0
 SITE = "/home/u/train.py:412:end"
 
 
+@functools.lru_cache(maxsize=8)
+def _world(world: int) -> tuple[int, ...]:
+    """One tuple of a group's ranks shared by its events, as the trace reader shares it."""
+    return tuple(range(world))
+
+
 def _event(rank: int, seq: int, world: int, op: str = "all_reduce", returned: bool = True) -> Event:
     t = T0 + seq * 0.01 + rank * 1e-5
     return Event(rank=rank, group="0", seq=seq, op=op, reduce_op="SUM" if op == "all_reduce" else None,
                  shapes=((256,),) if op == "all_reduce" else (), dtypes=("float32",) if op == "all_reduce" else (),
-                 device="cpu", group_ranks=tuple(range(world)), t_enter=t, t_exit=t + 0.002 if returned else None,
+                 device="cpu", group_ranks=_world(world), t_enter=t, t_exit=t + 0.002 if returned else None,
                  callsite=SITE)
 
 
