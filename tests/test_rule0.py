@@ -415,8 +415,8 @@ def test_failing_init_destroy_exit_and_atexit_hooks_change_nothing_in_a_rank_and
         return done.returncode, json.loads(out.read_text()) if out.exists() else None, {
             "findings": findings, "output": done.stdout[-3000:] + done.stderr[-2000:]}
 
-    code, expected, _ = job("plain", distcheck=False)
-    assert code == 3 and expected["first"]["all_reduce"] == [0.0, 1.0, 2.0]
+    code, expected, plain = job("plain", distcheck=False)
+    assert code == 3 and expected["first"]["all_reduce"] == [0.0, 1.0, 2.0], (code, plain["output"])
     assert expected["initialized_after_destroy"] is False
     assert expected["left_main"] == "SystemExit: 3"
     code, seen, traced = job("traced", distcheck=True)
