@@ -199,3 +199,49 @@ def mesh_steps(ctx, loss_dim_of) -> None:
         loss, act = torch.ones(4), torch.ones(4)
         dist.all_reduce(loss, group=mesh.get_group(loss_dim_of(ctx.rank)))
         dist.all_reduce(act, group=mesh.get_group("tp"))
+
+
+def monitored_barrier_then_collectives(ctx, skips: bool) -> None:
+    """gloo's monitored_barrier between two steps, then collectives of different kinds: on gloo it is P2P
+    with rank 0, which moves the group's counter by different amounts on different ranks. ``skips``: this
+    rank goes straight to the next all_reduce instead."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if not skips:
+        # a time-out of its own well above any stall timeout: distcheck, not gloo, ends a wrong run
+        dist.monitored_barrier(timeout=timedelta(seconds=300))
+    dist.all_reduce(t)
+    dist.broadcast(torch.zeros(3), src=0)
+    dist.all_reduce(torch.ones(7))
+    dist.barrier()
+
+
+PIPELINE_BATCH, PIPELINE_WIDTH = 8, 16
+PIPELINE_BUDGET_ROWS = 4    # the rows of one microbatch that fit in a stage's memory
+
+
+def pipeline_steps(ctx, budget_rows: int, steps: int = 3) -> None:
+    """A torch.distributed.pipelining job, one PipelineStage per rank under ScheduleGPipe; each stage derives
+    n_microbatches from its own memory budget (``budget_rows``)."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(ctx.seed + ctx.rank)
+    stage = PipelineStage(torch.nn.Linear(PIPELINE_WIDTH, PIPELINE_WIDTH).to(ctx.device), ctx.rank,
+                          ctx.world_size, ctx.device)
+    n_microbatches = max(1, PIPELINE_BATCH // budget_rows)
+    schedule = ScheduleGPipe(stage, n_microbatches, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    x = torch.randn(PIPELINE_BATCH, PIPELINE_WIDTH, generator=ctx.generator).to(ctx.device)
+    y = torch.randn(PIPELINE_BATCH, PIPELINE_WIDTH, generator=ctx.generator).to(ctx.device)
+    for _ in range(steps):
+        if ctx.rank == 0:
+            schedule.step(x)
+        elif ctx.rank == ctx.world_size - 1:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()

@@ -386,8 +386,32 @@ def _passes(s: dict, world: int) -> None:
 
 for _name in ("weighted_mean", "unrepeated_sharding_confmat", "collectives_sanity", "auroc_all_ranks_compute",
               "ddp_uneven_inputs_join", "ddp_no_sync_all_ranks", "functional_collective_all_ranks", "fsdp2_same_steps",
-              "moe_all_to_all_splits_exchanged", "ddp_extra_step_then_barrier_join", "subgroups_created_in_same_order", "recv_sized_per_worker"):
+              "moe_all_to_all_splits_exchanged", "ddp_extra_step_then_barrier_join", "subgroups_created_in_same_order", "recv_sized_per_worker",
+              "monitored_barrier_every_rank", "pipeline_stages_agree"):
     check(_name)(_passes)
+
+
+@check("monitored_barrier_skipped_by_one_rank")
+def _skipped_monitored_barrier(s: dict, world: int) -> None:
+    # gloo's monitored_barrier is P2P with rank 0; the rank that skipped it is the odd one, at its all_reduce
+    [m] = findings(s, "mismatch")
+    assert m["odd_ranks"] == odd(world) and "op" in m["fields"], m["summary"]
+    lines = {d["rank"]: source_line(d["callsite"]) for d in m["ranks"]}
+    assert all("monitored_barrier(" in lines[r] for r in range(world - 1)), lines
+    assert "dist.all_reduce(t)" in lines[world - 1], lines
+    assert not findings(s, "count") and not findings(s, "hang"), s["findings"]
+
+
+@check("pipeline_stage_splits_differently")
+def _pipeline_cannot_finish(s: dict, world: int) -> None:
+    # the stages wait on each other's P2P handles: certain, with no time-out, at each rank's schedule.step line
+    assert s["end_reason"] == "certain_hang", s["end_reason"]
+    hangs = findings(s, "hang")
+    cycle = {r for c in hangs[0]["data"]["cycle"] for r in c["ranks"]}
+    assert {0, 1} <= cycle, hangs[0]["summary"]
+    for h in hangs:
+        assert "schedule.step(" in source_line(h["callsite"]), h["summary"]
+    assert {r for h in hangs for r in h["waiting_ranks"]} == set(range(world)), [h["summary"] for h in hangs]
 
 
 @check("cpu_state_on_nccl")

@@ -1,0 +1,12 @@
+"""One rank skips gloo's monitored_barrier and goes on to the next all_reduce, while its peers wait in the
+barrier (on gloo: P2P with rank 0). The rank that skipped it is the odd one out, at its all_reduce line."""
+
+from distcheck import scenario
+
+
+@scenario(expect="mismatch", backends=("gloo",))
+def monitored_barrier_skipped_by_one_rank(ctx):
+    """The last rank never calls dist.monitored_barrier(); the others do, then all ranks all_reduce."""
+    from _catalogue import monitored_barrier_then_collectives
+
+    monitored_barrier_then_collectives(ctx, skips=ctx.rank == ctx.world_size - 1)   # the bug
