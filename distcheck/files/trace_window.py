@@ -22,9 +22,10 @@ The records this module adds to the format (``files.trace`` reads them into ``Ta
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG_T, Tables, clean, first_bad,
                                    slot_words, text_at, text_slots, used_bytes)
@@ -57,10 +58,9 @@ def digest_of(calls: Iterable[tuple[int, str, str]]) -> dict[int, str]:
         items.sort()
         if [s for s, _, _ in items] != list(range(block * BLOCK + 1, (block + 1) * BLOCK + 1)):
             continue
-        h = hashlib.blake2b(digest_size=8)
-        for seq, op, reduce_op in items:
-            h.update(f"{seq}:{op}:{reduce_op};".encode())
-        out[block] = h.hexdigest()
+        # one update of the whole text hashes as the call-by-call updates it replaces
+        text = "".join([f"{seq}:{op}:{reduce_op};" for seq, op, reduce_op in items])
+        out[block] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     return out
 
 
@@ -71,33 +71,44 @@ def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_u
     n = used // SLOT
     words = slot_words(memoryview(data), n)
     good = first_bad(words, 0, n)
+    # Each slot's first byte is its tag: the text and enter records are found in C, not slot by slot in
+    # Python (a node cuts the windows of all its ranks' traces of 10,000s of calls at once).
+    tags = bytes(memoryview(data)[:good * SLOT:SLOT])
     tables = Tables()
     texts: list[tuple[int, int]] = []                  # (first slot, end slot) of each text record
-    enters: list[tuple[int, str, int, str, str]] = []  # (slot, group, seq, op, reduce op) of each E record
-    i = 0
-    while i < good:
-        w0 = words[4 * i]
-        tag = w0 & 0xFF
-        if tag == TAG_T:
-            text, j = text_at(words, i, good)
-            if not text.complete:
-                break
-            line = text.text()
-            if line.startswith(("B\t", "K\t")):
-                return data   # a batched launch's trace, or one already cut: sent as it is
-            tables.define(line)
-            texts.append((i, j))
-            i = j
-            continue
-        if tag == TAG_E:
-            call = _call(tables, w0)
-            if call is not None:
-                enters.append((i, call[0], words[4 * i + 1] & SEQ_MASK, call[1], call[2]))
-        i += 1
+    i = tags.find(TAG_T_BYTE)
+    while i != -1:
+        text, j = text_at(words, i, good)
+        if not text.complete:
+            good = i   # a text cut short: nothing from here on is read
+            break
+        line = text.text()
+        if line.startswith(("B\t", "K\t")):
+            return data   # a batched launch's trace, or one already cut: sent as it is
+        tables.define(line)
+        texts.append((i, j))
+        i = tags.find(TAG_T_BYTE, j)
+    enters = _enters(words, tables, (m.start() for m in _TAG_E_RE.finditer(tags, 0, good)))
     if len(enters) <= whole_up_to:
         return data
     cut = enters[-keep][0]
     return _windowed(data, used, cut, texts, enters[:-keep], enters[-keep:], node, held_at)
+
+
+TAG_T_BYTE = bytes([TAG_T])
+_TAG_E_RE = re.compile(re.escape(bytes([TAG_E])))
+
+
+def _enters(words: Any, tables: Tables, slots: Iterable[int]) -> list[tuple[int, str, int, str, str]]:
+    """(slot, group, seq, op, reduce op) of the E records at ``slots`` whose ids are defined."""
+    calls: dict[int, tuple[str, str, str] | None] = {}
+    out = []
+    for i in slots:
+        w0 = words[4 * i]
+        call = calls[w0] if w0 in calls else calls.setdefault(w0, _call(tables, w0))
+        if call is not None:
+            out.append((i, call[0], words[4 * i + 1] & SEQ_MASK, call[1], call[2]))
+    return out
 
 
 def _call(tables: Tables, w0: int) -> tuple[str, str, str] | None:
