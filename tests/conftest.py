@@ -30,6 +30,7 @@ SHARED_LAUNCH_MODULES = {"test_faults", "test_postmortem", "test_records_e2e", "
                          "test_timeline_browser"}
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook, which reads the marks into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__ if item.module else ""
