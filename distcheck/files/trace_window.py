@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG_T, Tables, clean, first_bad,
                                    slot_words, text_at, text_slots, used_bytes)
@@ -33,6 +34,8 @@ from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG
 WHOLE_UP_TO = 1000     # calls: a rank's trace with no more than this crosses whole
 KEEP_CALLS = 64        # the last calls of a longer trace that cross to node 0
 BLOCK = 256            # calls per digest of the calls before the window
+_TAG_T_BYTE = bytes([TAG_T])   # a slot's first byte is its tag
+_TAG_E_RE = re.compile(re.escape(bytes([TAG_E])))
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_u
     tags = bytes(memoryview(data)[:good * SLOT:SLOT])
     tables = Tables()
     texts: list[tuple[int, int]] = []                  # (first slot, end slot) of each text record
-    i = tags.find(TAG_T_BYTE)
+    i = tags.find(_TAG_T_BYTE)
     while i != -1:
         text, j = text_at(words, i, good)
         if not text.complete:
@@ -87,7 +90,7 @@ def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_u
             return data   # a batched launch's trace, or one already cut: sent as it is
         tables.define(line)
         texts.append((i, j))
-        i = tags.find(TAG_T_BYTE, j)
+        i = tags.find(_TAG_T_BYTE, j)
     enters = _enters(words, tables, (m.start() for m in _TAG_E_RE.finditer(tags, 0, good)))
     if len(enters) <= whole_up_to:
         return data
@@ -95,17 +98,11 @@ def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_u
     return _windowed(data, used, cut, texts, enters[:-keep], enters[-keep:], node, held_at)
 
 
-TAG_T_BYTE = bytes([TAG_T])
-_TAG_E_RE = re.compile(re.escape(bytes([TAG_E])))
-
-
-def _enters(words: Any, tables: Tables, slots: Iterable[int]) -> list[tuple[int, str, int, str, str]]:
+def _enters(words: array, tables: Tables, slots: Iterable[int]) -> list[tuple[int, str, int, str, str]]:
     """(slot, group, seq, op, reduce op) of the E records at ``slots`` whose ids are defined."""
-    calls: dict[int, tuple[str, str, str] | None] = {}
     out = []
     for i in slots:
-        w0 = words[4 * i]
-        call = calls[w0] if w0 in calls else calls.setdefault(w0, _call(tables, w0))
+        call = _call(tables, words[4 * i])
         if call is not None:
             out.append((i, call[0], words[4 * i + 1] & SEQ_MASK, call[1], call[2]))
     return out
