@@ -100,6 +100,7 @@ def run(
     distcheck run -- torchrun --nproc-per-node 4 train.py
     """
     from distcheck.options import RunFlags, check_flags, run_options, run_targets_of
+    from distcheck.session import start_fork_server
     from distcheck.torch_features import check_supported
 
     check_supported()   # before torch is imported: an old one may fail to import, or fail later
@@ -107,6 +108,7 @@ def run(
     nodes = check_flags(flags)
     names, script_args = _split_script_args(list(targets or []))
     specs = run_targets_of(names, module, script_args, flags, nodes)
+    start_fork_server(specs, flight_recorder is not False)   # before run_options loads torch
     options = run_options(flags, nodes)
     console = _console(json_path)
     report = _run_live(specs, options, console, verbose)

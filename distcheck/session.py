@@ -31,7 +31,7 @@ from distcheck.launch.cluster import ClusterStore, check_endpoint_address, node_
 from distcheck.launch.command import (CommandOutcome, CommandSpec, command_options, command_output_tail,
                                      launch_command, launch_generations)
 from distcheck.launch.launcher import (LaunchOutcome, LaunchSpec, launch, merge_node_summaries, node_summary,
-                                      quiet_native_warnings)
+                                      quiet_native_warnings, workers_torch_environment)
 from distcheck.launch.worker_args import worker_args
 from distcheck.launch.replay import with_metric_reference
 from distcheck.rank import metrics as metric_recording
@@ -67,6 +67,13 @@ class RunState:
 def prepare_process() -> None:
     """Call first, before torch loads: process-wide settings a run depends on."""
     quiet_native_warnings()
+
+
+def start_fork_server(specs: list[Target], flight_recorder: bool) -> None:
+    """Before torch loads here: a run of scenarios only, whose ranks are forked, gets its fork server
+    from this process's own torch import (``forkserver.start_early``)."""
+    if specs and all(isinstance(s, ScenarioSpec) for s in specs):
+        forkserver.start_early(workers_torch_environment(flight_recorder))
 
 
 def new_run_id() -> str:

@@ -10,6 +10,14 @@ the same; the rank's environment is set from the launcher's at fork time (``work
 
 Only scenarios take this path, on torch 2.13 and newer (``CHECKED_FROM``). A user's script keeps a process of its own: ``python script.py``
 semantics (its own ``__main__``, its imports in its own order, environment read at import time).
+
+distcheck's own process imports torch too (torch's agent runs in it). Where it can, ``start_early`` makes
+the server a fork of that process, taken right after torch loaded, instead of a new interpreter that
+loads torch again: about 1.5 s of CPU less a run. The server is then what a new one would be (the same
+modules preloaded, torch loaded under the ranks' environment, the ranks' C++ log level, unbuffered
+output, default signal handlers, none of distcheck's files or sockets). Where that cannot be made so
+(a torch built for GPUs, OMP_NUM_THREADS above 1, which starts a thread as torch loads, a Python whose
+fork server differs), the server is started the usual way; ``DISTCHECK_FORK_SERVER=new`` always does.
 """
 
 from __future__ import annotations
@@ -17,11 +25,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import multiprocessing.spawn
+import multiprocessing.util
 import os
-from typing import Any, Callable, Iterator
+import signal
+import socket
+import sys
+from typing import Any, Callable, Iterator, Mapping
 
 from distcheck.launch import procs
 
@@ -88,3 +101,137 @@ def without_main() -> Iterator[None]:
         yield
     finally:
         multiprocessing.spawn.get_preparation_data = prepare
+
+
+# DISTCHECK_FORK_SERVER=new: the server is always a new interpreter (to compare the two, or to rule this out).
+SERVER_ENV_VAR = "DISTCHECK_FORK_SERVER"
+# ``multiprocessing.forkserver.main``'s parameters on the Pythons ``start_early`` has been run on (3.10-3.13); on
+# another (3.14 adds an authentication key) the server is started the usual way.
+_SERVER_MAIN_PARAMETERS = ("listener_fd", "alive_r", "preload", "main_path", "sys_path")
+# TORCH_CPP_LOG_LEVEL as c10 reads it when torch loads (``c10::initLogging``): name or number -> level.
+_CPP_LOG_LEVELS = {"INFO": 0, "0": 0, "WARNING": 1, "1": 1, "ERROR": 2, "2": 2, "FATAL": 3, "3": 3}
+
+
+def start_early(torch_env: Mapping[str, str]) -> bool:
+    """Load torch in this process under the ranks' environment ``torch_env`` and fork the fork server from
+    it. Call before torch is imported and before any thread starts; True when the server was started so.
+    Where it cannot be done as a new server would be, nothing is started here (torch may be loaded) and
+    the first launch starts the server the usual way."""
+    if os.environ.get(SERVER_ENV_VAR) == "new":
+        return False
+    if not (sys.platform.startswith("linux") and available() and "torch" not in sys.modules
+            and multiprocessing.forkserver._forkserver._forkserver_pid is None and _known_server_main()):
+        return False
+    # torch loads here under the ranks' environment, except its C++ log level: this process keeps its own
+    # (``launcher.quiet_native_warnings``), and the server is given the ranks' level below.
+    loading = {k: v for k, v in torch_env.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    saved = {k: os.environ.get(k) for k in loading}
+    os.environ.update(loading)
+    try:
+        for module in PRELOAD:
+            __import__(module)
+    finally:
+        _restore(saved)
+    log_level = _cpp_log_level_flag()
+    if log_level is None or not _cpu_only_torch() or _threads() != 1:
+        return False
+    level = _CPP_LOG_LEVELS.get(torch_env.get("TORCH_CPP_LOG_LEVEL", "WARNING").strip().upper(), 1)
+    _fork_server(log_level, level)
+    return True
+
+
+def _known_server_main() -> bool:
+    import inspect
+
+    server = multiprocessing.forkserver._forkserver
+    return tuple(inspect.signature(multiprocessing.forkserver.main).parameters) == _SERVER_MAIN_PARAMETERS and all(
+        hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd", "_preload_modules"))
+
+
+def _restore(saved: Mapping[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _cpu_only_torch() -> bool:
+    """A torch built without CUDA or ROCm: forking after it loaded cannot break a GPU runtime in the ranks."""
+    import torch
+
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
+def _cpp_log_level_flag() -> Any:
+    """c10's log level (``FLAGS_caffe2_log_level``, set from TORCH_CPP_LOG_LEVEL when torch loads), or None."""
+    import ctypes
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        return ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+
+
+def _threads() -> int:
+    """This process's threads, as the kernel counts them (a fork copies only the calling one)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+def _fork_server(log_level: Any, level: int) -> None:
+    """What ``multiprocessing.forkserver.ForkServer.ensure_running`` does, with a fork of this process in place
+    of a new interpreter."""
+    server = multiprocessing.forkserver._forkserver
+    multiprocessing.resource_tracker.ensure_running()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    listener = socket.socket(socket.AF_UNIX)
+    address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not multiprocessing.util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the server
+        try:
+            _become_server(listener.fileno(), alive_r, log_level, level)
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    server._preload_modules = list(PRELOAD)
+
+
+def _become_server(listener_fd: int, alive_r: int, log_level: Any, level: int) -> None:
+    import io
+
+    from distcheck.rank import worker
+
+    keep = {0, 1, 2, listener_fd, alive_r}
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    log_level.value = level
+    # PYTHONUNBUFFERED, as every rank has it
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
+                                                   errors=sys.stdout.errors, write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
+                                                   errors="backslashreplace", write_through=True)
+    worker._SERVER_ENV = dict(os.environ)
+    multiprocessing.forkserver.main(listener_fd, alive_r, list(PRELOAD))

@@ -265,14 +265,23 @@ def _worker_env(spec: LaunchSpec) -> dict[str, str]:
     env = {
         "DISTCHECK_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCHELASTIC_ERROR_FILE": "",
         **_network_environment(spec),
-        **({"TORCH_CPP_LOG_LEVEL": _workers_cpp_log_level} if _workers_cpp_log_level else {}),
+        **workers_torch_environment(spec.flight_recorder),
     }
     if spec.flight_recorder:
-        env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         env["DISTCHECK_FLIGHT_RECORDER"] = "1"
+    return env
+
+
+def workers_torch_environment(flight_recorder: bool) -> dict[str, str]:
+    """What of the ranks' environment torch reads: the threads it computes with, its C++ log level (the
+    user's, not this process's), the Flight Recorder's ring. A fork server that loads torch before the
+    launch (``forkserver.start_early``) loads it under these."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           **({"TORCH_CPP_LOG_LEVEL": _workers_cpp_log_level} if _workers_cpp_log_level else {})}
+    if flight_recorder:
+        env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     return env
 
 

@@ -11,7 +11,9 @@ The copies were pickled by value where their class is the user's own code, so
 the replay runs none of the user's scripts or modules' top levels (a script
 without a main guard initializes its process group there). It still runs the
 user's ``update``/``compute``, so it is a subprocess with a hard timeout and the
-job's memory standing: ``python -m distcheck.launch.replay IN OUT``. Its answer
+job's memory standing: ``python -m distcheck.launch.replay``, one per distcheck run, kept for
+the launches after the first (a command's generations each have a replay, and the process's start,
+torch and torchmetrics loaded, is ~2.5 s of CPU), and started anew after one that failed. Its answer
 goes into the results of the lowest rank as ``metric_reference``, and is kept
 as ``metrics/replay-out.json`` for ``distcheck analyze``; the pure rule that
 judges it is ``diagnose.metrics``.
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.launch import procs
 from distcheck.files.metric_records import REPLAY_IN, REPLAY_OUT, chain_key, chains, entries_by_rank, joint_computes
 
 REPLAY_TIMEOUT_S = 120.0
@@ -54,18 +57,85 @@ def with_metric_reference(results: Mapping[int, Mapping[str, Any]], launch_dir: 
 
 
 def _run(src: Path, dst: Path, timeout_s: float) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    env.pop("DISTCHECK_LAUNCH_DIR", None)   # the replay is not a rank of the user's command
-    cmd = [sys.executable, "-m", "distcheck.launch.replay", str(src), str(dst)]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        _REPLAYER.replay(src, dst, timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"the single-process replay took more than {timeout_s:g} s and was stopped"}
+    except ReplayFailed as exc:
+        return {"error": f"the single-process replay failed: {str(exc)[:300]}"}
     try:
         return json.loads(dst.read_text())
     except (OSError, ValueError):
-        tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        return {"error": f"the single-process replay failed: {tail[0][:300]}"}
+        return {"error": "the single-process replay failed: it wrote no answer"}
+
+
+class ReplayFailed(Exception):
+    """The replay process ended or answered with an error; the message is its last words."""
+
+
+class Replayer:
+    """The replay process of this distcheck run: started on first use, asked one launch's replay at a time
+    (``IN<TAB>OUT`` on its stdin, a line back when done), and ended after a timeout or a crash so that the
+    next launch gets a fresh one."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._stderr: Any = None
+
+    def replay(self, src: Path, dst: Path, timeout_s: float) -> None:
+        proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+        try:
+            proc.stdin.write(f"{src}\t{dst}\n")
+            proc.stdin.flush()
+            answer = self._answer(proc, timeout_s)
+        except BrokenPipeError:
+            answer = ""
+        except subprocess.TimeoutExpired:
+            self.close()   # still inside the user's update() or compute(): the next launch gets a fresh one
+            raise
+        if answer.startswith("ok"):
+            return
+        self.close()
+        raise ReplayFailed(answer[len("error "):].strip() if answer.startswith("error ") else self._last_words(proc))
+
+    def _start(self) -> subprocess.Popen:
+        import tempfile
+
+        self.close()
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+        env.pop("DISTCHECK_LAUNCH_DIR", None)   # the replay is not a rank of the user's command
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+        self._proc = subprocess.Popen([sys.executable, "-m", "distcheck.launch.replay"], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        procs.keep(self._proc.pid)   # a launch's teardown ends the ranks' processes, not this one
+        return self._proc
+
+    @staticmethod
+    def _answer(proc: subprocess.Popen, timeout_s: float) -> str:
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout_s):
+                raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        return proc.stdout.readline()
+
+    def _last_words(self, proc: subprocess.Popen) -> str:
+        self._stderr.seek(0)
+        lines = self._stderr.read().strip().splitlines()
+        return lines[-1] if lines else f"exit code {proc.returncode}"
+
+    def close(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                stream.close()
+            self._proc = None
+
+
+_REPLAYER = Replayer()
 
 
 # -- inside the replay process ----------------------------------------------------------------
@@ -79,11 +149,26 @@ def load(folders: list[Path], rel: str) -> Any:
         return pickle.load(f)
 
 
-def main(argv: list[str]) -> None:
+def serve() -> None:
+    """Answer replay requests (``IN<TAB>OUT`` lines) until stdin closes: distcheck ended."""
     from distcheck.launch.memory import take_job_standing
 
     take_job_standing()
-    src, dst = Path(argv[0]), Path(argv[1])
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)   # what the user's update() and compute() print goes with the errors, not into the answers
+    for line in sys.stdin:
+        src, dst = line.rstrip("\n").split("\t")
+        try:
+            replay_file(Path(src), Path(dst))
+            answer = "ok"
+        except Exception as exc:
+            answer = f"error {type(exc).__name__}: {exc}".splitlines()[0]
+        sys.stdout.flush()
+        answers.write(answer + "\n")
+        answers.flush()
+
+
+def replay_file(src: Path, dst: Path) -> None:
     spec = json.loads(src.read_text())
     sys.path[:0] = [p for p in spec["sys_path"] if p and p not in sys.path]
     from distcheck.launch.replay_metric import replay_chain
@@ -106,4 +191,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    serve()
