@@ -235,15 +235,20 @@ def worker(args: argparse.Namespace) -> None:
     first_published: set[int] = set()       # nodes whose watchdog has published their ranks once
     node_polls: list[float] = []            # the nodes' own polls (their ranks' files), seconds each
 
+    watched: list[tuple[int, Any, threading.Event]] = []   # (node, its watchdog, set when its watch is over)
+    watched_lock = threading.Lock()
+
     def node(n: int) -> None:
         try:
             cluster = ClusterStore(_config(nodes, n, args.port))
             channel, counter = counted_channel(cluster, world)
             dog = Watchdog(dirs[n], world, _limits(), poll_s=args.node_poll_s, channel=channel)
             _watch_node(n, dog, channel, published, node_polls, first_published)
+            over = threading.Event()
             started = time.time()
-            dog.start()
-            dog.join()
+            with watched_lock:
+                watched.append((n, dog, over))
+            over.wait()
             outcome = LaunchOutcome(dog.result.decision.end_reason or EndReason.COMPLETED, started, time.time(),
                                     dog.result)
             before = counter.bytes
@@ -254,9 +259,26 @@ def worker(args: argparse.Namespace) -> None:
         except Exception as exc:   # the row says so instead of hanging
             errors.append(f"node {n}: {type(exc).__name__}: {exc}")
 
+    def watch_all() -> None:
+        """Every watchdog of this worker's nodes, each polled every ``--node-poll-s`` by its own
+        ``poll_once`` (what its thread would run), from this one thread: 128 watchdog threads per process
+        spent the two cores switching between themselves."""
+        pending = len(mine)
+        while pending:
+            began = time.monotonic()
+            with watched_lock:
+                current = list(watched)
+            for n, dog, over in current:
+                if not over.is_set() and dog.poll_once():
+                    over.set()
+                    pending -= 1
+            if len(current) < len(mine) or pending:
+                time.sleep(max(0.0, args.node_poll_s - (time.monotonic() - began)))
+
     threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in mine]
     for t in threads:
         t.start()
+    threading.Thread(target=watch_all, daemon=True).start()
     # Ready once every node of this worker has published its ranks once: its store connections are up and
     # its watchdog polls. (Counting a node ready when its thread started put nodes whose connection was
     # still being retried in the row: at 64 nodes, some first polled seconds after the onset, and their

@@ -25,9 +25,13 @@ HARD_TIMEOUT_S = 240
 
 # Modules whose tests share one module-scoped launch (or CPU hogs): under pytest-xdist (pyproject's
 # `-n 3 --dist loadgroup`) each stays on one worker, so that launch happens once; every other test is
-# handed out on its own.
-SHARED_LAUNCH_MODULES = {"test_faults", "test_postmortem", "test_records_e2e", "test_renderers",
-                         "test_timeline_browser"}
+# handed out on its own. test_records_e2e shares its group with test_ecosystem_e2e's loaded tests: their
+# launches run together beside one set of hogs (``runs_beside_hogs``).
+SHARED_LAUNCH_MODULES = {"test_faults": "test_faults", "test_postmortem": "test_postmortem",
+                         "test_records_e2e": "beside_hogs", "test_renderers": "test_renderers",
+                         "test_timeline_browser": "test_timeline_browser"}
+MODULES_BESIDE_HOGS = ("test_records_e2e", "test_ecosystem_e2e")
+LOADED_TIMEOUT_S = 400
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook, which reads the marks into the node ids
@@ -35,7 +39,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__ if item.module else ""
         if module in SHARED_LAUNCH_MODULES:
-            item.add_marker(pytest.mark.xdist_group(module))
+            item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCH_MODULES[module]))
+
+
+@pytest.fixture(scope="session")
+def runs_beside_hogs(tmp_path_factory) -> dict[str, dict]:
+    """The loaded runs of every module in MODULES_BESIDE_HOGS, all started at once beside two busy loops per
+    core (each competes for the CPU with the hogs and with the others); module -> name -> the finished run.
+    One set of hogs for the suite: they use CPU the rest of the suite waits for."""
+    import importlib
+
+    from launch_group import run_together
+    from load import cpu_hogs
+
+    jobs = {(module, name): args for module in MODULES_BESIDE_HOGS
+            for name, args in importlib.import_module(module).loaded_jobs().items()}
+    with cpu_hogs():
+        runs = run_together({f"{m}/{n}": a for (m, n), a in jobs.items()},
+                            lambda key: tmp_path_factory.mktemp(key.replace("/", "-").replace(".", "_")),
+                            LOADED_TIMEOUT_S)
+    out: dict[str, dict] = {m: {} for m in MODULES_BESIDE_HOGS}
+    for (module, name) in jobs:
+        out[module][name] = runs[f"{module}/{name}"]
+    return out
 
 
 def survivors(marker: str, launcher_pid: int | None = None) -> list[psutil.Process]:

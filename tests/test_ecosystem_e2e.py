@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_group import run_together
-from load import cpu_hogs
+from conftest import LOADED_TIMEOUT_S as LOADED_TIMEOUT
 
 pytestmark = pytest.mark.e2e
 
@@ -29,9 +28,9 @@ def _errors(report: dict) -> list[dict]:
     return [f for f in s["findings"] if f["severity"] == "error"]
 
 
-# -- beside CPU hogs: the loaded runs of this module start together, beside one set of hogs ---------------
+# -- beside CPU hogs: the loaded runs of this module start together with test_records_e2e's, beside one set of
+# hogs (conftest's ``runs_beside_hogs``) ---------------------------------------------------------------------
 
-LOADED_TIMEOUT = 300
 LOADED = {   # name: `distcheck run` arguments; each test below asserts on one
     "monitored": [str(MONITORED), "--nproc-per-node", "3", "--stall-timeout", "30", "--", "--late", "2",
                   "--late-s", "6"],
@@ -40,16 +39,18 @@ LOADED = {   # name: `distcheck run` arguments; each test below asserts on one
                      "--stall-timeout", "30"],
     "pipeline": [str(SCRIPTS / "pipeline_gpipe.py"), "--nproc-per-node", "3", "--stall-timeout", "20"],
 }
-# one worker runs the tests on loaded_runs (pytest-xdist's loadgroup), so the group is launched once
-BESIDE_HOGS = "test_ecosystem_e2e_beside_hogs"
+# one worker runs every test on the runs beside the hogs (pytest-xdist's loadgroup), so the group is launched once
+BESIDE_HOGS = "beside_hogs"
+
+
+def loaded_jobs() -> dict[str, list[str]]:
+    return LOADED
 
 
 @pytest.fixture(scope="module")
-def loaded_runs(tmp_path_factory) -> dict:
-    """Every run of LOADED at once, beside two busy loops per core: each competes for the CPU with the hogs
-    and with the others. name -> the finished run."""
-    with cpu_hogs():
-        return run_together(LOADED, tmp_path_factory.mktemp, LOADED_TIMEOUT)
+def loaded_runs(runs_beside_hogs) -> dict:
+    """This module's loaded runs, finished; name -> the run."""
+    return runs_beside_hogs[__name__]
 
 
 def _assert_late_rank_at_monitored_barrier_is_no_mismatch(r) -> None:

@@ -43,32 +43,48 @@ def _pytest(*args: str) -> tuple[str, ...]:
 
 MPTC_HEALTHY = ("test_mptc.py::TestCollectives::test_all_reduce", "test_mptc.py::TestCollectives::test_broadcast",
                 "test_mptc.py::TestCollectives::test_gather_then_destroy")
+MPTC_PLANTED = "test_mptc.py::TestCollectives::test_barrier_on_rank0_only"
 
 
+@pytest.fixture(scope="module")
+def mptc_run(tmp_path_factory):
+    """One run of the MultiProcessTestCase suite with its planted rank-0-only barrier: three healthy tests
+    and the planted one, each its own generation of processes (the tests below share it)."""
+    from conftest import DistcheckRun, injected, run_distcheck, wait_for
+
+    tmp = tmp_path_factory.mktemp("mptc")
+    args = ["run", *STALL, "--run-dir", str(tmp / "run"), "--json", str(tmp / "report.json"), "--junit-xml",
+            str(tmp / "junit.xml"), *_pytest("test_mptc.py")]
+    done = run_distcheck(args, MPTC, tmp / "run", SLOW_S, env={"PLANT_BARRIER": "1"})
+    assert wait_for(lambda: not injected(tmp), timeout=10), "the command's processes survived the run"
+    return DistcheckRun(done, tmp / "run", tmp / "report.json"), tmp / "junit.xml"
+
+
+@pytest.mark.xdist_group("mptc")
 @pytest.mark.timeout(SLOW_S + 60)
-def test_multiprocess_test_case_healthy_tests_all_run_and_pass(distcheck, tmp_path, no_survivors):
-    junit = tmp_path / "junit.xml"
-    r = distcheck("run", *STALL, "--junit-xml", str(junit), *_pytest("test_mptc.py"), cwd=MPTC, timeout=SLOW_S)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+def test_multiprocess_test_case_healthy_tests_all_run_and_pass(mptc_run):
+    r, junit = mptc_run
     report = r.report
     tests = _by_test(report)
-    assert sorted(tests) == sorted(MPTC_HEALTHY) and all(s["ok"] for s in tests.values())
-    assert report["verdict"] == "pass" and len(report["scenarios"]) == 3
+    assert len(report["scenarios"]) == 4 and sorted(tests) == sorted(MPTC_HEALTHY + (MPTC_PLANTED,))
+    assert all(tests[t]["ok"] and tests[t]["observed"] == ["pass"] for t in MPTC_HEALTHY)
+    assert [t for t, s in tests.items() if not s["ok"]] == [MPTC_PLANTED]   # the run fails for it alone
     assert "3 passed" in report["run"]["command_output"]      # pytest's own summary, beside distcheck's
     assert "3 passed" in r.stdout
     [suite] = list(JUnitXml.fromfile(str(junit)))
-    assert sorted(c.name for c in suite) == ["test_all_reduce", "test_broadcast", "test_gather_then_destroy"]
-    # each test's ranks wrote into their own generation's files: the launch dir's top, generations/1, /2
+    assert sorted(c.name for c in suite) == ["test_all_reduce", "test_barrier_on_rank0_only", "test_broadcast",
+                                             "test_gather_then_destroy"]
     dirs = sorted(Path(s["launch_dir"]) for s in tests.values())
-    assert len(set(dirs)) == 3 and [d.name for d in dirs[1:]] == ["1", "2"] and dirs[1].parent == dirs[0] / "generations"
+    assert len(set(dirs)) == 4 and [d.name for d in dirs[1:]] == ["1", "2", "3"] and dirs[1].parent == dirs[0] / "generations"
 
 
+@pytest.mark.xdist_group("mptc")
 @pytest.mark.timeout(SLOW_S + 60)
-def test_multiprocess_test_case_rank0_only_barrier_is_a_hang_on_its_line(distcheck, no_survivors):
-    r = distcheck("run", *STALL, *_pytest("test_mptc.py"), cwd=MPTC, env={"PLANT_BARRIER": "1"}, timeout=SLOW_S)
+def test_multiprocess_test_case_rank0_only_barrier_is_a_hang_on_its_line(mptc_run):
+    r, _ = mptc_run
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     tests = _by_test(r.report)
-    planted = tests.pop("test_mptc.py::TestCollectives::test_barrier_on_rank0_only")
+    planted = tests.pop(MPTC_PLANTED)
     assert not planted["ok"] and planted["observed"][0] in ("hang", "mismatch"), planted
     [hang] = [f for f in planted["findings"] if f["kind"] in ("hang", "mismatch")][:1]
     assert hang["op"] == "barrier" and hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1]

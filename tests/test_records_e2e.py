@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LOADED_TIMEOUT_S as LOADED_TIMEOUT
 from distcheck.torch_features import features
-
-from launch_group import run_together
-from load import cpu_hogs
 
 pytestmark = pytest.mark.e2e
 
@@ -60,9 +58,9 @@ def test_healthy_ddp_script_records_every_rank_the_same_count_including_ddps_cal
     assert {x["collectives"] for x in _only(r.report)["ranks"]} == {16}   # + 5 logging all_reduces + barrier
 
 
-# The runs beside the hogs start together, one concurrent group for the whole module: the node is busier
-# than 2x oversubscribed while they run, and the hogs (and the suite) wait for one group, not eight launches.
-LOADED_TIMEOUT = 400
+# The runs beside the hogs start together with test_ecosystem_e2e's, one concurrent group beside one set of hogs
+# (conftest's ``runs_beside_hogs``): the node is busier than 2x oversubscribed while they run, and the hogs
+# (and the suite) wait for one group, not for eleven launches.
 FAULTS = {                       # name: (script, ranks, script arguments)
     "ddp_uneven": (Path(__file__).parent / "scripts" / "ddp_uneven.py", 2, ()),
     "dcp_save_rank0": (SCRIPTS / "dcp_save_rank0.py", 3, ("{tmp}/ckpt",)),
@@ -70,24 +68,21 @@ FAULTS = {                       # name: (script, ranks, script arguments)
 }
 
 
-@pytest.fixture(scope="module")
-def loaded_node():
-    """Two busy loops per core for the whole module: every run below competes for the CPU."""
-    with cpu_hogs() as pids:
-        yield pids
-
-
-@pytest.fixture(scope="module")
-def loaded_runs(loaded_node, tmp_path_factory) -> dict:
-    """Every script of this module's loaded tests, run by one ``distcheck run`` each, all at once beside
-    the hogs; name -> the finished run."""
+def loaded_jobs() -> dict[str, list[str]]:
+    """Every script of this module's loaded tests: name -> its ``distcheck run`` arguments."""
     jobs = {script: [str(SCRIPTS / script), "--nproc-per-node", str(ranks)] for script, ranks in HEALTHY.items()
             if not (script.startswith("fsdp2") and not features().fully_shard_cpu)}
     for name, (path, ranks, args) in FAULTS.items():
         if name != "ddp_oom_skip" or features().flight_recorder_gloo:
             jobs[name] = [str(path), "--nproc-per-node", str(ranks), "--stall-timeout", "5"] + (["--", *args] if args
                                                                                                 else [])
-    return run_together(jobs, lambda name: tmp_path_factory.mktemp(name.replace(".", "_")), LOADED_TIMEOUT)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def loaded_runs(runs_beside_hogs) -> dict:
+    """This module's loaded runs, finished; name -> the run."""
+    return runs_beside_hogs[__name__]
 
 
 @pytest.mark.timeout(LOADED_TIMEOUT + 60)

@@ -58,13 +58,23 @@ def digest_of(calls: Iterable[tuple[int, str, str]]) -> dict[int, str]:
         blocks[(seq - 1) // BLOCK].append((seq, op, reduce_op or NONE))
     out = {}
     for block, items in blocks.items():
-        items.sort()
-        if [s for s, _, _ in items] != list(range(block * BLOCK + 1, (block + 1) * BLOCK + 1)):
-            continue
-        # one update of the whole text hashes as the call-by-call updates it replaces
-        text = "".join([f"{seq}:{op}:{reduce_op};" for seq, op, reduce_op in items])
-        out[block] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        seqs = [s for s, _, _ in items]
+        first = block * BLOCK + 1
+        if seqs != list(range(first, first + BLOCK)):
+            items.sort()
+            if [s for s, _, _ in items] != list(range(first, first + BLOCK)):
+                continue
+        out[block] = hashlib.blake2b(_block_text(items).encode(), digest_size=8).hexdigest()
     return out
+
+
+def _block_text(items: list[tuple[int, str, str]]) -> str:
+    """``seq:op:reduce_op;`` of every call of a block, in one string (hashed in one update)."""
+    _, op, reduce_op = items[0]
+    if all(o == op and r == reduce_op for _, o, r in items):   # the usual block: one op throughout
+        tail = f":{op}:{reduce_op};"
+        return tail.join(map(str, (s for s, _, _ in items))) + tail
+    return "".join([f"{seq}:{op}:{reduce_op};" for seq, op, reduce_op in items])
 
 
 def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_up_to: int = WHOLE_UP_TO) -> bytes:
@@ -100,11 +110,16 @@ def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_u
 
 def _enters(words: array, tables: Tables, slots: Iterable[int]) -> list[tuple[int, str, int, str, str]]:
     """(slot, group, seq, op, reduce op) of the E records at ``slots`` whose ids are defined."""
+    calls: dict[int, tuple[str, str, str] | None] = {}   # an E record's first word -> its call, read once
     out = []
     for i in slots:
-        call = _call(tables, words[4 * i])
+        w0 = words[4 * i]
+        call = calls.get(w0, ())
+        if call == ():
+            call = calls[w0] = _call(tables, w0)
         if call is not None:
-            out.append((i, call[0], words[4 * i + 1] & SEQ_MASK, call[1], call[2]))
+            group, op, reduce_op = call
+            out.append((i, group, words[4 * i + 1] & SEQ_MASK, op, reduce_op))
     return out
 
 

@@ -390,13 +390,22 @@ class Watchdog(threading.Thread):
         self.result = WatchdogResult()
         self._stop_event = threading.Event()
         self._released = False
+        self._wall_offset: float | None = None   # wall time minus ``clock``, taken at the first poll
 
     def stop(self) -> None:
         self._stop_event.set()
 
     def run(self) -> None:
+        while not self._stop_event.is_set():
+            if self.poll_once():
+                return
+            self._stop_event.wait(self.poll_s)
+
+    def poll_once(self) -> bool:
+        """One poll: read the ranks, judge, act on the decision. True once the watch is over. ``run`` calls it
+        every ``poll_s``; a caller that watches many launches from one thread may call it instead."""
         try:
-            self._watch()
+            return self._poll()
         except Exception as exc:   # a watchdog that dies silently would let the job hang forever
             self.result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             # a store connection that drops is node 0's distcheck ending, not a bug of ours
@@ -404,52 +413,53 @@ class Watchdog(threading.Thread):
             self.result.decision = Decision.FAILED
             self.result.detected_at = time.time()
             self._tear_down({})
+            return True
 
-    def _watch(self) -> None:
-        wall_offset = time.time() - self.clock()
-        while not self._stop_event.is_set():
-            progress = self.monitor.poll()
-            if self.channel is not None:
-                self.channel.publish(progress)
-                progress = self.channel.everyone(progress)
-            self.result.last_progress = progress
-            now = self.clock()
-            decision = Decision.INTERRUPTED if interrupt.requested() else self.detector.observe(now, progress)
-            self._sample_late(now, progress)
-            if self.on_poll is not None:
-                self.on_poll(progress, now - self.detector.last_progress)
-            if self.channel is not None and not self.channel.is_leader and decision is not Decision.RELEASE \
-                    and self.channel.released():
-                decision = Decision.RELEASE   # node 0 saw every rank of the job finish (only it sees them all)
-            if decision is Decision.RELEASE:
-                if not self._released:
-                    self.files.release.touch()
-                    self._released = True
-                    if self.channel is not None and self.channel.is_leader:
-                        self.channel.post_release()
-                if self.generation:
-                    return   # every rank finished: nothing of this generation is left to judge
-            elif self.generation and generation_over(progress, self.monitor.world_size):
-                return   # every rank left by itself: it ended, nothing stalled (see launch.command)
-            elif self.channel is not None and not self.channel.is_leader:
-                # Node 0 decides for the whole job, so every node tears down for the same reason.
-                posted = self.channel.decision()
-                if posted is not None:
-                    self.result.decision = Decision(posted["decision"])
-                    self.result.stall_onset = posted["stall_onset"]
-                    self.result.detected_at = posted["detected_at"]
-                    self._tear_down(progress)
-                    return
-            elif decision is not Decision.CONTINUE:
-                self.result.decision = decision
-                self.result.evidence = self._evidence(decision, now, progress)
-                self.result.stall_onset = self.detector.last_progress + wall_offset
-                self.result.detected_at = time.time()
-                if self.channel is not None:
-                    self.channel.post_decision(decision.value, self.result.stall_onset, self.result.detected_at)
-                self._tear_down(progress)
-                return
-            self._stop_event.wait(self.poll_s)
+    def _poll(self) -> bool:
+        if self._wall_offset is None:
+            self._wall_offset = time.time() - self.clock()
+        progress = self.monitor.poll()
+        if self.channel is not None:
+            self.channel.publish(progress)
+            progress = self.channel.everyone(progress)
+        self.result.last_progress = progress
+        now = self.clock()
+        decision = Decision.INTERRUPTED if interrupt.requested() else self.detector.observe(now, progress)
+        self._sample_late(now, progress)
+        if self.on_poll is not None:
+            self.on_poll(progress, now - self.detector.last_progress)
+        if self.channel is not None and not self.channel.is_leader and decision is not Decision.RELEASE \
+                and self.channel.released():
+            decision = Decision.RELEASE   # node 0 saw every rank of the job finish (only it sees them all)
+        if decision is Decision.RELEASE:
+            if not self._released:
+                self.files.release.touch()
+                self._released = True
+                if self.channel is not None and self.channel.is_leader:
+                    self.channel.post_release()
+            return self.generation   # a generation whose ranks all finished has nothing left to judge
+        if self.generation and generation_over(progress, self.monitor.world_size):
+            return True   # every rank left by itself: it ended, nothing stalled (see launch.command)
+        if self.channel is not None and not self.channel.is_leader:
+            # Node 0 decides for the whole job, so every node tears down for the same reason.
+            posted = self.channel.decision()
+            if posted is None:
+                return False
+            self.result.decision = Decision(posted["decision"])
+            self.result.stall_onset = posted["stall_onset"]
+            self.result.detected_at = posted["detected_at"]
+            self._tear_down(progress)
+            return True
+        if decision is Decision.CONTINUE:
+            return False
+        self.result.decision = decision
+        self.result.evidence = self._evidence(decision, now, progress)
+        self.result.stall_onset = self.detector.last_progress + self._wall_offset
+        self.result.detected_at = time.time()
+        if self.channel is not None:
+            self.channel.post_decision(decision.value, self.result.stall_onset, self.result.detected_at)
+        self._tear_down(progress)
+        return True
 
     def _evidence(self, decision: Decision, now: float, progress: Mapping[int, RankProgress]) -> str | None:
         if decision is Decision.DEADLOCK and self.detector.certain is not None:
