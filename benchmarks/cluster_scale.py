@@ -381,13 +381,16 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     before = counter.bytes
     channel.upload(files, node_summary(outcome))
     upload0 = counter.bytes - before
+    rss_at = {"decided": _peak_rss_mib()}
     outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=600))
     gathered = time.time()
+    rss_at["gathered"] = _peak_rss_mib()
     options = RunOptions(nproc_per_node=rpn, backend="gloo", stall_timeout=60.0, nodes=_config(nodes, 0, port),
                          run_dir=root / "run")
     spec = ScriptSpec(name=LAUNCH, file=SYNTHETIC_FILE, expect=("hang",))
     result = result_of_launch(spec, options, files.root, outcome)
     judged = time.time()
+    rss_at["judged"] = _peak_rss_mib()
     channel.post_result(result.to_dict(), timeout_s=600)
     report = Report(run=run_info(options, files.root.parent, started), scenarios=(result,))
     sizes = write_reports(report, files, root / "reports")
@@ -442,9 +445,15 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "gather_s": round(gathered - detected, 2), "judge_s": round(judged - gathered, 2),
         "reports_s": round(reported - judged, 2),
         "report_files_bytes": sizes,
+        "peak_rss_mib_by_phase": rss_at,
         "errors": errors[:5],
     }
     return row
+
+
+def _peak_rss_mib() -> float:
+    """Node 0's peak resident memory so far (the peak after each phase tells which phase set it)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def _contiguous(items: list[int], parts: int) -> list[list[int]]:

@@ -78,6 +78,30 @@ def test_a_node_publishes_only_what_changed_and_node_0_reads_only_changed_nodes(
     assert leader.everyone(local)[3].records == 6
 
 
+def test_what_is_only_measured_crosses_at_most_every_refresh_and_what_is_judged_at_once(monkeypatch):
+    """A running rank's memory and CPU differ at every poll: sent each time, node 0 would read every node at
+    every poll. They wait for REFRESH_S; a change that can change a verdict goes at once."""
+    from distcheck.launch import cluster
+
+    store = HashStore()
+    leader, other = _node(store, 0), _node(store, 1)
+    version = lambda: store.add("distcheck/job/launch/version/1", 0)   # noqa: E731
+    busy = lambda **kw: {2: RankProgress(**{"phase": Phase.RUNNING, "records": 4, **kw})}   # noqa: E731
+    other.publish(busy(rss_bytes=100, cpu=0.5))
+    other.publish(busy(rss_bytes=120, cpu=0.7, evidence=None))
+    assert version() == 1                                          # measured only: not yet
+    other.publish(busy(rss_bytes=130, evidence="its processes used 0.7 cores", evidence_age=0.1))
+    assert version() == 2                                          # it shows progress now: a verdict may change
+    other.publish(busy(rss_bytes=140, evidence="its processes used 0.9 cores", evidence_age=0.0))
+    assert version() == 2
+    monkeypatch.setattr(cluster, "REFRESH_S", 0.0)                 # the refresh is due
+    other.publish(busy(rss_bytes=150, evidence="its processes used 0.9 cores", evidence_age=0.0))
+    assert version() == 3
+    assert leader.everyone({})[2].rss_bytes == 150
+    other.publish(busy(rss_bytes=150, evidence="its processes used 0.9 cores", evidence_age=0.0, records=6))
+    assert version() == 4
+
+
 def test_only_node_0_reads_every_node_and_the_others_follow_its_release():
     store = HashStore()
     leader, other = _node(store, 0), _node(store, 1)

@@ -6,7 +6,8 @@ import sys
 
 import psutil
 
-from distcheck.launch.procs import terminate, terminate_tree
+from conftest import wait_for
+from distcheck.launch.procs import is_alive, stat_of, terminate, terminate_tree
 
 SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, {handler}); print('ready', flush=True); time.sleep(120)"
 
@@ -35,3 +36,25 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace():
         assert proc.wait(timeout=10) == -signal.SIGKILL
     finally:
         proc.kill()
+
+
+def test_one_read_of_proc_stat_gives_what_psutil_reads_in_four():
+    """``stat_of``: alive, CPU seconds and resident bytes of a real child, as psutil reads them; a zombie is
+    not alive, and a process that is gone reads as gone."""
+    proc = subprocess.Popen([sys.executable, "-c", "x = bytearray(64 * 2**20)\nimport sys\nfor _ in range(3 * 10**6): pass\n"
+                             "print('ready', flush=True)\nsys.stdin.read()"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        facts, p = stat_of(proc.pid), psutil.Process(proc.pid)
+        times, rss = p.cpu_times(), p.memory_info().rss
+        assert facts.alive and facts.rss_bytes > 64 * 2**20
+        assert abs(facts.rss_bytes - rss) <= 2 * 2**20
+        assert 0.05 < facts.cpu_seconds and abs(facts.cpu_seconds - (times.user + times.system)) < 0.05
+        proc.stdin.close()
+        assert wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, 10)   # not reaped yet
+        assert not stat_of(proc.pid).alive and not is_alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stat_of(proc.pid) == (False, 0.0, 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
@@ -18,6 +19,33 @@ def is_alive(pid: int | None) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+class ProcStat(NamedTuple):
+    alive: bool
+    cpu_seconds: float    # user + system
+    rss_bytes: int
+
+
+_PROC = os.path.isdir("/proc/self")
+_TICKS = os.sysconf("SC_CLK_TCK") if _PROC else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if _PROC else 4096
+
+
+def stat_of(pid: int) -> ProcStat | None:
+    """Whether ``pid`` runs, its CPU time and resident memory, from one read of ``/proc/<pid>/stat`` (what
+    ``is_alive``, ``CpuMeter`` and ``memory.resident_bytes`` read in four); None where there is no /proc."""
+    if not _PROC:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return ProcStat(False, 0.0, 0)
+    # after the command's name: state, ..., utime (12th), stime (13th), ..., rss in pages (22nd)
+    state = fields[0]
+    return ProcStat(state not in (b"Z", b"X", b"x"), (int(fields[11]) + int(fields[12])) / _TICKS,
+                    int(fields[21]) * _PAGE)
 
 
 # Helpers that serve every launch of this distcheck run and end with it (``launch.forkserver``): never
@@ -159,7 +187,10 @@ class CpuMeter:
 
     def cores(self, key: int, pid: int | None, now: float) -> float | None:
         """None until there is a window's worth of samples (or when the process is gone)."""
-        used = self._cpu_seconds(pid)
+        return self.cores_from(key, self.cpu_seconds(pid), now)
+
+    def cores_from(self, key: int, used: float | None, now: float) -> float | None:
+        """``cores`` with the process's CPU seconds read by the caller (None: it is gone)."""
         if used is None:
             self._samples.pop(key, None)
             return None
@@ -172,7 +203,7 @@ class CpuMeter:
             return None
         return max(0.0, (used - c0) / (now - t0))
 
-    def _cpu_seconds(self, pid: int | None) -> float | None:
+    def cpu_seconds(self, pid: int | None) -> float | None:
         if not pid:
             return None
         proc = self._procs.get(pid)
@@ -202,7 +233,6 @@ class ActivityMeter:
         self.children_s = children_s
         self._last: dict[int, tuple[float, float, int, int]] = {}    # rank -> (when, cpu s, io bytes, wakeups)
         self._tree: dict[int, tuple[float, list[psutil.Process]]] = {}
-        self._children: tuple[float, dict[int, list[int]]] = (float("-inf"), {})   # when, ppid -> child pids
         self.latest: dict[int, Activity] = {}
 
     def sample(self, rank: int, pid: int | None, now: float) -> Activity | None:
@@ -265,20 +295,32 @@ class ActivityMeter:
 
     def _descendants(self, pid: int, now: float) -> list[int]:
         """Every descendant of ``pid``, from one scan of the process table per ``children_s`` shared by
-        all ranks (psutil's ``children`` scans the whole table for each call: a node of 8 ranks beside
-        hundreds of processes spent most of its poll there)."""
-        when, children = self._children
-        if now - when >= self.children_s:
-            children = {}
-            for proc in psutil.process_iter(["ppid"]):
-                children.setdefault(proc.info["ppid"], []).append(proc.pid)
-            self._children = (now, children)
+        all ranks and every meter of this process (psutil's ``children`` scans the whole table for each
+        call: a node of 8 ranks beside hundreds of processes spent most of its poll there)."""
+        children = _children_table(now, self.children_s)
         out, todo = [], list(children.get(pid, ()))
         while todo:
             child = todo.pop()
             out.append(child)
             todo.extend(children.get(child, ()))
         return out
+
+
+_table: tuple[float, dict[int, list[int]]] = (float("-inf"), {})   # when, ppid -> child pids
+_table_lock = threading.Lock()
+
+
+def _children_table(now: float, max_age_s: float) -> dict[int, list[int]]:
+    """ppid -> child pids, scanned anew when older than ``max_age_s``."""
+    global _table
+    with _table_lock:
+        when, children = _table
+        if now - when >= max_age_s:
+            children = {}
+            for proc in psutil.process_iter(["ppid"]):
+                children.setdefault(proc.info["ppid"], []).append(proc.pid)
+            _table = (now, children)
+        return children
 
 
 def _processes(pids: Iterable[int]) -> list[psutil.Process]:

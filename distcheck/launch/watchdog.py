@@ -220,15 +220,16 @@ class RankMonitor:
         # A large job's tails are made as their ranks show up here: a node holds a few of the world's ranks.
         self.tails = {} if self._scan_ranks else {r: TraceTail(files.trace(r)) for r in range(world_size)}
         self.status: dict[int, RankStatus] = {}
+        self._status_keys: dict[int, tuple[int, int, int]] = {}   # rank -> (inode, mtime, size) of the status read
         self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
         self._cpu = procs.CpuMeter()
         self._activity = procs.ActivityMeter()
         self._stacks: dict[int, tuple[int, float]] = {}   # rank -> (main-stack digest, when it last changed)
         self.busy_at: dict[int, str] = {}             # rank -> where a stack sample found it busy
 
-    def _sample_memory(self, rank: int, pid: int | None) -> tuple[int | None, int | None]:
-        """Last and peak resident memory; a dead rank keeps what it was last seen using."""
-        now = memory.resident_bytes(pid)
+    def _sample_memory(self, rank: int, now: int | None) -> tuple[int | None, int | None]:
+        """Last and peak resident memory, given what it uses ``now``; a dead rank keeps what it was last
+        seen using."""
         if now:   # 0: a dying process whose memory the kernel already reclaimed
             _, peak = self._rss.get(rank, (0, 0))
             self._rss[rank] = (now, max(now, peak))
@@ -240,21 +241,24 @@ class RankMonitor:
     def poll(self) -> dict[int, RankProgress]:
         out: dict[int, RankProgress] = {}
         for rank in self._ranks_here():
-            status = self.files.read_status(rank)
-            if status is not None:
-                self.status[rank] = status
-            status = self.status.get(rank)
+            status = self._read_status(rank)
             if rank not in self.tails:
                 self.tails[rank] = TraceTail(self.files.trace(rank))
             tail = self.tails[rank].read()
             if status is None and tail.records == 0:
                 continue
             call = tail.newest_open
-            alive = procs.is_alive(status.pid) if status else True
-            pid = status.pid if status and alive else None
-            rss, peak = self._sample_memory(rank, pid)
+            facts = procs.stat_of(status.pid) if status and status.pid else None
+            if facts is None:   # no /proc here: the same facts read one by one
+                alive = procs.is_alive(status.pid) if status else True
+                pid = status.pid if status and alive else None
+                used, resident = self._cpu.cpu_seconds(pid), memory.resident_bytes(pid)
+            else:
+                alive, pid = facts.alive, status.pid if facts.alive else None
+                used, resident = (facts.cpu_seconds, facts.rss_bytes) if facts.alive else (None, None)
+            rss, peak = self._sample_memory(rank, resident)
             now = time.monotonic()
-            cpu = self._cpu.cores(rank, pid, now)
+            cpu = self._cpu.cores_from(rank, used, now)
             opened = tail.open.values()
             out[rank] = RankProgress(
                 records=tail.records, open_collectives=len(opened),
@@ -268,6 +272,20 @@ class RankMonitor:
                 **self._evidence(rank, pid, tail.stack_digest, now, outside=not opened),
             )
         return out
+
+    def _read_status(self, rank: int) -> RankStatus | None:
+        """The rank's newest status, read again only when its file changed (each write replaces it)."""
+        try:
+            st = os.stat(self.files.status(rank))
+        except OSError:
+            return self.status.get(rank)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._status_keys.get(rank) != key:
+            status = self.files.read_status(rank)
+            if status is not None:
+                self.status[rank] = status
+                self._status_keys[rank] = key
+        return self.status.get(rank)
 
     def _ranks_here(self) -> Iterable[int]:
         """The ranks to read: in a large job, those that left a status or a trace in this node's launch dir
