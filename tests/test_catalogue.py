@@ -24,8 +24,8 @@ from distcheck.torch_features import features
 
 pytestmark = pytest.mark.e2e
 
-STALL = 3
-BUSY_S = 5    # rank0_slow_then_barrier: rank 0 computes this long (> STALL) before its barrier
+STALL = 5
+BUSY_S = 8    # rank0_slow_then_barrier: rank 0 computes this long (> STALL) before its barrier
 # Generous hard limits: the machine running the suite may be shared; normal runs take a fraction.
 HARD_TIMEOUT_4 = 540
 HARD_TIMEOUT_2 = 360

@@ -94,6 +94,21 @@ def test_a_rank_waiting_for_finished_peers_is_a_certain_hang_without_the_stall_t
     assert d.certain.waiting == (0,) and d.certain.evidence == "certain: ranks 1, 2, 3 finished"
 
 
+def test_ranks_in_one_call_are_followed_once_and_an_unsettled_one_does_not_speak_for_the_others():
+    """certain_hang follows a call's absent members from one settled rank in it, not from each: with 2,048 ranks
+    waiting while 2,048 others are on their way, none is certain; an unsettled rank found free says nothing of
+    a settled one in the same call, whose peer finished."""
+    from distcheck.launch.waitfor import certain_hang
+
+    world = tuple(range(4096))
+    on_the_way = RankProgress(records=4, phase="running", settled=True, entered={"0": 4})
+    seen = {r: in_call("0", 5, world) if r % 2 else on_the_way for r in world}
+    assert certain_hang(seen) is None
+    seen = {0: in_call("0", 5, (0, 1, 2), settled=False), 1: in_call("0", 5, (0, 1, 2)), 2: done({"0": 4})}
+    hang = certain_hang(seen)
+    assert hang is not None and hang.waiting == (1,) and hang.evidence == "certain: rank 2 finished"
+
+
 def test_a_peer_that_already_entered_the_call_is_not_awaited():
     d = detector()
     seen = {0: in_call("0", 5, (0, 1)), 1: done({"0": 5})}   # rank 1 entered #5 and finished: #5 completes

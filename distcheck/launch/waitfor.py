@@ -77,9 +77,14 @@ def certain_hang(ranks: Mapping[int, Waiter]) -> CertainHang | None:
     for rank in sorted(ranks):
         p = ranks[rank]
         if p.waits and not p.dead and rank not in graph.free:
+            calls = tuple((w[0], w[1]) for w in p.waits)
+            if p.settled and calls in graph.free_calls:
+                continue   # its calls' members were followed from another settled rank in them: it may yet move
             found = graph.closure(rank)
             if found is not None:
                 return found
+            if p.settled:
+                graph.free_calls.add(calls)
     return None
 
 
@@ -89,6 +94,10 @@ class _Graph:
     def __init__(self, ranks: Mapping[int, Waiter]) -> None:
         self.ranks = ranks
         self.free: set[int] = set()                      # ranks that may yet move (and all that wait on them)
+        # The calls (group, seq) of settled ranks found free: every settled rank in just those calls waits for the
+        # same members, so it is free too. At 4,096 ranks, 2,360 of them waiting while the rest were still on
+        # their way, following each one's 1,700 absent members took node 0 half a second per poll.
+        self.free_calls: set[tuple] = set()
         self._absent: dict[tuple, frozenset[int] | None] = {}
         self._clash: dict[tuple, str | None] = {}
 
