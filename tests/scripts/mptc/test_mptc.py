@@ -37,12 +37,6 @@ class TestCollectives(MultiProcessTestCase):
         if self.rank == 0:
             dist.barrier()   # planted: rank 1 never calls it
 
-    def test_broadcast(self):
-        self._init()
-        t = torch.full((3,), float(self.rank))
-        dist.broadcast(t, src=0)
-        self.assertEqual(t.tolist(), [0.0, 0.0, 0.0])
-
     def test_gather_then_destroy(self):
         self._init()
         out = [torch.zeros(1) for _ in range(self.world_size)]
