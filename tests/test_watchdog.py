@@ -89,7 +89,9 @@ def done(entered: dict, phase: str = "finished", alive: bool = True) -> RankProg
 def test_a_rank_waiting_for_finished_peers_is_a_certain_hang_without_the_stall_timeout():
     d = StallDetector(world_size=4, limits=Limits(stall_timeout=30.0), start=0.0)
     seen = {0: in_call("0", 5, (0, 1, 2, 3)), 1: done({"0": 4}), 2: done({"0": 4}), 3: done({"0": 4})}
+    assert d.confirm_due() is None
     assert d.observe(1.0, seen) is Decision.CONTINUE          # seen once: confirmed at the next poll
+    assert d.confirm_due() == pytest.approx(1.2)              # which the watchdog takes then, not a poll later
     assert d.observe(1.3, seen) is Decision.DEADLOCK
     assert d.certain.waiting == (0,) and d.certain.evidence == "certain: ranks 1, 2, 3 finished"
 
