@@ -29,17 +29,17 @@ def only(report: dict) -> dict:
 
 def test_ddp_with_uneven_inputs_is_a_hang_in_the_reducers_all_reduce_on_the_backward_line(distcheck):
     script = SCRIPTS / "ddp_uneven.py"
-    r = distcheck("run", str(script), "--nproc-per-node", "4", "--stall-timeout", "5", timeout=120)
+    r = distcheck("run", str(script), "--nproc-per-node", "2", "--stall-timeout", "5", timeout=120)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
     s = only(r.report)
     [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
     if not features().flight_recorder_gloo:   # torch < 2.8: named from rank 0's stack, the op unknown
-        assert (hang["op"], hang["seq"], hang["waiting_ranks"], hang["absent_ranks"]) == ("?", 8, [0], [1, 2, 3])
+        assert (hang["op"], hang["seq"], hang["waiting_ranks"], hang["absent_ranks"]) == ("?", 8, [0], [1])
         assert hang["label"].startswith("DDP's reducer in backward() (a collective issued from C++")
         assert hang["callsite"].startswith(f"{script}:{line_of(script, 'BACKWARD')}:")
         assert hang["detected_after_s"] <= 5 + 1
         return
-    assert (hang["op"], hang["waiting_ranks"], hang["absent_ranks"]) == ("all_reduce", [0], [1, 2, 3])
+    assert (hang["op"], hang["waiting_ranks"], hang["absent_ranks"]) == ("all_reduce", [0], [1])
     assert hang["label"] == "DDP gradient all_reduce, bucket of 5 elements"
     assert hang["callsite"].startswith(f"{script}:{line_of(script, 'BACKWARD')}:")
     assert hang["detected_after_s"] <= 5 + 1
