@@ -7,7 +7,8 @@ node summaries, ``result_of_launch`` (collect + diagnose) and every report forma
 
 The other N-1 nodes are threads spread over a few worker processes. Each is distcheck's real
 node-side code with its own store connections: ``ClusterStore`` (a client and its heartbeat thread),
-a real ``Watchdog`` over its own launch dir (publishing progress, following node 0's decision), then
+a real ``Watchdog`` over its own launch dir (publishing progress, following node 0's decision; a worker
+polls all its nodes' watchdogs from one thread, each through the watchdog's own ``poll_once``), then
 ``upload`` and ``result``. Its ranks are not processes: each rank is a trace file written by the
 real tracer (``--records-per-rank`` records: an E and an X record per completed all_reduce) and a
 status file whose pid is one idle process per node (alive, using no CPU; the node's teardown ends it).
