@@ -16,6 +16,15 @@ SCRIPTS = Path(__file__).parent / "scripts" / "ecosystem"
 MONITORED = SCRIPTS / "monitored_barrier.py"
 ACCELERATE = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no",
               "--num_machines", "1", "--dynamo_backend", "no")
+
+
+def _accelerate() -> tuple[str, ...]:
+    """``accelerate launch`` on a free port: its default (29500) is taken when two of these run at once."""
+    from conftest import free_port
+
+    return (*ACCELERATE, "--main_process_port", str(free_port()))
+
+
 CPU = {"ACCELERATE_USE_CPU": "1"}
 
 
@@ -79,7 +88,7 @@ def test_a_rank_that_skips_monitored_barrier_is_named(distcheck):
 def test_accelerates_data_loop_test_under_site_packages_is_a_hang_at_its_own_lines(distcheck):
     import accelerate
     script = Path(accelerate.__file__).parent / "test_utils" / "scripts" / "test_distributed_data_loop.py"
-    r = distcheck("run", "--stall-timeout", "20", "--", *ACCELERATE, str(script), env=CPU, timeout=300)
+    r = distcheck("run", "--stall-timeout", "20", "--", *_accelerate(), str(script), env=CPU, timeout=300)
     assert r.returncode == 1, r.stdout[-3000:]
     hangs = [f for f in _errors(r.report) if f["kind"] == "hang"]
     assert [h["waiting_ranks"] for h in hangs] == [[1]] and hangs[0]["absent_ranks"] == [0]
@@ -96,7 +105,7 @@ def test_an_exception_after_end_training_is_the_ranks_own_failure(distcheck, rai
     on both ranks is theirs, at its line (not "something outside the ranks"). The command is timed from its
     start."""
     script = SCRIPTS / "end_training_raises.py"
-    r = distcheck("run", "--stall-timeout", "20", "--", *ACCELERATE, str(script), *([] if raises else ["--no-raise"]),
+    r = distcheck("run", "--stall-timeout", "20", "--", *_accelerate(), str(script), *([] if raises else ["--no-raise"]),
                   env=CPU, timeout=300)
     [s] = r.report["scenarios"]
     assert s["script"] and s["duration_s"] >= 0.6 * r.report["run"]["duration_s"], (s["duration_s"], r.report["run"])
