@@ -267,7 +267,12 @@ def injected(under: Path) -> list[psutil.Process]:
 def no_survivors(tmp_path):
     """After the test: nothing the command started is left (killed here, and the test fails)."""
     yield
-    left = injected(tmp_path) if not wait_for(lambda: not injected(tmp_path), timeout=10) else []
+    command_processes_gone(tmp_path)
+
+
+def command_processes_gone(under: Path) -> None:
+    """Nothing a command started under ``under`` is left (what is, is killed, and the assertion fails)."""
+    left = injected(under) if not wait_for(lambda: not injected(under), timeout=10) else []
     for p in left:
         p.kill()
     assert not left, f"the command's processes survived: {[p.pid for p in left]}"

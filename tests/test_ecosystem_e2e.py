@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LOADED_TIMEOUT_S as LOADED_TIMEOUT
+from conftest import LOADED_TIMEOUT_S as LOADED_TIMEOUT, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -20,8 +20,6 @@ ACCELERATE = ("accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--
 
 def _accelerate() -> tuple[str, ...]:
     """``accelerate launch`` on a free port: its default (29500) is taken when two of these run at once."""
-    from conftest import free_port
-
     return (*ACCELERATE, "--main_process_port", str(free_port()))
 
 

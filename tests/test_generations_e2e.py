@@ -45,18 +45,26 @@ MPTC_HEALTHY = ("test_mptc.py::TestCollectives::test_all_reduce", "test_mptc.py:
 MPTC_PLANTED = "test_mptc.py::TestCollectives::test_barrier_on_rank0_only"
 
 
+def _shared_run(tmp_path_factory, name: str, cwd: Path, timeout: float, env: dict, *args: str):
+    """One ``distcheck run`` of a suite, for the module's tests to share: (the run, its folder). ``{tmp}`` in
+    ``args`` stands for that folder."""
+    from conftest import DistcheckRun, command_processes_gone, run_distcheck
+
+    tmp = tmp_path_factory.mktemp(name)
+    args = tuple(a.format(tmp=tmp) for a in args)
+    done = run_distcheck(["run", *STALL, "--run-dir", str(tmp / "run"), "--json", str(tmp / "report.json"), *args],
+                         cwd, tmp / "run", timeout, env=env)
+    command_processes_gone(tmp)
+    return DistcheckRun(done, tmp / "run", tmp / "report.json"), tmp
+
+
 @pytest.fixture(scope="module")
 def mptc_run(tmp_path_factory):
-    """One run of the MultiProcessTestCase suite with its planted rank-0-only barrier: three healthy tests
+    """One run of the MultiProcessTestCase suite with its planted rank-0-only barrier: two healthy tests
     and the planted one, each its own generation of processes (the tests below share it)."""
-    from conftest import DistcheckRun, injected, run_distcheck, wait_for
-
-    tmp = tmp_path_factory.mktemp("mptc")
-    args = ["run", *STALL, "--run-dir", str(tmp / "run"), "--json", str(tmp / "report.json"), "--junit-xml",
-            str(tmp / "junit.xml"), *_pytest("test_mptc.py")]
-    done = run_distcheck(args, MPTC, tmp / "run", SLOW_S, env={"PLANT_BARRIER": "1"})
-    assert wait_for(lambda: not injected(tmp), timeout=10), "the command's processes survived the run"
-    return DistcheckRun(done, tmp / "run", tmp / "report.json"), tmp / "junit.xml"
+    r, tmp = _shared_run(tmp_path_factory, "mptc", MPTC, SLOW_S, {"PLANT_BARRIER": "1"},
+                         "--junit-xml", "{tmp}/junit.xml", *_pytest("test_mptc.py"))
+    return r, tmp / "junit.xml"
 
 
 @pytest.mark.xdist_group("mptc")
@@ -97,13 +105,7 @@ def test_multiprocess_test_case_rank0_only_barrier_is_a_hang_on_its_line(mptc_ru
 def pool_run(tmp_path_factory):
     """One run of the torchmetrics-style pool suite with its planted rank-0-only compute(): two healthy tests
     before it in the same pool, each a generation of its own (the tests below share the run)."""
-    from conftest import DistcheckRun, injected, run_distcheck, wait_for
-
-    tmp = tmp_path_factory.mktemp("pool")
-    args = ["run", *STALL, "--run-dir", str(tmp / "run"), "--json", str(tmp / "report.json"), *_pytest()]
-    done = run_distcheck(args, POOL, tmp / "run", POOL_S, env={"PLANT_HANG": "1"})
-    assert wait_for(lambda: not injected(tmp), timeout=10), "the command's processes survived the run"
-    return DistcheckRun(done, tmp / "run", tmp / "report.json")
+    return _shared_run(tmp_path_factory, "pool", POOL, POOL_S, {"PLANT_HANG": "1"}, *_pytest())[0]
 
 
 @pytest.mark.xdist_group("pool")

@@ -58,11 +58,10 @@ def digest_of(calls: Iterable[tuple[int, str, str]]) -> dict[int, str]:
         blocks[(seq - 1) // BLOCK].append((seq, op, reduce_op or NONE))
     out = {}
     for block, items in blocks.items():
-        seqs = [s for s, _, _ in items]
-        first = block * BLOCK + 1
-        if seqs != list(range(first, first + BLOCK)):
+        whole = list(range(block * BLOCK + 1, (block + 1) * BLOCK + 1))
+        if [s for s, _, _ in items] != whole:   # calls usually come in order: sorted only when not
             items.sort()
-            if [s for s, _, _ in items] != list(range(first, first + BLOCK)):
+            if [s for s, _, _ in items] != whole:
                 continue
         out[block] = hashlib.blake2b(_block_text(items).encode(), digest_size=8).hexdigest()
     return out

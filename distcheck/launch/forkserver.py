@@ -124,14 +124,11 @@ def start_early(torch_env: Mapping[str, str]) -> bool:
         return False
     # torch loads here under the ranks' environment, except its C++ log level: this process keeps its own
     # (``launcher.quiet_native_warnings``), and the server is given the ranks' level below.
-    loading = {k: v for k, v in torch_env.items() if k != "TORCH_CPP_LOG_LEVEL"}
-    saved = {k: os.environ.get(k) for k in loading}
-    os.environ.update(loading)
-    try:
+    from distcheck.launch.launcher import environment_with
+
+    with environment_with({k: v for k, v in torch_env.items() if k != "TORCH_CPP_LOG_LEVEL"}):
         for module in PRELOAD:
             __import__(module)
-    finally:
-        _restore(saved)
     log_level = _cpp_log_level_flag()
     if log_level is None or not _cpu_only_torch() or _threads() != 1:
         return False
@@ -146,14 +143,6 @@ def _known_server_main() -> bool:
     server = multiprocessing.forkserver._forkserver
     return tuple(inspect.signature(multiprocessing.forkserver.main).parameters) == _SERVER_MAIN_PARAMETERS and all(
         hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd", "_preload_modules"))
-
-
-def _restore(saved: Mapping[str, str | None]) -> None:
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _cpu_only_torch() -> bool:

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from distcheck import interrupt
 from distcheck.launch import forkserver
@@ -91,8 +91,9 @@ def quiet_native_warnings() -> None:
 
 
 @contextlib.contextmanager
-def _worker_environment(extra: dict[str, str]) -> Iterator[None]:
-    """Environment the agent copies into every worker, restored afterwards."""
+def environment_with(extra: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with ``extra`` set (what the agent copies into every worker, what a fork
+    server loads torch under), restored afterwards."""
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:
@@ -395,7 +396,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     failures: dict[int, RankFailure] = {}
     exit_codes: dict[int, tuple[int, int]] = {}
     error = None
-    with (_worker_environment(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
+    with (environment_with(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
           _restore_signal_handlers(),
           _survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
         entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it

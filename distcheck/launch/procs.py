@@ -32,20 +32,34 @@ _TICKS = os.sysconf("SC_CLK_TCK") if _PROC else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if _PROC else 4096
 
 
-def stat_of(pid: int) -> ProcStat | None:
-    """Whether ``pid`` runs, its CPU time and resident memory, from one read of ``/proc/<pid>/stat`` (what
-    ``is_alive``, ``CpuMeter`` and ``memory.resident_bytes`` read in four); None where there is no /proc."""
+def stat_of(pid: int) -> ProcStat:
+    """Whether ``pid`` runs, its CPU time and resident memory: on Linux from one read of ``/proc/<pid>/stat``
+    (psutil reads it, and ``statm``, once for each); elsewhere through psutil."""
     if not _PROC:
-        return None
+        return _stat_of_psutil(pid)
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rpartition(b")")[2].split()
     except OSError:
-        return ProcStat(False, 0.0, 0)
+        return _GONE
     # after the command's name: state, ..., utime (12th), stime (13th), ..., rss in pages (22nd)
     state = fields[0]
     return ProcStat(state not in (b"Z", b"X", b"x"), (int(fields[11]) + int(fields[12])) / _TICKS,
                     int(fields[21]) * _PAGE)
+
+
+_GONE = ProcStat(False, 0.0, 0)
+
+
+def _stat_of_psutil(pid: int) -> ProcStat:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return _GONE
+        times = proc.cpu_times()
+        return ProcStat(True, times.user + times.system, proc.memory_info().rss)
+    except psutil.Error:
+        return _GONE
 
 
 # Helpers that serve every launch of this distcheck run and end with it (``launch.forkserver``): never
@@ -182,15 +196,11 @@ class CpuMeter:
 
     def __init__(self, window_s: float = 1.0) -> None:
         self.window_s = window_s
-        self._procs: dict[int, psutil.Process] = {}
         self._samples: dict[int, list[tuple[float, float]]] = {}   # key -> [(monotonic, cpu seconds)]
 
-    def cores(self, key: int, pid: int | None, now: float) -> float | None:
-        """None until there is a window's worth of samples (or when the process is gone)."""
-        return self.cores_from(key, self.cpu_seconds(pid), now)
-
-    def cores_from(self, key: int, used: float | None, now: float) -> float | None:
-        """``cores`` with the process's CPU seconds read by the caller (None: it is gone)."""
+    def cores(self, key: int, used: float | None, now: float) -> float | None:
+        """Given the process's CPU seconds ``used`` now (None: it is gone); None until there is a window's
+        worth of samples (or when the process is gone)."""
         if used is None:
             self._samples.pop(key, None)
             return None
@@ -202,18 +212,6 @@ class CpuMeter:
         if now - t0 < self.window_s / 2:
             return None
         return max(0.0, (used - c0) / (now - t0))
-
-    def cpu_seconds(self, pid: int | None) -> float | None:
-        if not pid:
-            return None
-        proc = self._procs.get(pid)
-        try:
-            if proc is None:
-                proc = self._procs[pid] = psutil.Process(pid)
-            times = proc.cpu_times()
-        except psutil.Error:
-            return None
-        return times.user + times.system
 
 
 class ActivityMeter:

@@ -95,8 +95,9 @@ class Replayer:
             raise
         if answer.startswith("ok"):
             return
+        why = answer[len("error "):].strip() if answer.startswith("error ") else self._last_words(proc)
         self.close()
-        raise ReplayFailed(answer[len("error "):].strip() if answer.startswith("error ") else self._last_words(proc))
+        raise ReplayFailed(why)
 
     def _start(self) -> subprocess.Popen:
         import tempfile
@@ -130,7 +131,7 @@ class Replayer:
             if self._proc.poll() is None:
                 self._proc.kill()
             self._proc.wait()
-            for stream in (self._proc.stdin, self._proc.stdout):
+            for stream in (self._proc.stdin, self._proc.stdout, self._stderr):
                 stream.close()
             self._proc = None
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from distcheck import interrupt
-from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import main_stack, read_dumps, torch_dir, user_top
@@ -260,16 +259,11 @@ class RankMonitor:
                 continue
             call = tail.newest_open
             facts = procs.stat_of(status.pid) if status and status.pid else None
-            if facts is None:   # no /proc here: the same facts read one by one
-                alive = procs.is_alive(status.pid) if status else True
-                pid = status.pid if status and alive else None
-                used, resident = self._cpu.cpu_seconds(pid), memory.resident_bytes(pid)
-            else:
-                alive, pid = facts.alive, status.pid if facts.alive else None
-                used, resident = (facts.cpu_seconds, facts.rss_bytes) if facts.alive else (None, None)
-            rss, peak = self._sample_memory(rank, resident)
+            alive = facts.alive if facts is not None else status is None   # no status yet: taken as starting
+            pid = status.pid if facts is not None and facts.alive else None
+            rss, peak = self._sample_memory(rank, facts.rss_bytes if pid else None)
             now = time.monotonic()
-            cpu = self._cpu.cores_from(rank, used, now)
+            cpu = self._cpu.cores(rank, facts.cpu_seconds if pid else None, now)
             opened = tail.open.values()
             out[rank] = RankProgress(
                 records=tail.records, open_collectives=len(opened),
