@@ -92,3 +92,26 @@ def test_an_other_reduce_op_before_the_window_is_found_by_digest_and_said_where_
     assert [f.kind for f in findings if f.severity == "error"] == ["mismatch"]
     [note] = [f for f in findings if f.kind == "coverage"]
     assert note.severity == "info" and "stayed on nodes 0, 3," in note.summary
+
+
+def test_the_digests_of_a_window_cut_from_columns_are_digest_of_its_calls():
+    """A node digests a trace's calls from its columns (a block of one op without a tuple per call); node 0
+    digests the ranks it has whole with ``digest_of``. Both must give the same digest for the same calls:
+    numbered in order or not, one op or mixed, cut anywhere."""
+    import random
+
+    from distcheck.files.trace_window import BLOCK, _digests_before, digest_of
+
+    sites = {1: ("g", "all_reduce", "sum"), 2: ("g", "broadcast", "none"), 3: ("g", "all_reduce", "max"),
+             4: ("g", "all_reduce", "sum")}
+    rng = random.Random(3)
+    for _ in range(500):
+        start = rng.choice([1, 2, BLOCK, BLOCK + 1, 2 * BLOCK + 1, 1000])
+        seqs = list(range(start, start + rng.randint(0, 6 * BLOCK)))
+        if seqs and rng.random() < 0.2:   # a number out of order, or twice
+            seqs[rng.randrange(len(seqs))] = rng.randint(1, 9 * BLOCK)
+        choices = rng.choice([[1], [1, 4], [1, 2, 3, 4]])
+        w0s = [rng.choice(choices) for _ in seqs]
+        first = rng.randint(1, 9 * BLOCK)
+        expected = digest_of((s, *sites[w][1:]) for s, w in zip(seqs, w0s) if s < first)
+        assert _digests_before(first, seqs, w0s, sites) == expected

@@ -25,6 +25,7 @@ import hashlib
 import re
 from array import array
 from collections import defaultdict
+from itertools import compress
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -100,26 +101,51 @@ def window(data: bytes, node: int, held_at: str, keep: int = KEEP_CALLS, whole_u
         tables.define(line)
         texts.append((i, j))
         i = tags.find(_TAG_T_BYTE, j)
-    enters = _enters(words, tables, (m.start() for m in _TAG_E_RE.finditer(tags, 0, good)))
-    if len(enters) <= whole_up_to:
+    enters = _Enters.of(words, tables, tags[:good])
+    if len(enters.slots) <= whole_up_to:
         return data
-    cut = enters[-keep][0]
-    return _windowed(data, used, cut, texts, enters[:-keep], enters[-keep:], node, held_at)
+    return _windowed(data, used, texts, enters, len(enters.slots) - keep, node, held_at)
 
 
-def _enters(words: array, tables: Tables, slots: Iterable[int]) -> list[tuple[int, str, int, str, str]]:
-    """(slot, group, seq, op, reduce op) of the E records at ``slots`` whose ids are defined."""
-    calls: dict[int, tuple[str, str, str] | None] = {}   # an E record's first word -> its call, read once
-    out = []
-    for i in slots:
-        w0 = words[4 * i]
-        call = calls.get(w0, ())
-        if call == ():
-            call = calls[w0] = _call(tables, w0)
-        if call is not None:
-            group, op, reduce_op = call
-            out.append((i, group, words[4 * i + 1] & SEQ_MASK, op, reduce_op))
-    return out
+@dataclass
+class _Enters:
+    """The E records of a trace whose ids are defined, as columns: a call's slot, first word (its call
+    site: group, op and reduce op, in ``call_of``) and number. Columns, because a node cuts the windows
+    of its ranks' traces of 10,000s of calls at once: they are read in C, not record by record."""
+
+    slots: list[int]
+    w0s: list[int]
+    seqs: list[int]
+    call_of: dict[int, tuple[str, str, str]]
+
+    @classmethod
+    def of(cls, words: array, tables: Tables, tags: bytes) -> "_Enters":
+        mask = tags.translate(_E_MASK)   # 1 at each E record, 0 elsewhere
+        end = 4 * len(tags)
+        slots = list(compress(range(len(tags)), mask))
+        w0s = list(compress(words[0:end:4], mask))
+        seqs = [w & SEQ_MASK for w in compress(words[1:end:4], mask)]
+        calls = {w0: _call(tables, w0) for w0 in set(w0s)}
+        undefined = {w0 for w0, call in calls.items() if call is None}
+        if undefined:   # a call whose definition was lost: left out, as the reader leaves it out
+            keep = [k for k, w0 in enumerate(w0s) if w0 not in undefined]
+            slots, w0s, seqs = [slots[k] for k in keep], [w0s[k] for k in keep], [seqs[k] for k in keep]
+        return cls(slots, w0s, seqs, {w0: call for w0, call in calls.items() if call is not None})
+
+    def by_group(self, end: int) -> dict[str, tuple[list[int], list[int]]]:
+        """group -> (seqs, first words) of the calls before index ``end``, in trace order."""
+        groups = {self.call_of[w0][0] for w0 in set(self.w0s[:end])}
+        if len(groups) == 1:   # the usual trace: every call in one group
+            return {groups.pop(): (self.seqs[:end], self.w0s[:end])}
+        out: dict[str, tuple[list[int], list[int]]] = {g: ([], []) for g in groups}
+        for seq, w0 in zip(self.seqs[:end], self.w0s[:end]):
+            seqs, w0s = out[self.call_of[w0][0]]
+            seqs.append(seq)
+            w0s.append(w0)
+        return out
+
+
+_E_MASK = bytes(1 if tag == TAG_E else 0 for tag in range(256))
 
 
 def _call(tables: Tables, w0: int) -> tuple[str, str, str] | None:
@@ -131,23 +157,48 @@ def _call(tables: Tables, w0: int) -> tuple[str, str, str] | None:
     return group, op, rest[0] or NONE
 
 
-def _windowed(data: bytes, used: int, cut: int, texts: list[tuple[int, int]], cut_calls: list[tuple],
-              kept_calls: list[tuple], node: int, held_at: str) -> bytes:
+def _windowed(data: bytes, used: int, texts: list[tuple[int, int]], enters: _Enters, kept_from: int,
+              node: int, held_at: str) -> bytes:
+    cut = enters.slots[kept_from]
     first_kept: dict[str, int] = {}
-    for _, group, seq, _, _ in kept_calls:
+    for w0, seq in zip(enters.w0s[kept_from:], enters.seqs[kept_from:]):
+        group = enters.call_of[w0][0]
         first_kept[group] = min(seq, first_kept.get(group, seq))
-    by_group: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
-    for _, group, seq, op, reduce_op in cut_calls:
-        by_group[group].append((seq, op, reduce_op))
     lines = []
-    for group, calls in sorted(by_group.items()):
-        first = first_kept.get(group, max(seq for seq, _, _ in calls) + 1)
-        digests = ",".join(f"{b}:{d}" for b, d in sorted(digest_of(c for c in calls if c[0] < first).items()))
-        lines.append(f"K\t{clean(group)}\t{first}\t{len(calls)}\t{digests or NONE}\n")
+    for group, (seqs, w0s) in sorted(enters.by_group(kept_from).items()):
+        first = first_kept.get(group, max(seqs) + 1)
+        blocks = _digests_before(first, seqs, w0s, enters.call_of)
+        digests = ",".join(f"{b}:{d}" for b, d in sorted(blocks.items()))
+        lines.append(f"K\t{clean(group)}\t{first}\t{len(seqs)}\t{digests or NONE}\n")
     lines.append(f"H\t{node}\t{clean(held_at)}\n")
     header = data[:SYNC_OFFSET + SLOT]
     before = b"".join(data[a * SLOT:b * SLOT] for a, b in texts if a < cut and a * SLOT >= len(header))
     return header + text_slots("".join(lines).encode()) + before + data[cut * SLOT:used]
+
+
+def _digests_before(first: int, seqs: list[int], w0s: list[int], call_of: Mapping[int, tuple[str, str, str]]
+                    ) -> dict[int, str]:
+    """``digest_of`` the calls numbered below ``first`` (one group's, ``seqs`` with their first words).
+
+    The usual group's calls come numbered one after another: then a block is a slice of the columns, and
+    a block whose calls share one op and reduce op is hashed without a tuple per call."""
+    start = seqs[0] if seqs else 1
+    if seqs != list(range(start, start + len(seqs))):
+        return digest_of((seq, *call_of[w0][1:]) for seq, w0 in zip(seqs, w0s) if seq < first)
+    out = {}
+    last = min(first - 1, start + len(seqs) - 1)     # the last call number digested
+    for block in range(-(-(start - 1) // BLOCK), last // BLOCK):   # the blocks [start, last] holds whole
+        lo = block * BLOCK + 1
+        sites = w0s[lo - start:lo - start + BLOCK]
+        kinds = {call_of[w0][1:] for w0 in set(sites)}
+        if len(kinds) == 1:
+            op, reduce_op = kinds.pop()
+            tail = f":{op}:{reduce_op};"
+            text = tail.join(map(str, range(lo, lo + BLOCK))) + tail
+        else:
+            text = _block_text([(lo + k, *call_of[w0][1:]) for k, w0 in enumerate(sites)])
+        out[block] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return out
 
 
 def elided_of(tables: Tables) -> dict[str, Elided]:
