@@ -142,3 +142,37 @@ def test_a_large_jobs_rank_list_reads_as_runs_and_a_small_one_as_it_was():
     assert rank_list([r for r in range(4096) if r != 4059]) == "ranks 0-4058, 4060-4095"   # one line, not 4,095 numbers
     assert rank_list(range(16)) == "ranks 0-15"
     assert rank_list([0, 1, 2]) == "ranks 0, 1, 2" and rank_list([2]) == "rank 2"
+
+
+def test_a_wide_jobs_terminal_and_junit_reports_give_one_line_to_ranks_alike():
+    """4,096 ranks stuck in one barrier read as one line (their run of ranks and its count) in the terminal
+    report and in JUnit, the rank that finished as a line of its own; a small job keeps a line per rank."""
+    import io
+    import xml.etree.ElementTree as ET
+
+    from rich.console import Console
+
+    from distcheck.report import junit, terminal
+
+    world, finished = 4096, 4091
+    report, _ = hang(world, 2, finished=finished)
+    result = report.scenarios[0]
+    waiting = tuple(RankDetail(rank=r, role="waiting", op="barrier", seq=3, callsite=SITE)
+                    for r in range(world) if r != finished)
+    finding = type(result.findings[0])(**{**result.findings[0].__dict__, "ranks": result.findings[0].ranks + waiting})
+    report = Report(run=report.run, scenarios=(type(result)(**{**result.__dict__, "findings": (finding,)}),))
+    out = io.StringIO()
+    terminal.render(report, Console(file=out, width=120, color_system=None))
+    rows = [line.split() for line in out.getvalue().splitlines() if " stuck " in f" {line} " or " finished " in line]
+    assert rows == [["0-4090,", "4092-4095", "(4,095)", "stuck", "3", "-"], ["4091", "finished", "2", "-"]]
+    text = ET.fromstring(junit.render(report)).find(".//failure")
+    assert text is None   # expected hang: a pass; its findings go to system-out
+    body = junit.render(report)
+    assert "ranks 0-4090, 4092-4095 (4,095) (waiting) barrier #3" in body
+    assert "rank 4091 (absent) state=finished - finished, now idle" in body
+    assert len(body) < 20_000 and len(out.getvalue()) < 20_000
+
+    small, _ = hang(4, 2, finished=3)
+    out = io.StringIO()
+    terminal.render(small, Console(file=out, width=120, color_system=None))
+    assert sum(1 for line in out.getvalue().splitlines() if " stuck " in f" {line} ") == 3

@@ -214,7 +214,7 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
     seen = launch.watchdog.last_progress.get(f.rank)
     return RankOutcome(
         rank=f.rank, state=state, host=f.status.host, node=f.status.node, pid=f.status.pid,
-        exit_code=f.exit_code, signal=f.signal, collectives=len(events), last_event=events[-1] if events else None,
+        exit_code=f.exit_code, signal=f.signal, collectives=f.trace.calls, last_event=events[-1] if events else None,
         where=where, stack=f.dump.text[:MAX_STACK_CHARS] if f.dump else None,
         exception=f.status.exception or f.abort, traceback=f.status.traceback, phase=f.status.phase,
         flight_recorder=f.flight_recorder,

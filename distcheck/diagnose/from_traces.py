@@ -113,7 +113,8 @@ def _trace_outcome(rank: int, trace: RankTrace | None, status: RankStatus, files
                                  stack_top(dump, status.main_thread), status.where,
                                  primary=phase == Phase.ERROR)
     return RankOutcome(
-        rank=rank, state=state, host=status.host, pid=status.pid, collectives=len(events),
+        rank=rank, state=state, host=status.host, pid=status.pid,
+        collectives=trace.calls if trace is not None else 0,
         last_event=events[-1] if events else None, where=where, stack=dump.text[:MAX_STACK_CHARS] if dump else None,
         exception=status.exception, traceback=status.traceback,
         phase=phase or (Phase.RUNNING if events else None),

@@ -35,6 +35,11 @@ class RankTrace:
     # group -> the calls this copy lacks (a window of a long trace, ``files.trace_window``); empty: whole
     elided: dict[str, Elided] = field(default_factory=dict)
 
+    @property
+    def calls(self) -> int:
+        """How many calls the rank issued: those read here, and those its window left on its node."""
+        return len(self.events) + sum(e.count for e in self.elided.values())
+
 
 def parse_trace(rank: int, data: bytes) -> RankTrace:
     """Parse a whole trace file. Tolerates a torn last record and records it cannot resolve.

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from distcheck.models import EndReason, Finding, Report, ScenarioResult
-from distcheck.report.words import verdict
+from distcheck.models import EndReason, Finding, RankDetail, RankOutcome, Report, ScenarioResult
+from distcheck.report.words import alike_ranks, verdict
 from distcheck.text import short_path
 from distcheck.torch_features import LABELS
 
@@ -43,35 +43,43 @@ def _finding_text(f: Finding) -> str:
         lines.append(f"    collective: {where}")
     if f.fields:
         lines.append(f"    differs in: {', '.join(f.fields)}")
-    for d in f.ranks:
-        parts = [f"    rank {d.rank} ({d.role})"]
-        if d.op:
-            parts.append(f"{d.op} #{d.seq}" if d.seq is not None else d.op)
-        if d.label:
-            parts.append(f"[{d.label}]")
-        if d.callsite:
-            parts.append(f"at {short_path(d.callsite)}")
-        elif d.where:
-            parts.append(f"at {short_path(d.where)}")
-        if d.state:
-            parts.append(f"state={d.state}")
-        if d.note:
-            parts.append(f"- {d.note}")
-        lines.append(" ".join(parts))
+    for label, detail in alike_ranks((d.rank, _detail(d)) for d in f.ranks):
+        lines.append(f"    {'rank' if label.isdigit() else 'ranks'} {label} {detail}")
     if f.detected_after_s is not None:
         lines.append(f"    detected {f.detected_after_s:.1f} s after the last progress")
     return "\n".join(lines)
 
 
+def _detail(d: RankDetail) -> str:
+    parts = [f"({d.role})"]
+    if d.op:
+        parts.append(f"{d.op} #{d.seq}" if d.seq is not None else d.op)
+    if d.label:
+        parts.append(f"[{d.label}]")
+    if d.callsite:
+        parts.append(f"at {short_path(d.callsite)}")
+    elif d.where:
+        parts.append(f"at {short_path(d.where)}")
+    if d.state:
+        parts.append(f"state={d.state}")
+    if d.note:
+        parts.append(f"- {d.note}")
+    return " ".join(parts)
+
+
 def _ranks_text(result: ScenarioResult) -> str:
     lines = ["ranks:"]
-    for r in result.ranks:
-        where = r.exception or (f"killed by {r.signal}" if r.signal else "")
-        at = r.where or (r.last_event.callsite if r.last_event else None)
-        if at:
-            where = f"{where} at {short_path(at)}" if where else short_path(at)
-        lines.append(f"    rank {r.rank}: {r.state}, {r.collectives} collectives" + (f", {where}" if where else ""))
+    for label, line in alike_ranks((r.rank, _rank_line(r)) for r in result.ranks):
+        lines.append(f"    {'rank' if label.isdigit() else 'ranks'} {label}: {line}")
     return "\n".join(lines)
+
+
+def _rank_line(r: RankOutcome) -> str:
+    where = r.exception or (f"killed by {r.signal}" if r.signal else "")
+    at = r.where or (r.last_event.callsite if r.last_event else None)
+    if at:
+        where = f"{where} at {short_path(at)}" if where else short_path(at)
+    return f"{r.state}, {r.collectives} collectives" + (f", {where}" if where else "")
 
 
 def test_names(nodeid: str) -> tuple[str, str, str]:

@@ -13,7 +13,7 @@ from rich.text import Text
 from distcheck.models import EndReason, Finding, RankOutcome, Report, ScenarioResult
 from distcheck.report.health_table import bandwidth_table, is_bandwidth_table
 from distcheck.report.words import ending as _ending
-from distcheck.report.words import script_name, script_observed
+from distcheck.report.words import alike_ranks, script_name, script_observed
 from distcheck.text import rank_list, short_path
 from distcheck.torch_features import describe
 
@@ -55,17 +55,21 @@ def _rank_table(ranks: tuple[RankOutcome, ...]) -> Table:
     table.add_column("state")
     table.add_column("collectives", justify="right")
     table.add_column("where")
-    for r in ranks:
-        where = r.exception or (f"killed by {r.signal}" if r.state == "crashed" and r.signal else "")
-        if r.where:
-            where = f"{where} at {short_path(r.where)}" if where else short_path(r.where)
-        if r.state == "stuck" and r.last_event is not None:
-            e = r.last_event
-            where = f"{e.op} #{e.seq} [{e.label or '-'}] {short_path(e.callsite)}"
-        if r.flight_recorder:
-            where = f"{where}  {flight_recorder_text(r.flight_recorder)}".strip()
-        table.add_row(str(r.rank), r.state, str(r.collectives), escape(where or "-"))
+    for label, (state, collectives, where) in alike_ranks((r.rank, _rank_row(r)) for r in ranks):
+        table.add_row(label, state, collectives, escape(where))
     return table
+
+
+def _rank_row(r: RankOutcome) -> tuple[str, str, str]:
+    where = r.exception or (f"killed by {r.signal}" if r.state == "crashed" and r.signal else "")
+    if r.where:
+        where = f"{where} at {short_path(r.where)}" if where else short_path(r.where)
+    if r.state == "stuck" and r.last_event is not None:
+        e = r.last_event
+        where = f"{e.op} #{e.seq} [{e.label or '-'}] {short_path(e.callsite)}"
+    if r.flight_recorder:
+        where = f"{where}  {flight_recorder_text(r.flight_recorder)}".strip()
+    return r.state, f"{r.collectives:,}", where or "-"
 
 
 def flight_recorder_text(status: dict[str, dict[str, int]]) -> str:

@@ -4,7 +4,10 @@ a scenario against its expectation, a script as a script, and how its launch end
 
 from __future__ import annotations
 
+from typing import Hashable, Iterable
+
 from distcheck.models import EndReason, ScenarioResult
+from distcheck.text import id_list
 
 
 def script_name(result: ScenarioResult) -> str:
@@ -39,3 +42,22 @@ def verdict(result: ScenarioResult) -> str:
         return f"{result.test or script_name(result)}: {script_observed(result)}{ending(result)}"
     observed = "+".join(result.observed) or "pass"
     return f"expected {'+'.join(result.expected) or 'pass'}, observed {observed}{ending(result)}"
+
+
+EACH_RANK_UP_TO = 48    # past this many ranks, ranks whose lines read alike share one line
+_LABEL_RUNS = 8         # a shared line names at most this many runs of its ranks, then its count
+
+
+def alike_ranks(rows: Iterable[tuple[int, Hashable]], each_up_to: int = EACH_RANK_UP_TO
+                ) -> list[tuple[str, Hashable]]:
+    """(ranks' label, row) of a per-rank table: every rank its own line up to ``each_up_to`` ranks; past
+    that, ranks whose rows are equal share one line, labelled "0-4090, 4092-4095 (4,095)", in the order
+    of their first rank. 4,096 lines of "stuck in barrier #5001" are read as one."""
+    rows = list(rows)
+    if len(rows) <= each_up_to:
+        return [(str(rank), row) for rank, row in rows]
+    alike: dict[Hashable, list[int]] = {}
+    for rank, row in rows:
+        alike.setdefault(row, []).append(rank)
+    return [(str(ranks[0]) if len(ranks) == 1 else f"{id_list(ranks, limit=_LABEL_RUNS)} ({len(ranks):,})", row)
+            for row, ranks in alike.items()]
