@@ -57,12 +57,14 @@ FINISHED_LOCAL_RANK = 3        # of the last node: the planted rank that finishe
 
 
 def templates(world: int, calls: int) -> tuple[bytes, bytes]:
-    """(prefix, barrier): a rank's trace after ``calls`` completed all_reduces, and the bytes the tracer
-    appends when the rank enters the barrier (its definitions and its E record). Written by the real
+    """(prefix, barrier): a rank's trace file after ``calls`` completed all_reduces, as it is on disk (its
+    records, then the zeros of the writer's preallocated end), and the bytes the tracer writes after those
+    records when the rank enters the barrier (its definitions and its E record). Written by the real
     ``Tracer`` into a real trace file; the barrier's bytes are read while the call is inside it."""
     import torch
     from torch.distributed import ReduceOp
 
+    from distcheck.files.trace import used_bytes
     from distcheck.files.trace_reader import read_trace_bytes
     from distcheck.rank.tracer import Tracer
 
@@ -88,13 +90,13 @@ def templates(world: int, calls: int) -> tuple[bytes, bytes]:
     t = torch.ones(256)
     for _ in range(calls):
         code["step"](ar, t)
-    prefix = read_trace_bytes(path)
+    prefix = path.read_bytes()
     code["end"](b)
     tracer.close()
     shutil.rmtree(tmp, ignore_errors=True)
-    inside = seen["inside"]
-    assert inside.startswith(prefix) and len(inside) > len(prefix)
-    return prefix, inside[len(prefix):]
+    inside, used = seen["inside"], used_bytes(prefix)
+    assert inside.startswith(prefix[:used]) and len(inside) > used
+    return prefix, inside[used:]
 
 
 def write_ranks(files: Any, ranks: range, node: int, prefix: bytes, pid: int) -> None:
@@ -111,7 +113,7 @@ def write_ranks(files: Any, ranks: range, node: int, prefix: bytes, pid: int) ->
 def plant(files: Any, ranks: range, node: int, barrier: bytes, finished: int | None) -> None:
     """Every rank of ``ranks`` enters the barrier (its enter record, then its sidecar's sync record),
     except ``finished``, which says it finished."""
-    from distcheck.files.trace import SYNC_OFFSET, sync_slot
+    from distcheck.files.trace import SYNC_OFFSET, sync_slot, used_bytes
     from distcheck.models import Phase
 
     for rank in ranks:
@@ -120,7 +122,7 @@ def plant(files: Any, ranks: range, node: int, barrier: bytes, finished: int | N
             files.write_status(rank, dataclasses.replace(status, phase=Phase.FINISHED, t_update=time.time()))
             continue
         with open(files.trace(rank), "r+b") as f:
-            f.seek(0, os.SEEK_END)
+            f.seek(used_bytes(f.read()))   # after its records, over the zeros of the preallocated end
             # the enter record carries the time it was written: re-stamp the template's
             f.write(_restamp(barrier, time.time_ns()))
             f.seek(SYNC_OFFSET)
@@ -231,6 +233,7 @@ def worker(args: argparse.Namespace) -> None:
     for n in mine:
         write_ranks(dirs[n], range(n * rpn, (n + 1) * rpn), n, prefix, idle[n].pid)
     uploaded: dict[int, int] = {}
+    ended: dict[int, tuple[float, float]] = {}   # node -> (its ranks torn down, its upload sent), wall time
     errors: list[str] = []
     published: dict[int, float] = {}        # node -> when it first published every rank of its own in the hang
     first_published: set[int] = set()       # nodes whose watchdog has published their ranks once
@@ -255,6 +258,7 @@ def worker(args: argparse.Namespace) -> None:
             before = counter.bytes
             channel.upload(dirs[n], node_summary(outcome))
             uploaded[n] = counter.bytes - before
+            ended[n] = (dog.result.torn_down_at or time.time(), time.time())
             channel.result(timeout_s=600)
             bench.add("bench/store_bytes", counter.bytes)
         except Exception as exc:   # the row says so instead of hanging
@@ -297,6 +301,7 @@ def worker(args: argparse.Namespace) -> None:
     for t in threads:
         t.join()
     bench.set(f"bench/uploads/{args.first}", json.dumps(uploaded))
+    bench.set(f"bench/ended/{args.first}", json.dumps(ended))
     bench.set(f"bench/published/{args.first}", json.dumps({"at": published, "polls": node_polls[-2000:]}))
     bench.set(f"bench/errors/{args.first}", json.dumps(errors))
     for proc in idle.values():
@@ -403,8 +408,10 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     errors = []
     published_at: list[float] = []
     node_polls: list[float] = []
+    ended: list[tuple[float, float]] = []
     for c in _contiguous(others, args.workers):
         uploads += json.loads(bench.get(f"bench/uploads/{c[0]}")).values()
+        ended += json.loads(bench.get(f"bench/ended/{c[0]}")).values()
         errors += json.loads(bench.get(f"bench/errors/{c[0]}"))
         got = json.loads(bench.get(f"bench/published/{c[0]}"))
         published_at += got["at"].values()
@@ -435,14 +442,15 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "finding": hang.summary if hang else None,
         "findings": [f"{f.kind}: {f.summary[:300]}" for f in result.findings],
         "last_node_published_after_onset_s": round(last_published - onset, 3) if last_published else None,
-        "nodes_published_after_onset_s": {q: round(sorted(published_at)[int(q / 100 * (len(published_at) - 1))]
-                                                   - onset, 3) for q in (10, 50, 90, 100)} if published_at else None,
+        "nodes_published_after_onset_s": _quantiles([p - onset for p in published_at]),
         "named_after_last_publish_s": round(detected - last_published, 3) if last_published else None,
         "node_poll_s_median": round(median(node_polls), 4),
         "node_poll_s_p90": round(sorted(node_polls)[int(0.9 * len(node_polls))], 4) if node_polls else None,
         "all_waiting_seen_after_onset_s": round(seen_all_at - onset, 3) if seen_all_at else None,
         "polls_after_onset": [{k: round(v, 4) for k, v in p.items() if k != "t"} | {"at": round(p["t"] - onset, 3)}
                               for p in after][:60],
+        "nodes_torn_down_after_decision_s": _quantiles([t - detected for t, _ in ended]),
+        "nodes_uploaded_after_decision_s": _quantiles([u - detected for _, u in ended]),
         "gather_s": round(gathered - detected, 2), "judge_s": round(judged - gathered, 2),
         "reports_s": round(reported - judged, 2),
         "report_files_bytes": sizes,
@@ -450,6 +458,12 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "errors": errors[:5],
     }
     return row
+
+
+def _quantiles(values: list[float]) -> dict[int, float] | None:
+    """The 10th, 50th, 90th and 100th percentiles, in seconds."""
+    values = sorted(values)
+    return {q: round(values[int(q / 100 * (len(values) - 1))], 3) for q in (10, 50, 90, 100)} if values else None
 
 
 def _peak_rss_mib() -> float:

@@ -233,6 +233,7 @@ class ClusterStore:
 
 
 HEARTBEAT_S = 1.0
+BUNDLED = "bundled"   # "3,5,...": the nodes whose bundle is in, one key for node 0 to read, not one per node
 SILENT_AFTER_S = 10.0   # a node whose distcheck has not beaten for this long is gone
 
 
@@ -465,40 +466,49 @@ class LaunchChannel:
         bundle = {"summary": summary, "files": {   # base64: traces are binary
             rel: base64.b64encode(crossing(rel, data)).decode("ascii") for rel, data in files.shipped_contents()}}
         _put(self.store, f"bundle/{self.config.node_rank}", json.dumps(bundle))
+        self.store.append(BUNDLED, f"{self.config.node_rank},")   # node 0 reads one key to see who uploaded
 
     def gather(self, files: LaunchFiles, timeout_s: float) -> list[dict[str, Any]]:
-        """Node 0: every other node's bundle, written into this launch's directory.
+        """Node 0: every other node's bundle, written into this launch's directory as it comes (the nodes
+        tear down and upload at their own pace: at 512 nodes the last bundle came seconds after the first,
+        and reading them all only then left node 0 idle, then busy).
 
         A node whose distcheck went silent (killed, its machine gone) is not waited for:
         it is added to ``liveness.lost`` and its ranks are left without traces. Nor is one that
         never arrived (Ctrl-C while the rendezvous waited for it), which is not lost.
         """
         deadline = time.monotonic() + timeout_s
-        pending = list(range(1, self.config.nnodes))
-        while True:
-            pending = [n for n in pending if not self.store.check([f"bundle/{n}"])]
-            silent = self.liveness.silent(pending)
-            if not pending or sorted(silent) == pending:
+        self.store.append(BUNDLED, "")   # creates the list of nodes whose bundle is in, if none has come yet
+        pending = set(range(1, self.config.nnodes))
+        summaries: dict[int, dict[str, Any]] = {}
+        pause = 0.05
+        while pending:
+            arrived = sorted({int(n) for n in self.store.get(BUNDLED).decode().split(",") if n} & pending)
+            for node in arrived:
+                summaries[node] = self._take_bundle(node, files)
+                pending.discard(node)
+            if not pending or sorted(self.liveness.silent(sorted(pending))) == sorted(pending):
                 break
             if time.monotonic() >= deadline:
-                raise LaunchError(f"node(s) {', '.join(map(str, pending))} sent no traces within {timeout_s:g} s",
-                                  "check that distcheck is still running there")
-            wait_for_keys(self.store, [f"bundle/{n}" for n in pending], min(1.0, timeout_s))
+                raise LaunchError(f"node(s) {', '.join(map(str, sorted(pending)))} sent no traces within "
+                                  f"{timeout_s:g} s", "check that distcheck is still running there")
+            if not arrived:
+                time.sleep(pause)
+            pause = 0.05 if arrived else min(1.0, pause * 1.5)
         # A pending node that never beat never joined (the launch ended while it was awaited): no records are lost.
         self.liveness.lost = sorted(set(self.liveness.lost) | {n for n in pending if self.liveness.arrived(n)})
-        summaries = []
-        for node in range(1, self.config.nnodes):
-            if node in pending:
-                continue
-            self._gathered.append(node)
-            bundle = json.loads(_take(self.store, f"bundle/{node}"))
-            for rel, data in bundle["files"].items():
-                path = files.root / rel
-                if not path.exists():
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(base64.b64decode(data))
-            summaries.append(bundle["summary"])
-        return summaries
+        self._gathered = sorted(summaries)
+        return [summaries[n] for n in self._gathered]
+
+    def _take_bundle(self, node: int, files: LaunchFiles) -> dict[str, Any]:
+        """One node's bundle: its files written here (none already here is overwritten), its summary."""
+        bundle = json.loads(_take(self.store, f"bundle/{node}"))
+        for rel, data in bundle["files"].items():
+            path = files.root / rel
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(base64.b64decode(data))
+        return bundle["summary"]
 
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
         """Publish the verdict, then stay until every live node has read it: the store ends with node 0."""

@@ -532,9 +532,8 @@ class Watchdog(threading.Thread):
         procs.wait_for_files([self.files.flight_recorder(r) for r in alive
                               if r in self.monitor.status and self.monitor.status[r].flight_recorder],
                              timeout_s=INTERRUPT_FLIGHT_RECORDER_S if hurry else 2.0)
-        procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)])
-        if not self.generation:
-            procs.kill_descendants()
+        # and, but between a command's generations, the last line: no process this launch started survives
+        procs.terminate_tree([pid for pid in pids.values() if procs.is_alive(pid)], and_mine=not self.generation)
         self.result.torn_down_at = time.time()
 
 
