@@ -108,9 +108,12 @@ def test_only_node_0_reads_every_node_and_the_others_follow_its_release():
     other.publish({2: RankProgress(phase=Phase.FINISHED), 3: RankProgress(phase=Phase.FINISHED)})
     leader.publish({0: RankProgress(phase=Phase.FINISHED), 1: RankProgress(phase=Phase.FINISHED)})
     assert sorted(other.everyone({2: RankProgress(phase=Phase.FINISHED)})) == [2]   # its own ranks only
-    assert not other.released()
+    assert other.node0_says() == {}
     leader.post_release()
-    assert other.released()
+    assert other.node0_says() == {"released": True}
+    leader.post_decision("deadlock", 10.0, 12.0)   # what it said before stays said
+    assert other.node0_says() == {"released": True,
+                                  "decision": {"decision": "deadlock", "stall_onset": 10.0, "detected_at": 12.0}}
 
 
 def test_node_0_reads_every_heartbeat_in_one_multi_get():
@@ -129,10 +132,11 @@ def test_a_waiting_ranks_members_cross_the_store_as_runs_and_come_back_whole():
     leader, other = _node(store, 0, world_size=4096), _node(store, 1, world_size=4096)
     members = tuple(r for r in range(4096) if r != 7)
     waiting = RankProgress(phase=Phase.RUNNING, open_collectives=1, waits=(("0", 5001, members, "barrier|x"),),
-                           entered={"0": 5001}, settled=True, left=(("0", 5000, "all_reduce|y"),), cpu=0.0,
-                           label="end", current="barrier #5001 [group 0]", since=12.5)
+                           entered={"0": 5001}, settled=True, cpu=0.0, label="end", current="barrier #5001 [group 0]",
+                           since=12.5,   # the last 32 calls it left: one step's call, then another group's
+                           left=tuple(("0", seq, "all_reduce|y") for seq in range(4969, 5000)) + (("1", 3, "x"),))
     other.publish({4094: waiting, 4095: waiting})
-    assert len(store.get("distcheck/job/launch/progress/1")) < 2000
+    assert len(store.get("distcheck/job/launch/progress/1")) < 2000   # members and calls left as runs
     merged = leader.everyone({})
     got = merged[4095]
     assert got == waiting   # every field, field by field (dataclasses.asdict deep-copied 4,095 members a rank)

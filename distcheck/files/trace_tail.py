@@ -51,6 +51,7 @@ class TraceTail:
         # (group, seq) -> signature of the newest blocking calls the rank left: a peer still waiting in one
         # of them with a signature that can never pair is a certain hang (``launch.waitfor``)
         self.left: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._left_calls: tuple | None = None
         # call key -> shared, of the newest async calls: a wait on one's handle (W) opens it as a blocking call
         self._async: OrderedDict[int, tuple] = OrderedDict()
         self._offset = 0
@@ -156,6 +157,7 @@ class TraceTail:
                     self._tables = tables = Tables()
                     self.entered = {}
                     self.left.clear()
+                    self._left_calls = None
                     self._async.clear()
                 i = j
                 continue
@@ -171,6 +173,15 @@ class TraceTail:
         self.left[(shared[0], key & SEQ_MASK)] = _signature(shared[1], shared[2])
         if len(self.left) > self.LEFT_KEPT:
             self.left.popitem(last=False)
+        self._left_calls = None
+
+    @property
+    def left_calls(self) -> tuple[tuple[str, int, str], ...]:
+        """``left`` as (group, seq, signature) of each call, built again only when it changed (a watchdog
+        reads it at every poll of every rank)."""
+        if self._left_calls is None:
+            self._left_calls = tuple((group, seq, sig) for (group, seq), sig in self.left.items())
+        return self._left_calls
 
 
 def _signature(op: str, rest: tuple) -> str:

@@ -231,6 +231,7 @@ class RankMonitor:
         self.tails = {} if self._scan_ranks else {r: TraceTail(files.trace(r)) for r in range(world_size)}
         self.status: dict[int, RankStatus] = {}
         self._status_keys: dict[int, tuple[int, int, int]] = {}   # rank -> (inode, mtime, size) of the status read
+        self._status_paths: dict[int, Path] = {}
         self._rss: dict[int, tuple[int, int]] = {}   # rank -> (last, peak) resident bytes
         self._cpu = procs.CpuMeter()
         self._activity = procs.ActivityMeter()
@@ -273,15 +274,18 @@ class RankMonitor:
                 rss_bytes=rss, peak_rss_bytes=peak, cpu=cpu, busy_at=self.busy_at.get(rank),
                 waits=tuple((c.group, c.seq, c.members, c.signature) for c in opened),
                 entered=dict(tail.entered), settled=tail.settled,
-                left=tuple((group, seq, sig) for (group, seq), sig in tail.left.items()),
+                left=tail.left_calls,
                 **self._evidence(rank, pid, tail.stack_digest, now, outside=not opened),
             )
         return out
 
     def _read_status(self, rank: int) -> RankStatus | None:
         """The rank's newest status, read again only when its file changed (each write replaces it)."""
+        path = self._status_paths.get(rank)
+        if path is None:
+            path = self._status_paths[rank] = self.files.status(rank)
         try:
-            st = os.stat(self.files.status(rank))
+            st = os.stat(path)
         except OSError:
             return self.status.get(rank)
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -460,8 +464,8 @@ class Watchdog(threading.Thread):
         self._sample_late(now, progress)
         if self.on_poll is not None:
             self.on_poll(progress, now - self.detector.last_progress)
-        if self.channel is not None and not self.channel.is_leader and decision is not Decision.RELEASE \
-                and self.channel.released():
+        said = self.channel.node0_says() if self.channel is not None and not self.channel.is_leader else {}
+        if said.get("released") and decision is not Decision.RELEASE:
             decision = Decision.RELEASE   # node 0 saw every rank of the job finish (only it sees them all)
         if decision is Decision.RELEASE:
             if not self._released:
@@ -474,7 +478,7 @@ class Watchdog(threading.Thread):
             return True   # every rank left by itself: it ended, nothing stalled (see launch.command)
         if self.channel is not None and not self.channel.is_leader:
             # Node 0 decides for the whole job, so every node tears down for the same reason.
-            posted = self.channel.decision()
+            posted = said.get("decision")
             if posted is None:
                 return False
             self.result.decision = Decision(posted["decision"])
