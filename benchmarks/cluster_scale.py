@@ -454,10 +454,32 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "gather_s": round(gathered - detected, 2), "judge_s": round(judged - gathered, 2),
         "reports_s": round(reported - judged, 2),
         "report_files_bytes": sizes,
+        "timeline_open_s": browser_open_s(root / "reports" / "timeline.html"),
         "peak_rss_mib_by_phase": rss_at,
         "errors": errors[:5],
     }
     return row
+
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+
+
+def browser_open_s(page: Path) -> dict[str, float] | None:
+    """Seconds a headless Chromium takes to load and lay out ``page`` and hand back its DOM, and to do the
+    same for an empty page (its own start); None where no Chromium is installed."""
+    chromium = next((path for name in BROWSERS if (path := shutil.which(name))), None)
+    if chromium is None:
+        return None
+    empty = page.parent / "empty.html"
+    empty.write_text("<!doctype html><html><body></body></html>", encoding="utf-8")
+    out = {}
+    for name, path in (("empty_page", empty), ("timeline", page)):
+        began = time.perf_counter()
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False)
+        out[name] = round(time.perf_counter() - began, 2)
+    empty.unlink()
+    return out
 
 
 def _quantiles(values: list[float]) -> dict[int, float] | None:
