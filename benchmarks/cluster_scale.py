@@ -51,6 +51,10 @@ STEP_LINE = 380
 SYNTHETIC_FILE = "/synthetic/train.py"
 LAUNCH = "bench"
 FINISHED_LOCAL_RANK = 3        # of the last node: the planted rank that finished
+# The simulated nodes' processes run at a lower priority than node 0's. On a cluster node 0 has a machine of
+# its own, and the other nodes' polls and uploads never take its CPU; here they share two cores with it, and
+# at 512 nodes their burst when the hang begins held node 0's poll off the cores for up to 0.4 s.
+WORKER_NICE = 10
 
 
 # -- synthetic ranks, written by the real tracer -------------------------------------------------
@@ -206,6 +210,8 @@ def _limits() -> Any:
 def worker(args: argparse.Namespace) -> None:
     """Nodes ``args.first`` .. ``args.last`` of the job, each a thread with distcheck's node-side code."""
     from torch.distributed import TCPStore
+
+    os.nice(WORKER_NICE)
 
     from distcheck.launch.cluster import ClusterStore
     from distcheck.launch.launcher import LaunchOutcome, node_summary
