@@ -404,6 +404,7 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     judged = time.time()
     rss_at["judged"] = _peak_rss_mib()
     channel.post_result(result.to_dict(), timeout_s=600)
+    verdict_read = time.time()
     report = Report(run=run_info(options, files.root.parent, started), scenarios=(result,))
     sizes = write_reports(report, files, root / "reports")
     reported = time.time()
@@ -459,6 +460,7 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
         "nodes_uploaded_after_decision_s": _quantiles([u - detected for _, u in ended]),
         "gather_s": round(gathered - detected, 2), "judge_s": round(judged - gathered, 2),
         "reports_s": round(reported - judged, 2),
+        "verdict_read_by_every_node_s": round(verdict_read - judged, 2),
         "report_files_bytes": sizes,
         "timeline_open_s": browser_open_s(root / "reports" / "timeline.html"),
         "peak_rss_mib_by_phase": rss_at,
