@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -115,10 +116,40 @@ def wait_for(predicate, timeout: float, poll: float = 0.1) -> bool:
 
 
 def free_port() -> int:
-    """A loopback port free right now (two distcheck "nodes" must be told the same one)."""
-    with socket.socket() as s:
+    """A loopback port free right now, and the one after it too (two distcheck "nodes" must be told the same
+    one, and node 0's store listens on the next). Drawn below the kernel's ephemeral range: a port from
+    ``bind(0)`` comes from the range every outgoing connection takes its local port from, and another
+    test's store client took one such port before distcheck could bind it ("the rendezvous port ... is
+    already in use")."""
+    first_ephemeral = _first_ephemeral_port()
+    draw = random.SystemRandom()   # not the test's seeded ``random``: parallel workers would draw alike
+    for _ in range(200):
+        port = draw.randrange(PORTS_FROM, first_ephemeral - 1)
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    with socket.socket() as s:   # a crowded machine: what the kernel hands out
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORTS_FROM = 20000
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return max(PORTS_FROM + 1000, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768   # Linux's default; elsewhere only a lower bound to draw below
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
