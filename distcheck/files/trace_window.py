@@ -22,7 +22,6 @@ The records this module adds to the format (``files.trace`` reads them into ``Ta
 from __future__ import annotations
 
 import hashlib
-import re
 from array import array
 from collections import defaultdict
 from itertools import compress
@@ -36,7 +35,6 @@ WHOLE_UP_TO = 1000     # calls: a rank's trace with no more than this crosses wh
 KEEP_CALLS = 64        # the last calls of a longer trace that cross to node 0
 BLOCK = 256            # calls per digest of the calls before the window
 _TAG_T_BYTE = bytes([TAG_T])   # a slot's first byte is its tag
-_TAG_E_RE = re.compile(re.escape(bytes([TAG_E])))
 
 
 @dataclass(frozen=True)
