@@ -158,3 +158,24 @@ def test_a_torn_sync_record_is_ignored_and_the_last_whole_one_kept(tmp_path):
     writer.mm[SYNC_OFFSET:SYNC_OFFSET + SLOT] = bytes(torn)
     assert tail.read().sync == (2.0, True, 7)
     writer.close()
+
+
+def test_the_watchdog_reads_what_a_live_rank_wrote_past_its_first_small_read(tmp_path):
+    """A poll reads a little of the file first (its preallocated end is zeros: reading a whole megabyte of
+    them at every poll cost 0.3 ms a rank), then more while what it read was all records. A rank that wrote
+    5,000 calls since the last poll is read whole in one poll, and an idle poll after it finds nothing."""
+    path = tmp_path / "rank0.trace"
+    tracer = fake_tracer(path)
+    traced = tracer.wrap("all_reduce", all_reduce)
+    t = torch.ones(2)
+    tail = TraceTail(path).read()
+    for _ in range(5000):                     # 2 slots a call: 320 KB, 20 times the first read
+        traced(t)
+    assert 5000 * 2 * SLOT >= 16 * TraceTail.FIRST_READ_BYTES
+    assert path.stat().st_size > 5000 * 2 * SLOT   # the unwritten, preallocated end is still there
+    assert tail.read().records == 10000 and tail.entered == {"w": 5000} and tail.newest_open is None
+    assert tail.read().records == 10000
+    traced_barrier = tracer.wrap("barrier", lambda group=None, async_op=False, device_ids=None: tail.read())
+    traced_barrier()                          # inside the call, the poll sees the rank waiting in it
+    assert tail.newest_open.op == "barrier" and tail.newest_open.seq == 5001
+    tracer.close()
