@@ -58,3 +58,46 @@ def test_one_read_of_proc_stat_gives_what_psutil_reads_in_four():
         proc.kill()
         proc.wait()
     assert stat_of(proc.pid) == (False, 0.0, 0)
+
+
+TREE = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print(c.pid, flush=True); time.sleep(120)")
+
+# ``and_mine`` ends everything below the calling process: run in a process of its own, not in pytest's.
+AND_MINE = """
+import subprocess, sys
+from distcheck.launch import procs
+sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+other, kept = (subprocess.Popen(sleep, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2))
+procs.keep(kept.pid)
+try:
+    procs.terminate_tree([], grace_s=5, and_mine=True)
+    print(other.wait(timeout=10), kept.poll(), flush=True)
+finally:
+    for p in (other, kept):
+        p.kill()
+"""
+
+
+def _tree() -> tuple[subprocess.Popen, int]:
+    """A child that started a grandchild: (the child, the grandchild's pid)."""
+    proc = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def test_a_teardown_ends_the_ranks_trees_and_with_and_mine_everything_below_distcheck_but_what_it_keeps():
+    rank, grandchild = _tree()
+    other = _child()                          # not a rank: left alone without ``and_mine``
+    try:
+        terminate_tree([rank.pid], grace_s=5)
+        assert rank.wait(timeout=10) == -signal.SIGTERM
+        assert wait_for(lambda: not is_alive(grandchild), 10)
+        assert other.poll() is None
+    finally:
+        for p in (rank, other):
+            p.kill()
+            p.wait(timeout=10)
+        if is_alive(grandchild):
+            psutil.Process(grandchild).kill()
+    swept = subprocess.run([sys.executable, "-c", AND_MINE], capture_output=True, text=True, timeout=60)
+    assert swept.stdout.split() == [str(-signal.SIGTERM), "None"], swept.stderr   # the kept helper outlived it
