@@ -143,6 +143,18 @@ def test_a_run_distcheck_ended_is_never_a_pass_even_with_nothing_open():
     assert ended_by_distcheck(RunFacts(world_size=2), []) == []
 
 
+def test_a_run_that_lost_a_node_with_its_ranks_records_is_never_a_pass_however_it_ended():
+    # Node 1 went away before its ranks entered the all_reduce: ranks 0 and 1 failed in it ("Connection
+    # closed by peer", a reaction), the launch ended as a crash, and no record says what ranks 2 and 3 did.
+    crashed = RunFacts(world_size=4, end_reason=EndReason.CRASH, records_lost=(2, 3))
+    why = "the records of ranks 2, 3 went with their lost node"
+    [f] = ended_by_distcheck(crashed, [], why)
+    assert f.kind == "crash" and f.severity == "error" and why in f.summary and "a rank crashed" in f.summary
+    assert not f.waiting_ranks and not f.absent_ranks
+    assert ended_by_distcheck(crashed, [HANG], why) == []     # a finding already says why
+    assert ended_by_distcheck(RunFacts(world_size=4, end_reason=EndReason.CRASH), []) == []   # nothing lost
+
+
 def test_generations_of_one_test_merge_into_one_verdict():
     merged = merge_results([_result("t"), _result("t", ok=False, findings=[HANG], end=EndReason.STALL)])
     assert not merged.ok and merged.observed == ("hang",) and merged.end_reason == EndReason.STALL

@@ -171,10 +171,51 @@ def test_a_silent_node_counts_as_dead_even_when_nobody_waits_for_it(tmp_path):
     assert rc0 == 3, out0[-2000:] + err0[-2000:]
     assert "node 1 went silent during node_1_computes_long" in err0
     [scenario] = json.loads((tmp_path / "node0" / "report.json").read_text())["scenarios"]
-    # Ranks 0 and 1 returned from the all_reduce: ranks 2 and 3 entered it; only their records are lost.
+    # Ranks 0 and 1 returned from the all_reduce once ranks 2 and 3 entered it (a stall: nobody waits), or,
+    # where node 1 went before its ranks entered it, failed in it (a crash, as a reaction): either way only
+    # ranks 2 and 3's records are lost, and the run is not a pass.
+    assert not scenario["ok"]
     [finding] = scenario["findings"]
     assert "the records of ranks 2, 3 went with their lost node" in finding["summary"], finding
     assert not finding["waiting_ranks"] and not finding["absent_ranks"]
+    assert not survivors(str(tmp_path))
+
+
+NODE_1_GOES_BEFORE_ITS_RANKS_CALL = '''
+import time
+
+import torch
+import torch.distributed as dist
+
+from distcheck import scenario
+
+
+@scenario(expect="pass")
+def node_1_goes_first(ctx):
+    if ctx.rank >= 2:
+        time.sleep(3600)      # node 1's ranks are still busy when their node goes
+    dist.all_reduce(torch.ones(4))
+'''
+
+
+def test_a_lost_node_whose_peers_only_failed_in_reaction_is_not_a_pass(tmp_path):
+    # Node 1 goes while its ranks have not called the all_reduce that ranks 0 and 1 wait in: theirs fails
+    # ("Connection closed by peer", a reaction), the launch ends as a crash, and nothing left says what
+    # ranks 2 and 3 did. That read as a pass with no finding.
+    source = tmp_path / "goes.py"
+    source.write_text(NODE_1_GOES_BEFORE_ITS_RANKS_CALL)
+    port = free_port()
+    targets = [str(source), "--stall-timeout", "30"]
+    procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
+    try:
+        assert wait_for(lambda: _initialized(tmp_path, "node_1_goes_first", {0: [0, 1], 1: [2, 3]}), 120)
+        procs[1].kill()
+    finally:
+        [(rc0, out0, err0), _] = _finish(procs, 120)
+    assert rc0 == 3, out0[-2000:] + err0[-2000:]
+    [scenario] = json.loads((tmp_path / "node0" / "report.json").read_text())["scenarios"]
+    assert not scenario["ok"] and scenario["observed"] != ["pass"], scenario["findings"]
+    assert any("the records of ranks 2, 3 went with their lost node" in f["summary"] for f in scenario["findings"])
     assert not survivors(str(tmp_path))
 
 

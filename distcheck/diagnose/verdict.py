@@ -17,6 +17,7 @@ from distcheck.diagnose.analyze import RunFacts, analyze, behaved_as_expected, c
 from distcheck.diagnose.blame import attribute_by_majority
 from distcheck.diagnose.health import first_tables, health_findings
 from distcheck.models import EndReason, Event, Finding, RankOutcome, RunInfo, ScenarioResult
+from distcheck.text import rank_list
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,20 @@ def _findings(evidence: Evidence, blame: Blame | None) -> list[Finding]:
 
 
 def ended_by_distcheck(facts: RunFacts, findings: Sequence[Finding], why: str | None = None) -> list[Finding]:
-    """A live run that distcheck ended (a stall, --timeout) while no error finding says why: say it
-    as a hang, so the run is not reported as a pass (the records may simply show nothing open)."""
+    """A live run that distcheck ended (a stall, --timeout), or one whose node was lost with its ranks'
+    records, while no error finding says why: say so, so the run is not reported as a pass (the records
+    left may simply show nothing open, or only the survivors' errors as reactions to their lost peers)."""
     # Ends distcheck itself decides (EndReason.by_distcheck): such a run is never a pass, whatever the records show.
     ended = EndReason.of(facts.end_reason)
-    if not ended.by_distcheck or any(f.severity == "error" for f in findings):
+    if not (ended.by_distcheck or facts.records_lost) or any(f.severity == "error" for f in findings):
         return []
     what = ended.words.removeprefix("ended ")
+    if not ended.by_distcheck:   # a lost node: it ended the run, and what its ranks did went with it
+        lost = why or f"the records of {rank_list(facts.records_lost)} went with their lost node"
+        return [Finding(kind="crash", severity="error", data={"ended_by": str(facts.end_reason)},
+                        summary=(f"This run did not finish ({what}): {lost}, so nothing says what they did "
+                                 "and the run did not pass. Their node's own launch dir, and its output, "
+                                 "may show how far they got."))]
     reason = why or (f"no progress for {facts.stall_timeout_s:g} s" if facts.stall_timeout_s else "no progress")
     return [Finding(kind="hang", severity="error", data={"ended_by": str(facts.end_reason)},
                     summary=(f"distcheck ended this run itself ({what}: {reason}), though no rank was seen "
