@@ -157,20 +157,30 @@ def node_1_computes_long(ctx):
 '''
 
 
-def test_a_silent_node_counts_as_dead_even_when_nobody_waits_for_it(tmp_path):
-    source = tmp_path / "compute.py"
-    source.write_text(IDLE_WHILE_NODE_1_COMPUTES)
+def _node_1_killed_once_its_ranks_started(tmp_path, source: str, name: str, stall_timeout: str
+                                         ) -> tuple[int, str, str, dict]:
+    """Both nodes run ``source``; node 1's distcheck is killed once all 4 ranks started. Node 0's exit
+    code, output and error output, and its report's scenario."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(source)
     port = free_port()
-    targets = [str(source), "--stall-timeout", "5"]
+    targets = [str(script), "--stall-timeout", stall_timeout]
     procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
     try:
-        assert wait_for(lambda: _initialized(tmp_path, "node_1_computes_long", {0: [0, 1], 1: [2, 3]}), 120)
+        assert wait_for(lambda: _initialized(tmp_path, name, {0: [0, 1], 1: [2, 3]}), 120)
         procs[1].kill()
     finally:
         [(rc0, out0, err0), _] = _finish(procs, 120)       # without heartbeats: no end at all
+    assert (tmp_path / "node0" / "report.json").exists(), out0[-2000:] + err0[-2000:]
+    [scenario] = json.loads((tmp_path / "node0" / "report.json").read_text())["scenarios"]
+    return rc0, out0, err0, scenario
+
+
+def test_a_silent_node_counts_as_dead_even_when_nobody_waits_for_it(tmp_path):
+    rc0, out0, err0, scenario = _node_1_killed_once_its_ranks_started(tmp_path, IDLE_WHILE_NODE_1_COMPUTES,
+                                                                      "node_1_computes_long", "5")
     assert rc0 == 3, out0[-2000:] + err0[-2000:]
     assert "node 1 went silent during node_1_computes_long" in err0
-    [scenario] = json.loads((tmp_path / "node0" / "report.json").read_text())["scenarios"]
     # Ranks 0 and 1 returned from the all_reduce once ranks 2 and 3 entered it (a stall: nobody waits), or,
     # where node 1 went before its ranks entered it, failed in it (a crash, as a reaction): either way only
     # ranks 2 and 3's records are lost, and the run is not a pass.
@@ -202,18 +212,9 @@ def test_a_lost_node_whose_peers_only_failed_in_reaction_is_not_a_pass(tmp_path)
     # Node 1 goes while its ranks have not called the all_reduce that ranks 0 and 1 wait in: theirs fails
     # ("Connection closed by peer", a reaction), the launch ends as a crash, and nothing left says what
     # ranks 2 and 3 did. That read as a pass with no finding.
-    source = tmp_path / "goes.py"
-    source.write_text(NODE_1_GOES_BEFORE_ITS_RANKS_CALL)
-    port = free_port()
-    targets = [str(source), "--stall-timeout", "30"]
-    procs = [_node(0, port, tmp_path, *targets), _node(1, port, tmp_path, *targets)]
-    try:
-        assert wait_for(lambda: _initialized(tmp_path, "node_1_goes_first", {0: [0, 1], 1: [2, 3]}), 120)
-        procs[1].kill()
-    finally:
-        [(rc0, out0, err0), _] = _finish(procs, 120)
+    rc0, out0, err0, scenario = _node_1_killed_once_its_ranks_started(tmp_path, NODE_1_GOES_BEFORE_ITS_RANKS_CALL,
+                                                                      "node_1_goes_first", "30")
     assert rc0 == 3, out0[-2000:] + err0[-2000:]
-    [scenario] = json.loads((tmp_path / "node0" / "report.json").read_text())["scenarios"]
     assert not scenario["ok"] and scenario["observed"] != ["pass"], scenario["findings"]
     assert any("the records of ranks 2, 3 went with their lost node" in f["summary"] for f in scenario["findings"])
     assert not survivors(str(tmp_path))
