@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import defaultdict
-from itertools import compress
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Iterable, Mapping
 
 from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG_T, Tables, clean, first_bad,

@@ -521,10 +521,11 @@ class LaunchChannel:
             for node in arrived:
                 summaries[node] = self._take_bundle(node, files)
                 pending.discard(node)
-            if not pending or sorted(self.liveness.silent(sorted(pending))) == sorted(pending):
+            waiting = sorted(pending)
+            if not waiting or self.liveness.silent(waiting) == waiting:   # ``silent`` keeps the order it is given
                 break
             if time.monotonic() >= deadline:
-                raise LaunchError(f"node(s) {', '.join(map(str, sorted(pending)))} sent no traces within "
+                raise LaunchError(f"node(s) {', '.join(map(str, waiting))} sent no traces within "
                                   f"{timeout_s:g} s", "check that distcheck is still running there")
             if not arrived:
                 time.sleep(pause)

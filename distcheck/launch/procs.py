@@ -71,13 +71,6 @@ def keep(pid: int) -> None:
     _kept.add(pid)
 
 
-def descendants(pid: int | None = None) -> list[psutil.Process]:
-    """Every process below ``pid`` (this one by default), from a fresh scan of the process table, but
-    those ``keep`` names."""
-    return _processes(p for p in _below([pid or os.getpid()], _children_table(time.monotonic(), 0.0))
-                      if p not in _kept)
-
-
 def _below(roots: Iterable[int], children: dict[int, list[int]]) -> list[int]:
     out, todo = [], [c for root in roots for c in children.get(root, ())]
     while todo:
@@ -173,7 +166,7 @@ def _running(p: psutil.Process) -> bool:
 
 def terminate_tree(root_pids: Iterable[int], grace_s: float = 2.0, and_mine: bool = False) -> list[int]:
     """Terminate the given processes and everything below them (but what ``keep`` names), and with
-    ``and_mine`` everything below this process too (``kill_descendants``' sweep in the same go). One scan
+    ``and_mine`` everything below this process too (``kill_descendants``, in the same go). One scan
     of the process table serves them all: psutil's ``children`` scans the whole table once per call, and a
     node of 8 ranks beside hundreds of processes scanned it 9 times per teardown."""
     roots = list(dict.fromkeys(root_pids))
@@ -183,8 +176,8 @@ def terminate_tree(root_pids: Iterable[int], grace_s: float = 2.0, and_mine: boo
 
 
 def kill_descendants(grace_s: float = 2.0) -> list[int]:
-    """The last line of defence: no process this launcher started survives it."""
-    return terminate(descendants(), grace_s)
+    """The last line of defence: no process this launcher started survives it (but what ``keep`` names)."""
+    return terminate_tree([], grace_s, and_mine=True)
 
 
 def wait_for_files(paths: Iterable[Path], timeout_s: float) -> None:

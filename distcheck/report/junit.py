@@ -44,7 +44,7 @@ def _finding_text(f: Finding) -> str:
     if f.fields:
         lines.append(f"    differs in: {', '.join(f.fields)}")
     for label, detail in alike_ranks((d.rank, _detail(d)) for d in f.ranks):
-        lines.append(f"    {'rank' if label.isdigit() else 'ranks'} {label} {detail}")
+        lines.append(f"    {_who(label)} {detail}")
     if f.detected_after_s is not None:
         lines.append(f"    detected {f.detected_after_s:.1f} s after the last progress")
     return "\n".join(lines)
@@ -70,8 +70,13 @@ def _detail(d: RankDetail) -> str:
 def _ranks_text(result: ScenarioResult) -> str:
     lines = ["ranks:"]
     for label, line in alike_ranks((r.rank, _rank_line(r)) for r in result.ranks):
-        lines.append(f"    {'rank' if label.isdigit() else 'ranks'} {label}: {line}")
+        lines.append(f"    {_who(label)}: {line}")
     return "\n".join(lines)
+
+
+def _who(label: str) -> str:
+    """``alike_ranks``' label in words: "rank 3", "ranks 0-4090, 4092-4095 (4,095)"."""
+    return f"{'rank' if label.isdigit() else 'ranks'} {label}"
 
 
 def _rank_line(r: RankOutcome) -> str:

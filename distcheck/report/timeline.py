@@ -22,11 +22,12 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from distcheck.models import EndReason, Event, Finding, Report, ScenarioResult
+from distcheck.report.words import EACH_RANK_UP_TO
 from distcheck.text import id_list
 
 FULL_CALLS = 400      # a lane with at most this many calls is drawn whole
 WINDOW_CALLS = 12     # calls kept in full on each side of a finding's call and of a lane's last call
-MAX_LANES = 48        # past this many ranks, ranks that behave alike share a lane
+MAX_LANES = EACH_RANK_UP_TO   # past this many ranks, ranks that behave alike share a lane (as they share a line)
 NAMED_ALONE = 8       # ranks a finding names, up to this many, get a lane each
 
 # How a slice is marked, by the finding kind that names it.
