@@ -44,28 +44,6 @@ P2P_CALLS = ("send", "recv", "isend", "irecv", "send_object_list", "recv_object_
 NUMBERED_APART: Mapping[str, int] = {**{name: 0 for name in P2P_CALLS}, "monitored_barrier": 1}
 
 MONITORED_BARRIER = "monitored_barrier"
-MONITORED_ROOT = 0   # the group rank every other rank reports to
-
-
-def monitored_barrier_counts(group_rank: int, group_size: int, backend: str = "gloo") -> int | None:
-    """How far one monitored_barrier advances the group's collective counter on ``group_rank``
-    (None: the backend has no monitored_barrier)."""
-    if backend != "gloo":
-        return None
-    if group_size <= 1:
-        return 0
-    return 2 * (group_size - 1) if group_rank == MONITORED_ROOT else 2
-
-
-def monitored_barrier_waits_for(group_rank: int, members: tuple[int, ...]) -> tuple[int, ...]:
-    """The global ranks a rank inside a monitored_barrier (gloo) waits for: the root waits for every
-    other member, every other member only for the root."""
-    if not members:
-        return ()
-    root = members[MONITORED_ROOT]
-    if members[group_rank] == root:
-        return tuple(m for m in members if m != root)
-    return (root,)
 
 
 # Calls that only synchronise (no data): a rank in one of them, paired at one number with a peer

@@ -12,8 +12,7 @@ from distcheck.diagnose.out_of_step import out_of_step_ranks
 from distcheck.diagnose.unrecorded import is_unrecorded, unrecorded_call, with_unrecorded_calls
 from distcheck.files import user_code
 from distcheck.files.stacks import LIBRARY, USER, classify_file, torch_dir
-from distcheck.library_shapes import (functional_call_in, group_pattern, monitored_barrier_counts,
-                                     monitored_barrier_waits_for, wire_op, waits_elsewhere)
+from distcheck.library_shapes import functional_call_in, group_pattern, wire_op, waits_elsewhere
 from distcheck.models import Event, RankOutcome
 
 SITE = "/home/u/train.py:{}:main"
@@ -31,18 +30,6 @@ def ev(rank: int, seq: int, op: str = "all_reduce", *, members=(0, 1), shapes=((
 def stalled(traces: dict[int, list[Event]]) -> list:
     outcomes = {r: RankOutcome(rank=r, state="stuck", last_event=es[-1]) for r, es in traces.items()}
     return analyze(traces, outcomes, RunFacts(world_size=len(traces), end_reason="stall"))
-
-
-# -- monitored_barrier on gloo --------------------------------------------------
-
-
-def test_monitored_barrier_on_gloo_is_p2p_with_rank_0():
-    # measured on torch 2.13: rank 0's counter moves 2 (N - 1), the others' 2 (tests/test_ecosystem_e2e.py)
-    assert [monitored_barrier_counts(r, 4) for r in range(4)] == [6, 2, 2, 2]
-    assert monitored_barrier_counts(0, 4, "nccl") is None
-    assert monitored_barrier_waits_for(0, (0, 1, 2)) == (1, 2)
-    assert monitored_barrier_waits_for(2, (0, 1, 2)) == (0,)
-    assert monitored_barrier_waits_for(1, (4, 5, 6)) == (4,)
 
 
 # -- a barrier against a data call ---------------------------------------------

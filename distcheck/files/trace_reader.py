@@ -203,10 +203,6 @@ def split_segments(data: bytes) -> dict[str, bytes]:
     return segments
 
 
-def trace_path(trace_dir: Path, rank: int) -> Path:
-    return trace_dir / f"rank{rank}.trace"
-
-
 def read_trace_dir(trace_dir: Path) -> dict[int, RankTrace]:
     """All rank traces in a directory, keyed by global rank."""
     traces: dict[int, RankTrace] = {}
