@@ -3,7 +3,7 @@
 Node 0 (one process per row, so its peak RSS is its own) hosts distcheck's ``ClusterStore`` and runs
 the real ``Watchdog`` with its ``LaunchChannel`` (liveness, the merge of every node's progress, the
 wait-for graph), then the real post-launch path: every node's upload, ``gather``, the merge of the
-node summaries, ``result_of_launch`` (collect + diagnose) and every report format.
+node summaries, ``judged_across_nodes`` (collect + diagnose, as node 0 runs it) and every report format.
 
 The other N-1 nodes are threads spread over a few worker processes. Each is distcheck's real
 node-side code with its own store connections: ``ClusterStore`` (a client and its heartbeat thread),
@@ -191,6 +191,26 @@ def counted_channel(cluster: Any, world: int) -> tuple[Any, Counted]:
     return channel, counter
 
 
+def stamped(channel: Any, counter: Counted, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """When each of the channel's ``names`` started and ended, node 0's peak RSS then, and the store bytes it
+    sent: the steps of the real judgment, timed from outside it."""
+    steps: dict[str, dict[str, float]] = {}
+
+    def timed(name: str, call: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before = counter.bytes
+            step = steps.setdefault(name, {"start": time.time(), "rss_start": _peak_rss_mib()})
+            try:
+                return call(*args, **kwargs)
+            finally:
+                step.update(end=time.time(), rss_end=_peak_rss_mib(), bytes=counter.bytes - before)
+        return wrapper
+
+    for name in names:
+        setattr(channel, name, timed(name, getattr(channel, name)))
+    return steps
+
+
 def _config(nodes: int, node: int, port: int) -> Any:
     from distcheck.launch.cluster import NodeConfig
 
@@ -344,14 +364,15 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     """One row: node 0's real code against ``args.nnodes - 1`` simulated nodes."""
     from torch.distributed import TCPStore
 
-    from distcheck.discovery import ScriptSpec
     from distcheck.launch.cluster import ClusterStore
-    from distcheck.launch.launcher import LaunchOutcome, merge_node_summaries, node_summary
+    from distcheck.launch.launcher import LaunchOutcome
     from distcheck.launch.watchdog import Watchdog
     from distcheck.files.launch_dir import LaunchFiles
     from distcheck.models import EndReason, Report
     from distcheck.options import RunOptions
-    from distcheck.session import result_of_launch, run_info
+    from distcheck.session import run_info
+    from distcheck.targets.launching import judged_across_nodes
+    from distcheck.targets.script import ScriptTarget
 
     nodes, rpn = args.nnodes, args.ranks_per_node
     world = nodes * rpn
@@ -388,23 +409,18 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     onset = max([node0_done] + planted)
     detected = dog.result.detected_at or decided
 
-    # The launch's end on node 0, as session.judged_across_nodes runs it.
+    # The launch's end on node 0: the real judgment (targets.launching.judged_across_nodes), its steps
+    # timed where they cross the channel.
     outcome = LaunchOutcome(dog.result.decision.end_reason or EndReason.COMPLETED, started, time.time(), dog.result)
-    before = counter.bytes
-    channel.upload(files, node_summary(outcome))
-    upload0 = counter.bytes - before
     rss_at = {"decided": _peak_rss_mib()}
-    outcome = merge_node_summaries(outcome, channel.gather(files, timeout_s=600))
-    gathered = time.time()
-    rss_at["gathered"] = _peak_rss_mib()
+    steps = stamped(channel, counter, ("upload", "gather", "post_result"))
     options = RunOptions(nproc_per_node=rpn, backend="gloo", stall_timeout=60.0, nodes=_config(nodes, 0, port),
                          run_dir=root / "run")
-    spec = ScriptSpec(name=LAUNCH, file=SYNTHETIC_FILE, expect=("hang",))
-    result = result_of_launch(spec, options, files.root, outcome)
-    judged = time.time()
-    rss_at["judged"] = _peak_rss_mib()
-    channel.post_result(result.to_dict(), timeout_s=600)
-    verdict_read = time.time()
+    target = ScriptTarget(name=LAUNCH, file=SYNTHETIC_FILE, expect=("hang",))
+    result = judged_across_nodes(target, options, files.root, outcome, channel)
+    upload0 = steps["upload"]["bytes"]
+    gathered, judged, verdict_read = steps["gather"]["end"], steps["post_result"]["start"], steps["post_result"]["end"]
+    rss_at["gathered"], rss_at["judged"] = steps["gather"]["rss_end"], steps["post_result"]["rss_start"]
     report = Report(run=run_info(options, files.root.parent, started), scenarios=(result,))
     sizes = write_reports(report, files, root / "reports")
     reported = time.time()

@@ -36,7 +36,7 @@ from _common import REPO, conditions, median, run_group, table  # noqa: E402
 
 
 def catalogue() -> list[str]:
-    from distcheck.discovery import builtin_scenarios
+    from distcheck.targets.discovery import builtin_scenarios
 
     return [s.name for s in builtin_scenarios()]
 

@@ -22,7 +22,7 @@ from distcheck.errors import DistcheckError, ExitCode, UsageError  # noqa: E402
 from distcheck.models import EndReason, Report  # noqa: E402
 
 if TYPE_CHECKING:
-    from distcheck.discovery import Target
+    from distcheck.targets import Target
     from distcheck.models import Event
     from distcheck.options import RunOptions
 
@@ -99,8 +99,9 @@ def run(
     Nothing before '--': your own launch command, every rank it starts traced:
     distcheck run -- torchrun --nproc-per-node 4 train.py
     """
-    from distcheck.options import RunFlags, check_flags, run_options, run_targets_of
+    from distcheck.options import RunFlags, check_flags, run_options
     from distcheck.session import start_fork_server
+    from distcheck.targets.discovery import run_targets_of
     from distcheck.torch_features import check_supported
 
     check_supported()   # before torch is imported: an old one may fail to import, or fail later
@@ -126,16 +127,9 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
 
     nodes = options.nodes
     ranks = f"{nodes.nnodes} nodes x {options.nproc_per_node}" if nodes.multi else f"{options.nproc_per_node}"
-    from distcheck.discovery import ScriptSpec
-
-    from distcheck.launch.command import CommandSpec
-
-    what = specs[0].source if len(specs) == 1 and isinstance(specs[0], ScriptSpec) else f"{len(specs)} scenario(s)"
-    if len(specs) == 1 and isinstance(specs[0], CommandSpec):   # its ranks are counted as they initialize
-        console.print(f"distcheck {__version__}: {specs[0].source}", style="dim", markup=False, highlight=False)
-    else:
-        console.print(f"distcheck {__version__}: {what} on {ranks} {options.backend} ranks"
-                      + (f" (node {nodes.node_rank})" if nodes.multi else ""), style="dim")
+    on = f"{ranks} {options.backend} ranks" + (f" (node {nodes.node_rank})" if nodes.multi else "")
+    what = specs[0].headline(on) if len(specs) == 1 else f"{len(specs)} scenario(s) on {on}"
+    console.print(f"distcheck {__version__}: {what}", style="dim", markup=False, highlight=False)
     view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
                      on_poll=view.on_poll, note=view.note)
@@ -216,7 +210,7 @@ def list_scenarios(
     """List scenarios (built-in and given) with their expectations, requirements and missing dependencies."""
     import json
 
-    from distcheck.discovery import resolve_targets
+    from distcheck.targets.discovery import resolve_targets
     from distcheck.report import scenario_list
     from distcheck.scenario import missing_requirements
 

@@ -11,14 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from distcheck.errors import UsageError
 from distcheck.files.run_dir import make_run_dir
 from distcheck.launch.cluster import NodeConfig, node_config
-
-if TYPE_CHECKING:
-    from distcheck.discovery import Target
 
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -183,23 +180,6 @@ def resolve_backend(backend: str, nproc_per_node: int) -> str:
 def pg_timeout(options: RunOptions) -> float:
     """Above the stall timeout, so distcheck diagnoses before the backend aborts."""
     return max(options.stall_timeout * 4 + 60, options.busy_timeout + 60, (options.timeout or 0) + 60, 300)
-
-
-def run_targets_of(names: list[str], module: str | None, after_dashes: tuple[str, ...], flags: RunFlags,
-                   nodes: NodeConfig) -> list[Target]:
-    """What ``distcheck run`` runs: scenarios, one script, or — nothing before ``--`` —
-    the user's own launch command (``distcheck run -- torchrun ... train.py``)."""
-    from distcheck.discovery import ScriptSpec, resolve_run_targets
-    from distcheck.launch.command import command_spec, refuse_self_spawning
-
-    if not names and not module and after_dashes:
-        check_command_flags(flags, nodes)
-        return [command_spec(after_dashes)]   # type: ignore[list-item]
-    specs = resolve_run_targets(names, module=module, script_args=after_dashes)
-    for spec in specs:
-        if isinstance(spec, ScriptSpec) and spec.file:
-            refuse_self_spawning(Path(spec.file), spec.args)
-    return specs
 
 
 def check_command_flags(flags: RunFlags, nodes: NodeConfig) -> None:

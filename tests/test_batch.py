@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from distcheck.launch.batch import plan
 from distcheck.scenario import ScenarioSpec
+from distcheck.targets.scenario import ScenarioTarget
+from distcheck.targets.shared import SharedLaunch, plan
 from distcheck.files.trace_reader import split_segments
 
 
-def spec(name: str, *expect: str) -> ScenarioSpec:
-    return ScenarioSpec(name=name, file=f"/x/{name}.py", expect=expect or ("pass",))
+def spec(name: str, *expect: str) -> ScenarioTarget:
+    return ScenarioTarget(ScenarioSpec(name=name, file=f"/x/{name}.py", expect=expect or ("pass",)))
+
+
+def names(unit) -> list[str]:
+    return [s.name for s in unit.scenarios] if isinstance(unit, SharedLaunch) else [unit.name]
 
 
 def test_plan_shares_a_launch_except_for_expected_hangs_and_crashes():
     specs = [spec("a"), spec("h", "hang"), spec("n", "numeric"), spec("m", "mismatch"), spec("o", "order", "numeric")]
     units = plan(specs, batching=True)
-    assert [[s.name for s in u] for u in units] == [["a", "n", "o", "m"], ["h"]]   # mismatches last
-    assert [[s.name for s in u] for u in plan(specs, batching=False)] == [["a"], ["h"], ["n"], ["m"], ["o"]]
+    assert [names(u) for u in units] == [["a", "n", "o", "m"], ["h"]]   # mismatches last
+    assert [names(u) for u in plan(specs, batching=False)] == [["a"], ["h"], ["n"], ["m"], ["o"]]
 
 
 def test_split_segments_cuts_at_B_records_and_keeps_a_torn_tail():

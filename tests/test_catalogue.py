@@ -17,7 +17,7 @@ import pytest
 
 from conftest import findings_less_torch_notes
 from distcheck.diagnose.backend_error import SIZE_TEXTS
-from distcheck.discovery import builtin_scenarios
+from distcheck.targets.discovery import builtin_scenarios
 from distcheck.models import UNKNOWN_OP
 from distcheck.scenario import TORCH_FEATURE, skip_reason
 from distcheck.torch_features import features

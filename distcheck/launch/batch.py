@@ -1,4 +1,5 @@
-"""Running several scenarios in one launch, and splitting that launch back into per-scenario runs.
+"""Several scenarios in one launch: following which one runs, and splitting the launch back into
+per-scenario runs (which scenarios share a launch: ``targets.shared``).
 
 Starting ranks costs seconds (torch import, rendezvous), so scenarios that
 leave their process group healthy — those expected to pass, or to show only
@@ -19,7 +20,7 @@ import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from distcheck.launch.launcher import LaunchOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -28,34 +29,11 @@ from distcheck.scenario import ScenarioSpec
 from distcheck.files.trace_reader import split_segments
 from distcheck.launch.watchdog import WatchdogResult
 
-# Expectations whose scenarios end with a healthy process group.
-BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "health"})
-# Expectations that may or may not poison the group (SUM vs MAX completes; a shape
-# mismatch aborts a gloo rank): they share the launch too, after the healthy ones,
-# since a poisoned launch only ends the batch there and the rest runs again.
-RISKY = frozenset({"mismatch", "count"})
 # Per-batch fields of a rank's status that do not belong to one scenario.
 _BATCH_FIELDS = dict.fromkeys(("scenarios", "current", "results", "collectives"))
 # A failure's fields: they belong to the scenario running when it happened, never to one
 # that had finished on that rank before (a later scenario's gloo abort is not theirs).
 _FAILURE_FIELDS = dict.fromkeys(("exit_code", "exception", "traceback", "where"))
-
-
-def can_share_launch(spec: Any) -> bool:
-    return isinstance(spec, ScenarioSpec) and set(spec.expect) <= BATCHABLE | RISKY
-
-
-def _risky(spec: ScenarioSpec) -> bool:
-    return not set(spec.expect) <= BATCHABLE
-
-
-def plan(specs: list[Any], batching: bool) -> list[list[Any]]:
-    """Launch units in order: shareable scenarios together (healthy first), every other target alone."""
-    if not batching:
-        return [[s] for s in specs]
-    shared = sorted((s for s in specs if can_share_launch(s)), key=_risky)   # stable: keeps their order
-    alone = [[s] for s in specs if not can_share_launch(s)]
-    return ([shared] if shared else []) + alone
 
 
 class ScenarioFollower:

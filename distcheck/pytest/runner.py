@@ -68,16 +68,17 @@ def _run(state: PluginState, planned: list[Planned], label: str) -> None:
     from distcheck.options import RunFlags, check_flags, run_options
     from distcheck.scenario import ScenarioSpec
     from distcheck.session import run_targets
+    from distcheck.targets.scenario import ScenarioTarget
 
     key, run_dir = planned[0].key, state.run_base / label
     shim = write_shim(state.run_base / "shims" / f"{label}.py", planned)
-    specs = [ScenarioSpec(name=p.name, file=str(shim), expect=p.expect, min_world_size=1,
-                          description=p.item.nodeid) for p in planned]
+    targets = [ScenarioTarget(ScenarioSpec(name=p.name, file=str(shim), expect=p.expect, min_world_size=1,
+                                           description=p.item.nodeid)) for p in planned]
     flags = RunFlags(nproc_per_node=key.nproc, backend=key.backend, device=key.device,
                      stall_timeout=key.stall_timeout, busy_timeout=key.busy_timeout, timeout=key.timeout,
                      run_dir=run_dir, command="pytest " + " ".join(p.item.nodeid for p in planned))
     try:
-        report = run_targets(specs, run_options(flags, check_flags(flags)))
+        report = run_targets(targets, run_options(flags, check_flags(flags)))
     except DistcheckError as exc:
         for p in planned:
             state.outcomes[p.item.nodeid] = Outcome(error=f"distcheck could not run this test: {exc.message}",

@@ -9,39 +9,25 @@ from __future__ import annotations
 import ast
 import difflib
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from distcheck.errors import UsageError
+from distcheck.launch.command import command_spec, refuse_self_spawning
+from distcheck.options import NodeConfig, RunFlags, check_command_flags
 from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec
-
-
-@dataclass(frozen=True)
-class ScriptSpec:
-    """An ordinary torchrun-style script (or ``-m module``) that calls init_process_group itself."""
-
-    name: str
-    file: str | None = None
-    module: str | None = None
-    args: tuple[str, ...] = ()
-    expect: tuple[str, ...] = ("pass",)
-    description: str = ""
-
-    @property
-    def source(self) -> str:
-        return self.file or f"-m {self.module}"
-
-
-Target = Union[ScenarioSpec, ScriptSpec]
+from distcheck.targets import Target
+from distcheck.targets.scenario import ScenarioTarget
+from distcheck.targets.command import CommandTarget
+from distcheck.targets.script import ScriptTarget
 
 
 def builtin_dir() -> Path:
     """Where the built-in scenarios live: the installed package, or the checkout."""
-    installed = Path(__file__).parent / "builtin_scenarios"
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "builtin_scenarios"
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parent.parent / "scenarios"
+    return package.parent / "scenarios"
 
 
 def _literal(node: ast.expr, what: str, path: Path) -> object:
@@ -122,6 +108,16 @@ def builtin_scenarios() -> list[ScenarioSpec]:
     return specs
 
 
+def run_targets_of(names: list[str], module: str | None, after_dashes: tuple[str, ...], flags: RunFlags,
+                   nodes: NodeConfig) -> list[Target]:
+    """What ``distcheck run`` runs: scenarios, one script, or — nothing before ``--`` —
+    the user's own launch command (``distcheck run -- torchrun ... train.py``)."""
+    if not names and not module and after_dashes:
+        check_command_flags(flags, nodes)
+        return [CommandTarget(command_spec(after_dashes))]
+    return resolve_run_targets(names, module=module, script_args=after_dashes)
+
+
 def resolve_run_targets(targets: list[str], module: str | None = None,
                         script_args: tuple[str, ...] = ()) -> list[Target]:
     """What ``distcheck run`` runs: scenarios, or one script/module with its arguments.
@@ -133,17 +129,18 @@ def resolve_run_targets(targets: list[str], module: str | None = None,
         if targets:
             raise UsageError("give either -m MODULE or targets, not both",
                              "pass the module's own arguments after '--'")
-        return [ScriptSpec(name=module.rsplit(".", 1)[-1], module=module, args=script_args,
-                           description=f"python -m {module}")]
+        return [ScriptTarget(name=module.rsplit(".", 1)[-1], module=module, args=script_args,
+                             description=f"python -m {module}")]
     if len(targets) == 1 and targets[0].endswith(".py") and Path(targets[0]).is_file():
         path = Path(targets[0])
         if not scenarios_in_file(path):
-            return [ScriptSpec(name=path.stem, file=str(path.resolve()), args=script_args,
-                               description=f"script {path}")]
+            refuse_self_spawning(path, script_args)
+            return [ScriptTarget(name=path.stem, file=str(path.resolve()), args=script_args,
+                                 description=f"script {path}")]
     if script_args:
         raise UsageError("arguments after '--' are for a script, and no script was given",
                          "run 'distcheck run path/to/script.py -- ARGS' with a single script")
-    return list(resolve_targets(targets))
+    return [ScenarioTarget(spec) for spec in resolve_targets(targets)]
 
 
 def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
