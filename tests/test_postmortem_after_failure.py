@@ -171,3 +171,20 @@ def test_nccl_pending_call_before_a_completed_one_finished(tmp_path):
                _entry(1, 2, "nccl:all_reduce", state="completed")]
     (scenario,) = analyze_paths([_write(tmp_path, {0: entries, 1: entries})], world_size=2).report.scenarios
     assert scenario.ok and not scenario.findings
+
+
+def test_a_dump_taken_before_a_call_its_peers_completed_is_no_lost_record(tmp_path):
+    """NCCL completes a call only once every member entered it: a peer's dump without it was taken
+    earlier. It is compared as far as it goes — never "distcheck lost records", never a pass by default."""
+    done = [_entry(i, i + 1, "nccl:all_reduce", state="completed") for i in range(3)]
+    per_rank = {0: done, 1: done[:2], 2: done}
+    (scenario,) = analyze_paths([_write(tmp_path, per_rank)], world_size=3).report.scenarios
+    assert not any(f.kind == "coverage" or "lost records" in f.summary for f in scenario.findings)
+    assert scenario.ok and "rank 1: its dump was taken before it entered a call its peers finished" in \
+        " ".join(scenario.description.split())
+    pending = {**per_rank, 0: [*done, _entry(3, 4, "nccl:all_reduce", state="started", retired=False)],
+               2: [*done, _entry(3, 4, "nccl:all_reduce", state="started", retired=False)]}
+    (scenario,) = analyze_paths([_write(tmp_path, pending)], world_size=3).report.scenarios
+    (hang,) = [f for f in scenario.findings if f.kind == "hang"]
+    assert (hang.seq, hang.waiting_ranks) == (4, (0, 2)) and 1 not in hang.absent_ranks
+    assert not any("lost records" in f.summary for f in scenario.findings)
