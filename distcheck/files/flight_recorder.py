@@ -57,10 +57,8 @@ and None can come out of one, and no code runs.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -68,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from distcheck.errors import CorruptInputError, UsageError
+from distcheck.files.salvage import RefusedPickle, load_json as _load_json, load_pickle as _load_pickle
 from distcheck.models import Event
 
 # c10 ScalarType names → torch dtype names (as the tracer writes them).
@@ -93,104 +92,6 @@ CANNOT_TELL = ("reduce op", "root (src/dst)", "device", "async_op", "module labe
 
 
 # -- loading --------------------------------------------------------------------
-
-
-class RefusedPickle(pickle.UnpicklingError):
-    """The pickle asked for a global (a class or function): never loaded."""
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves no global at all: only the pickle VM's own dict/list/tuple/str/
-    bytes/int/float/bool/None values can be built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise RefusedPickle(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedPickle("a persistent id")
-
-
-class _SalvagingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """The pure-Python unpickler (its stacks are inspectable after an error),
-    with the same restriction."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise RefusedPickle(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedPickle("a persistent id")
-
-
-def _load_pickle(data: bytes) -> tuple[Any, bool]:
-    """(object, truncated). Raises RefusedPickle, or ValueError when nothing is readable."""
-    try:
-        return _RestrictedUnpickler(io.BytesIO(data)).load(), False
-    except RefusedPickle:
-        raise
-    except Exception:
-        pass
-    # Damaged or cut short: replay with the inspectable unpickler and keep what was built.
-    up = _SalvagingUnpickler(io.BytesIO(data))
-    try:
-        return up.load(), False
-    except RefusedPickle:
-        raise
-    except Exception:
-        pass
-    frames = [*getattr(up, "metastack", []), getattr(up, "stack", [])]
-    partial: set[int] = set()
-    for frame in frames:
-        for item in frame:
-            if isinstance(item, dict) and not item:
-                partial.add(id(item))   # dicts still being filled: their items were never set
-    for i in range(len(frames) - 1, 0, -1):
-        owner = frames[i - 1][-1] if frames[i - 1] else None
-        items = frames[i]
-        if isinstance(owner, dict):
-            for k, v in zip(items[0::2], items[1::2]):
-                try:
-                    owner[k] = v
-                except TypeError:
-                    pass
-        elif isinstance(owner, list):
-            owner.extend(items)
-    top = frames[0][0] if frames and frames[0] else None
-    if not isinstance(top, dict):
-        raise ValueError("no readable content")
-    entries = top.get("entries")
-    if isinstance(entries, list):
-        top["entries"] = [e for e in entries if not (isinstance(e, dict) and id(e) in partial)]
-    return top, True
-
-
-def _load_json(text: str) -> tuple[Any, bool]:
-    try:
-        return json.loads(text), False
-    except ValueError:
-        pass
-    # Cut short: keep the top-level values and the entries that parse whole.
-    m = re.search(r'"entries"\s*:\s*\[', text)
-    if not m:
-        raise ValueError("no readable content")
-    decoder = json.JSONDecoder()
-    entries = []
-    pos = m.end()
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            break
-        entries.append(obj)
-    top: dict[str, Any] = {"entries": entries}
-    for key in ("version", "comm_lib_version"):
-        km = re.search(rf'"{key}"\s*:\s*("(?:[^"\\]|\\.)*")', text[: m.start()])
-        if km:
-            top[key] = json.loads(km.group(1))
-    return top, True
 
 
 def sniff(data: bytes) -> str | None:
