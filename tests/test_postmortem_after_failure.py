@@ -188,3 +188,12 @@ def test_a_dump_taken_before_a_call_its_peers_completed_is_no_lost_record(tmp_pa
     (hang,) = [f for f in scenario.findings if f.kind == "hang"]
     assert (hang.seq, hang.waiting_ranks) == (4, (0, 2)) and 1 not in hang.absent_ranks
     assert not any("lost records" in f.summary for f in scenario.findings)
+
+
+def test_nccl2_hook_entries_need_their_end_event_and_c10d_ones_their_peers():
+    """torch's newer NCCL backend records through a hook that retires a call when it is issued: only the
+    end event (state: completed) says it finished. A ``c10d:`` hook entry may have no device event at all."""
+    issued = _entry(0, 1, "nccl2:all_reduce", state="scheduled")
+    assert entry_end(issued) == EntryEnd.FAILED
+    assert entry_end({**issued, "state": "completed"}) == EntryEnd.COMPLETED
+    assert entry_end(_entry(0, 1, "c10d:allreduce")) == EntryEnd.ENDED

@@ -248,8 +248,8 @@ def _unfinished_notes(dumps: list[Dump], members: Membership, seen: Reached) -> 
             end = entry_end(e)
             absent = never_entered(d, e, members, seen) if end == EntryEnd.ENDED else ()
             if end == EntryEnd.FAILED:
-                said.append(f"{_call(e)} was retired without its end event: it ended in an error, a time-out "
-                            f"or an abort")
+                said.append(f"{_call(e)} was retired without its end event: it did not finish (an error, a "
+                            f"time-out or an abort)")
             elif absent:
                 said.append(f"{_call(e)} was retired while {rank_list(absent)} never entered it: it cannot have "
                             f"completed, so it ended in an error (a time-out, or a peer that exited)")

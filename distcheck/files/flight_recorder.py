@@ -41,11 +41,14 @@ from PyTorch's recorder (``FlightRecorderDetail.hpp``) and its backends:
   succeeded. NCCL's watchdog retires a work once ``isCompleted()``, which is
   also true for a work that failed, timed out or was aborted; gloo's worker
   thread retires every work after running it, error or not, and sets
-  ``pg_status``'s ``last_completed_collective`` the same way. So on NCCL a
-  retired entry that is not ``completed`` ended without finishing (FAILED);
-  on gloo (and the backend-neutral ``c10d:`` hook, which retires when the
-  call is issued) retired says only that it ENDED, one way or the other. No
-  dump carries the error itself.
+  ``pg_status``'s ``last_completed_collective`` the same way (NCCL's
+  watchdog too), so neither tells success. On NCCL a retired entry that is
+  not ``completed`` ended without finishing (FAILED); so does one of
+  ``nccl2`` (torch's newer NCCL backend, whose backend-neutral recorder hook
+  retires a call when it is issued and leaves completion to the end event).
+  On gloo (and a ``c10d:`` hook entry, which may have no device event)
+  retired says only that it ENDED, one way or the other. No dump carries
+  the error itself.
 
 No dump records the reduce op, the root (src/dst), the device or async_op;
 the rank is known only from the file name (the number it ends with).
@@ -329,12 +332,12 @@ class EntryEnd(str, Enum):
     """How an entry's call had ended when its dump was taken, as far as the entry says."""
 
     COMPLETED = "completed"   # its end event fired: the call finished
-    FAILED = "failed"         # retired without its end event firing (NCCL): an error, a time-out or an abort
+    FAILED = "failed"         # retired, its end event never fired (NCCL): an error, a time-out, an abort
     ENDED = "ended"           # retired where the backend does not say how (gloo, the c10d: hook)
     PENDING = "pending"       # not retired: in flight when the dump was taken
 
 
-_END_EVENT_BACKENDS = frozenset({"nccl"})   # their entries carry the call's end event
+_END_EVENT_BACKENDS = frozenset({"nccl", "nccl2"})   # their entries carry the call's end event
 
 
 def entry_end(e: dict[str, Any]) -> EntryEnd:
