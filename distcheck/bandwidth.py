@@ -3,12 +3,17 @@
 Taken from nccl-tests (``doc/PERFORMANCE.md`` and each ``src/<op>.cu``'s ``GetCollByteCount`` and
 ``GetBw``), so a row of distcheck's table reads the same as a row of ``<op>_perf``'s:
 
-* the swept *size* is nccl-tests' ``size`` column: the larger of a rank's send and receive buffers
-  (for all_gather the whole gathered buffer, for reduce_scatter the whole input, for all_to_all the
-  whole buffer), rounded down to a multiple of the rank count where the op splits it;
+* a swept size is read as ``size / element size`` elements; where the op splits its buffer into one
+  slice per rank (all_gather, reduce_scatter, all_to_all) the slice is ``(count / nranks)`` rounded
+  down to a multiple of 16 bytes: ``(count/nranks) & ~(16/eltSize - 1)``, so at small sizes or rank
+  counts that are not powers of two a row's size is below the swept one, and can be 0;
+* the *size* column is the larger of a rank's send and receive buffers in bytes (for all_gather the
+  whole gathered buffer, for reduce_scatter the whole input, for all_to_all the whole buffer);
 * *count* is the element count passed to the call (per rank for all_gather / reduce_scatter, per
   peer for all_to_all);
-* ``algbw = S / t`` and ``busbw = algbw × factor`` with S and the factor below, in GB/s (10⁹ B/s).
+* ``algbw = S / t`` and ``busbw = algbw × factor`` with S and the factor below, in GB/s (10⁹ B/s);
+* the sizes visited with ``-b min -e max -f factor`` are ``min, min×factor, …`` up to ``max``, the
+  factor a whole number (nccl-tests reads ``-f`` with ``strtol``).
 """
 
 from __future__ import annotations
@@ -32,10 +37,20 @@ class Counts:
     param: int   # the count passed to the call: nccl-tests' ``count`` column
 
 
+ALIGN_BYTES = 16   # nccl-tests keeps each rank's slice of a split buffer a multiple of 16 bytes
+
+
+def slice_count(count: int, element_size: int, n: int) -> int:
+    """One rank's slice of ``count`` elements split over ``n`` ranks, as nccl-tests computes it:
+    ``(count/nranks) & ~(16/eltSize - 1)`` — rounded down to a multiple of 16 bytes."""
+    align = max(ALIGN_BYTES // element_size, 1)   # 16/eltSize is a power of two for every NCCL type
+    return (count // n) // align * align
+
+
 def counts(op: str, size_bytes: int, element_size: int, n: int) -> Counts:
     """The buffers of ``op`` at nccl-tests' swept ``size`` (bytes) on ``n`` ranks."""
     count = size_bytes // element_size
-    per_rank = count // n
+    per_rank = slice_count(count, element_size, n)
     if op == "all_gather":
         return Counts(send=per_rank, recv=per_rank * n, param=per_rank)
     if op == "reduce_scatter":
@@ -86,14 +101,16 @@ def root(op: str) -> int:
 
 
 def sweep(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
-    """The sizes nccl-tests visits with ``-b min -e max -f factor``."""
+    """The sizes nccl-tests visits with ``-b min -e max -f factor``: ``size *= factor`` while ``size <= max``."""
     if min_bytes <= 0 or max_bytes < min_bytes or factor <= 1:
         raise ValueError(f"a sweep needs 0 < min <= max and factor > 1 (got min {min_bytes}, max {max_bytes}, "
                          f"factor {factor:g})")
-    sizes, size = [], min_bytes
+    if not float(factor).is_integer():
+        raise ValueError(f"step_factor must be a whole number, as nccl-tests' -f is (got {factor:g})")
+    sizes, size, step = [], int(min_bytes), int(factor)
     while size <= max_bytes:
-        sizes.append(int(size))
-        size = int(size * factor)
+        sizes.append(size)
+        size *= step
     return sizes
 
 

@@ -30,7 +30,7 @@ def _settings(ctx) -> dict:
         bandwidth.bus_factor(op, 2)   # an unknown op: one clear error before anything runs
     return {
         "sizes": bandwidth.sweep(bandwidth.parse_size(o["min_bytes"]), bandwidth.parse_size(o["max_bytes"]),
-                                 float(o["step_factor"])),
+                                 float(o["step_factor"])),   # a whole number, as nccl-tests' -f
         "warmup": int(o["warmup"]), "iters": max(1, int(o["iters"])), "check": bool(int(o.get("check", 1))),
         "average": int(o.get("average", 1)), "ops": ops,
         "pair_count": bandwidth.parse_size(o["pair_bytes"]) // 4, "pair_rounds": int(o.get("pair_rounds", 3)),
@@ -60,9 +60,8 @@ def _sweep(ctx, s) -> list[dict]:
         if op == "sendrecv" and n < 2:
             continue   # torch cannot send to its own rank
         for size in s["sizes"]:
+            # nccl-tests' row for every swept size, also where the op's per-rank slice rounds down to 0
             c = bandwidth.counts(op, size, sweep.ELEMENT_SIZE, n)
-            if c.param == 0:
-                continue   # fewer elements than ranks: nothing to split
             record = {"op": op, "size": bandwidth.size_column(c, sweep.ELEMENT_SIZE), "count": c.param,
                       "type": sweep.TYPE_NAME, "redop": bandwidth.redop(op), "root": bandwidth.root(op),
                       "out_of_place": None, "in_place": None}

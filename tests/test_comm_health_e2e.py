@@ -1,5 +1,6 @@
-"""The node check at 4 real gloo ranks: every row is nccl-tests' formula applied to its own size and time,
-every result is checked, all_gather's time agrees with a plain torch loop beside it, and a rank made slow
+"""The node check at real gloo ranks: at 3 ranks every row's size, count and bandwidths are nccl-tests'
+formulas (written out in test_comm_health_formulas, not distcheck's) applied to the swept size and the row's
+time, every result is checked, all_gather's time agrees with a plain torch loop beside it, and a rank made slow
 on purpose (it sleeps inside its send loop) is named from the pairwise matrix."""
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import pytest
 from conftest import REPO, kill_tree
 from distcheck import bandwidth as bw
 from distcheck.report.json_schema import REPORT
-from test_comm_health_formulas import nccl_tests_bw
+from test_comm_health_formulas import nccl_tests_bw, nccl_tests_row
 
 pytestmark = pytest.mark.e2e
-ALL_SIZES = [4096, 65536, 1 << 20]   # the CPU default sweep
+SWEEP = [64, 1024, 16384, 262144]   # min_bytes=64 max_bytes=256K step_factor=16: 64 B splits unevenly over 3
 
 
 def _tables(s: dict) -> tuple[dict, dict]:
@@ -27,31 +28,33 @@ def _tables(s: dict) -> tuple[dict, dict]:
     return sweep, pairs
 
 
-def test_every_row_is_nccl_tests_formula_at_4_ranks(distcheck):
-    run = distcheck("run", "comm_health", "--nproc-per-node", "4", "--backend", "gloo")
+def test_every_row_is_nccl_tests_formula_at_3_ranks(distcheck):
+    run = distcheck("run", "comm_health", "--nproc-per-node", "3", "--backend", "gloo", "--option", "min_bytes=64",
+                    "--option", "max_bytes=256K", "--option", "step_factor=16")
     assert run.returncode == 0, run.stdout[-3000:]
     jsonschema.validate(run.report, REPORT)
     s = run.scenario("comm_health")
     assert s["ok"] and s["observed"] == ["pass"]
     sweep, pairs = _tables(s)
     records = sweep["records"]
-    assert {(r["op"], r["size"]) for r in records} == {(op, size) for op in bw.OPS for size in ALL_SIZES}
-    for r in records:
-        c = bw.counts(r["op"], r["size"], 4, 4)
-        assert (r["count"], bw.size_column(c, 4), r["type"]) == (c.param, r["size"], "float")
-        assert (r["redop"], r["root"]) == (bw.redop(r["op"]), bw.root(r["op"]))
+    assert [(r["op"], r["size"]) for r in records] == [
+        (op, nccl_tests_row(op, size, 3, 1.0)[0]) for op in bw.OPS for size in SWEEP]
+    for r, swept in zip(records, [size for _ in bw.OPS for size in SWEEP]):
+        assert r["type"] == "float" and (r["redop"], r["root"]) == (bw.redop(r["op"]), bw.root(r["op"]))
         measured = [p for p in (r["out_of_place"], r["in_place"]) if p is not None]
         assert measured, r
         for p in measured:
             assert p["wrong"] == 0
-            algbw, busbw = nccl_tests_bw(r["op"], r["count"], 4, p["time_us"] / 1e6, 4)
+            size, count, algbw, busbw = nccl_tests_row(r["op"], swept, 3, p["time_us"] / 1e6)
+            assert (r["size"], r["count"]) == (size, count)
             assert (p["algbw"], p["busbw"]) == pytest.approx((algbw, busbw), rel=1e-9)
     gathered = [r for r in records if r["op"] == "all_gather"]
     assert all(r["out_of_place"] and r["in_place"] for r in gathered)   # both placements, as nccl-tests
     # The terminal shows the same rows (the sweep's table is laid out as nccl-tests prints it).
-    assert any(line.split()[:6] == ["all_gather", "1048576", "65536", "float", "none", "-1"]
+    # 64 B = 16 floats over 3 ranks: 5 each, rounded down to 4 (16 bytes) → 48 B gathered, count 4
+    assert any(line.split()[:6] == ["all_gather", "48", "4", "float", "none", "-1"]
                for line in run.stdout.splitlines()), run.stdout[-3000:]
-    assert len(pairs["records"]) == 12 and all(p["gbps"] > 0 for p in pairs["records"])
+    assert len(pairs["records"]) == 6 and all(p["gbps"] > 0 for p in pairs["records"])
     # On gloo a slow "link" is the scheduler's doing: shown, never a failure.
     assert all(f["severity"] == "info" for f in s["findings"] if f["kind"] == "health")
 

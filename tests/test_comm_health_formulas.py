@@ -28,13 +28,73 @@ def nccl_tests_bw(op: str, count: int, typesize: int, sec: float, nranks: int) -
     return base, base
 
 
+# nccl-tests' GetCollByteCount (src/<op>.cu) and setupArgs (src/common.cu), written out from its sources
+# with its own bit mask: (send, recv, param) element counts of one call at a swept size.
+def nccl_tests_counts(op: str, size: int, elt: int, nranks: int) -> tuple[int, int, int]:
+    count = size // elt                                   # setupArgs: count = size / wordSize(type)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        base = (count // nranks) & ~(16 // elt - 1)       # (count/nranks) & ~(16/eltSize - 1)
+        if op == "all_gather":
+            return base, base * nranks, base
+        return base * nranks, (base if op == "reduce_scatter" else base * nranks), base
+    return count, count, count                           # all_reduce, broadcast, reduce, sendrecv
+
+
+def nccl_tests_row(op: str, size: int, nranks: int, sec: float, elt: int = 4) -> tuple[int, int, float, float]:
+    """(size column, count column, algbw, busbw) as <op>_perf prints them: size = max(sendBytes,
+    expectedBytes), count = nbytes / wordSize = paramcount, bandwidths from GetBw(paramcount, ...)."""
+    send, recv, param = nccl_tests_counts(op, size, elt, nranks)
+    return (max(send, recv) * elt, param, *nccl_tests_bw(op, param, elt, sec, nranks))
+
+
+def distcheck_row(op: str, size: int, n: int, sec: float) -> tuple[int, int, float, float]:
+    c = bw.counts(op, size, 4, n)
+    return (bw.size_column(c, 4), c.param, bw.algbw(op, c.param, 4, sec, n), bw.busbw(op, c.param, 4, sec, n))
+
+
+NCCL_SWEEP = bw.sweep(8, 1 << 30, 2)            # all_reduce_perf -b 8 -e 1G -f 2
+ODD_SIZES = [4, 12, 60, 100, 1000, 4000, 4004, 12345 * 4, 3 * MiB + 4]
+
+
 @pytest.mark.parametrize("op", bw.OPS)
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_algbw_and_busbw_are_nccl_tests(op, n):
-    c = bw.counts(op, 64 * MiB, 4, n)
-    sec = 1.234e-3
-    assert (bw.algbw(op, c.param, 4, sec, n), bw.busbw(op, c.param, 4, sec, n)) == pytest.approx(
-        nccl_tests_bw(op, c.param, 4, sec, n))
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
+def test_every_row_is_nccl_tests_at_every_size_and_rank_count(op, n):
+    sec = 1.234e-5
+    for size in NCCL_SWEEP + ODD_SIZES:
+        mine, theirs = distcheck_row(op, size, n, sec), nccl_tests_row(op, size, n, sec)
+        assert mine[:2] == theirs[:2], (op, n, size)
+        assert mine[2:] == pytest.approx(theirs[2:], rel=1e-12), (op, n, size)
+        c = bw.counts(op, size, 4, n)
+        assert (c.send, c.recv, c.param) == nccl_tests_counts(op, size, 4, n)
+
+
+@pytest.mark.parametrize("row", [
+    # op, ranks, swept bytes → size column, count column: worked by hand from nccl-tests' formulas
+    ("all_gather", 8, 64, 0, 0),             # 16 floats / 8 = 2, & ~3 = 0: nccl-tests prints a 0-byte row
+    ("all_gather", 8, 128, 128, 4),          # 32 / 8 = 4
+    ("all_gather", 8, 256, 256, 8),
+    ("all_gather", 8, 1000, 896, 28),        # 250 / 8 = 31, & ~3 = 28; 28 × 8 × 4 B
+    ("all_gather", 4, 4000, 3968, 248),      # 1000 floats / 4 = 250, & ~3 = 248 (not 250)
+    ("all_gather", 3, 64, 48, 4),            # 16 / 3 = 5, & ~3 = 4
+    ("all_gather", 3, 4096, 4080, 340),      # 1024 / 3 = 341, & ~3 = 340
+    ("reduce_scatter", 6, 1 << 20, 1048512, 43688),   # 262144 / 6 = 43690, & ~3 = 43688
+    ("all_to_all", 6, 4096, 4032, 168),      # 1024 / 6 = 170, & ~3 = 168
+    ("all_reduce", 6, 100, 100, 25),         # not split: every element
+    ("broadcast", 3, 4096, 4096, 1024),
+])
+def test_hand_checked_rows(row):
+    op, n, swept, size, count = row
+    c = bw.counts(op, swept, 4, n)
+    assert (bw.size_column(c, 4), c.param) == (size, count)
+
+
+def test_hand_checked_bandwidths():
+    """all_gather at 3 ranks, 4096 B swept: 340 floats per rank, S = 340 × 3 × 4 = 4080 B; at 1 µs
+    algbw 4.08 GB/s, busbw × 2/3 = 2.72. all_reduce of 4 MiB at 8 ranks in 1 ms: 4.194 and × 14/8."""
+    assert bw.algbw("all_gather", 340, 4, 1e-6, 3) == pytest.approx(4.08)
+    assert bw.busbw("all_gather", 340, 4, 1e-6, 3) == pytest.approx(2.72)
+    assert bw.algbw("all_reduce", MiB, 4, 1e-3, 8) == pytest.approx(4.194304)
+    assert bw.busbw("all_reduce", MiB, 4, 1e-3, 8) == pytest.approx(4.194304 * 14 / 8)
 
 
 def test_bus_factors_are_performance_md():
@@ -47,24 +107,13 @@ def test_bus_factors_are_performance_md():
 
 
 def test_all_gather_measures_the_whole_gathered_buffer():
-    """The issue's numbers: 4 MiB per rank at 4 ranks, 61.4 ms per call → algbw 0.273, busbw 0.205 GB/s."""
+    """4 MiB per rank at 4 ranks, 61.4 ms per call → algbw 0.273, busbw 0.205 GB/s."""
     c = bw.counts("all_gather", 16 * MiB, 4, 4)
     assert (c.send, c.recv, c.param) == (MiB, 4 * MiB, MiB)
     assert bw.size_column(c, 4) == 16 * MiB
     sec = 16 * MiB / 0.273e9
     assert bw.algbw("all_gather", c.param, 4, sec, 4) == pytest.approx(0.273)
     assert bw.busbw("all_gather", c.param, 4, sec, 4) == pytest.approx(0.205, abs=5e-4)
-
-
-def test_counts_are_get_coll_byte_count():
-    n, size = 4, 1000 * 4   # 1000 floats: not a multiple of... 4 ranks: 250 each
-    assert bw.counts("all_reduce", size, 4, n) == bw.Counts(1000, 1000, 1000)
-    assert bw.counts("all_gather", size, 4, n) == bw.Counts(250, 1000, 250)
-    assert bw.counts("reduce_scatter", size, 4, n) == bw.Counts(1000, 250, 250)
-    assert bw.counts("all_to_all", size, 4, n) == bw.Counts(1000, 1000, 250)
-    assert bw.counts("all_gather", 1002 * 4, 4, n) == bw.Counts(250, 1000, 250)   # rounded down, as nccl-tests
-    for op in ("broadcast", "reduce", "sendrecv"):
-        assert bw.counts(op, size, 4, n) == bw.Counts(1000, 1000, 1000)
 
 
 def test_columns_redop_and_root():
@@ -81,6 +130,10 @@ def test_sweep_and_sizes_as_nccl_tests_reads_them():
         bw.parse_size("lots")
     with pytest.raises(ValueError, match="factor > 1"):
         bw.sweep(8, 128, 1)
+    assert bw.sweep(8, 128, 2.0) == [8, 16, 32, 64, 128]
+    with pytest.raises(ValueError, match="whole number, as nccl-tests' -f"):
+        bw.sweep(8, 128, 1.5)
+    assert bw.sweep(3, 100, 3) == [3, 9, 27, 81]   # size *= factor while size <= max, as common.cu's loop
 
 
 def test_min_busbw_one_number_or_per_op():
@@ -147,7 +200,9 @@ def test_the_table_renders_nccl_tests_columns():
         {"op": "all_gather", "size": 16 * MiB, "count": MiB, "type": "float", "redop": "none", "root": -1,
          "out_of_place": placement, "in_place": {**placement, "wrong": None}},
         {"op": "all_reduce", "size": 4096, "count": 1024, "type": "float", "redop": "sum", "root": -1,
-         "out_of_place": None, "in_place": {**placement, "busbw": 0.0123}}]}
+         "out_of_place": None, "in_place": {**placement, "busbw": 0.0123}},
+        {"op": "reduce_scatter", "size": 0, "count": 0, "type": "float", "redop": "sum", "root": -1,
+         "out_of_place": None, "in_place": {"time_us": 12.0, "algbw": 0.0, "busbw": 0.0, "wrong": 0}}]}
     assert is_bandwidth_table(table) and not is_bandwidth_table({"title": "t", "columns": [], "rows": []})
     console = Console(width=200, record=True)
     console.print(bandwidth_table(table))
@@ -158,3 +213,6 @@ def test_the_table_renders_nccl_tests_columns():
                            "1234.5", "12.35", "9.26", "0", "1234.5", "12.35", "9.26", "N/A"]
     row = next(line for line in text.splitlines() if line.strip().startswith("all_reduce"))
     assert row.split()[6:] == ["-", "-", "-", "-", "1234.5", "12.35", "0.0123", "0"]
+    row = next(line for line in text.splitlines() if line.strip().startswith("reduce_scatter"))
+    assert row.split() == ["reduce_scatter", "0", "0", "float", "sum", "-1", "-", "-", "-", "-",
+                           "12.0", "0.00", "0.00", "0"]   # a slice rounded down to 0: nccl-tests' 0-byte row

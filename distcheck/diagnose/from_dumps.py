@@ -17,7 +17,8 @@ from distcheck.diagnose.analyze import RunFacts
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.diagnose.verdict import Blame, Evidence, Scenario, scenario_result
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.files.flight_recorder import CANNOT_TELL, Dump, load_dump, membership, to_events
+from distcheck.files.flight_recorder import (CANNOT_TELL, Dump, EntryEnd, Membership, Reached, entry_end, load_dump,
+                                             membership, never_entered, op_name, reached, to_events)
 from distcheck.models import EndReason, Event, Phase, RankOutcome, RankState, ScenarioResult
 from distcheck.text import rank_list
 
@@ -40,10 +41,12 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
     dumps, notes = _load(files)
     ranks = _ranks(dumps, world_size)
     ordered = [dumps[r] for r in ranks.present]
-    # Ranks with no dump, or a cut-short one, are no group's members for matching:
-    # what they did after their last readable entry is unknown, not "never came".
-    members = membership(ordered, tuple(r for r in ranks.present if r not in ranks.cut_short))
-    traces = {d.rank: to_events(d, members) for d in ordered}
+    members, usable, seen = _matching(ordered, ranks.cut_short)
+    early = _dumped_early(usable, members, seen)
+    if early:   # they are compared only as far as their dumps go, as a cut-short one is
+        ranks = dataclasses.replace(ranks, cut_short=tuple(sorted({*ranks.cut_short, *early})))
+        members, usable, seen = _matching(ordered, ranks.cut_short)
+    traces = {d.rank: to_events(d, members, seen) for d in ordered}
     traces, renumbered = _close_gaps(traces, {d.rank for d in ordered if d.wrapped})
     outcomes = {r: _fr_outcome(r, events) for r, events in traces.items()}
     # A cut-short rank's calls stop where its file stops: matched, they would make
@@ -57,7 +60,7 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
         started_at=min((e.t_enter for e in events if e.t_enter), default=None),
         ended_at=max((e.t_exit or e.t_enter for e in events), default=None))
     notes[:0] = _dump_notes(ordered, ranks.missing, len(ranks.world), world_size is not None, members.inferred,
-                            renumbered)
+                            renumbered) + _early_notes(early) + _unfinished_notes(usable, members, seen)
     backends = set().union(*(d.backends for d in ordered))
     scenario = Scenario(name=FR_SCENARIO, source=str(common_dir(list(files))),
                         description=_description(ordered, backends, ranks, notes))
@@ -66,6 +69,34 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
     result = dataclasses.replace(result, duration_s=time.time() - t0)
     return result, {"backends": backends, "versions": _versions(ordered), "world_size": len(ranks.world),
                     "events": traces}
+
+
+def _matching(ordered: list[Dump], cut_short: tuple[int, ...]) -> tuple[Membership, list[Dump], Reached]:
+    """Who is matched: ranks with no dump, or a cut-short one, are no group's members
+    (what they did after their last readable entry is unknown, not "never came")."""
+    members = membership(ordered, tuple(d.rank for d in ordered if d.rank not in cut_short))
+    usable = [d for d in ordered if d.rank not in cut_short]
+    return members, usable, reached(usable)
+
+
+def _dumped_early(dumps: list[Dump], members: Membership, seen: Reached) -> dict[int, str]:
+    """Ranks whose dump was taken before they entered a call a peer completed (its end event fired,
+    which needs every member): what they did after their dump is unknown, not a call they never made.
+    Said of them from the peer's completed call, never as records lost."""
+    early: dict[int, str] = {}
+    for d in dumps:
+        for e in d.entries:
+            if entry_end(e) != EntryEnd.COMPLETED:
+                continue
+            for m in never_entered(d, e, members, seen):
+                early.setdefault(m, f"rank {d.rank} completed {_call(e)}")
+    return early
+
+
+def _early_notes(early: dict[int, str]) -> list[str]:
+    return [f"rank {r}: its dump was taken before it entered a call its peers finished ({why}, which needs "
+            f"every member): it is compared only as far as its dump goes, as a dump cut short is."
+            for r, why in sorted(early.items())]
 
 
 def _load(files: Sequence[Path]) -> tuple[dict[int, Dump], list[str]]:
@@ -201,7 +232,35 @@ def _dump_notes(dumps: list[Dump], missing: tuple[int, ...], world: int, world_g
         notes.append("JSON dumps carry no Python frames: call sites are unknown there (the pickle form has them).")
     if any(d.backends & {"gloo"} for d in dumps):
         notes.append("gloo records no send/recv, and marks an entry done (retired) when it finished "
-                     "with or without error.")
+                     "with or without error: a retired call counts as completed only where every member "
+                     "with a dump entered it.")
     notes.append(f"A dump is a snapshot: a collective in flight when it was taken looks like a wait. Dumps do not "
                  f"record the {', '.join(CANNOT_TELL)}, so those are not compared.")
     return notes
+
+
+def _unfinished_notes(dumps: list[Dump], members: Membership, seen: Reached) -> list[str]:
+    """One note per rank whose dump shows calls that ended without finishing: the first, and how many."""
+    notes = []
+    for d in dumps:
+        said = []
+        for e in d.entries:
+            end = entry_end(e)
+            absent = never_entered(d, e, members, seen) if end == EntryEnd.ENDED else ()
+            if end == EntryEnd.FAILED:
+                said.append(f"{_call(e)} was retired without its end event: it did not finish (an error, a "
+                            f"time-out or an abort)")
+            elif absent:
+                said.append(f"{_call(e)} was retired while {rank_list(absent)} never entered it: it cannot have "
+                            f"completed, so it ended in an error (a time-out, or a peer that exited)")
+        if said:
+            more = f" ({len(said) - 1} more such call(s) after it)" if len(said) > 1 else ""
+            notes.append(f"rank {d.rank}: {said[0]}{more}; counted as a wait, not a completed call.")
+    return notes
+
+
+def _call(e: dict[str, Any]) -> str:
+    group = e.get("process_group")
+    where = f" on group {group[0]}" if isinstance(group, (list, tuple)) and group else ""
+    return f"{op_name(e.get('profiling_name', ''))[0]} (collective_seq_id {e.get('collective_seq_id')}){where}"
+

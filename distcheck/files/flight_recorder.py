@@ -31,6 +31,25 @@ Measured on torch 2.13 with gloo (format version "2.10"):
 * dtypes are c10 names (``Float``, ``Long``, ``BFloat16``, ``Bool``);
 * the JSON form has no ``frames`` and writes 0 for unknown times.
 
+What an entry says about how its call ended (``entry_end``), per backend,
+from PyTorch's recorder (``FlightRecorderDetail.hpp``) and its backends:
+
+* ``state`` is ``"completed"`` only once ``time_discovered_completed_ns`` is
+  set: the call's end event fired (NCCL: the kernel finished), or the
+  recorder was told it completed. ``"started"``: its start event fired.
+* ``retired`` means the backend is done with the entry, not that the call
+  succeeded. NCCL's watchdog retires a work once ``isCompleted()``, which is
+  also true for a work that failed, timed out or was aborted; gloo's worker
+  thread retires every work after running it, error or not, and sets
+  ``pg_status``'s ``last_completed_collective`` the same way (NCCL's
+  watchdog too), so neither tells success. On NCCL a retired entry that is
+  not ``completed`` ended without finishing (FAILED); so does one of
+  ``nccl2`` (torch's newer NCCL backend, whose backend-neutral recorder hook
+  retires a call when it is issued and leaves completion to the end event).
+  On gloo (and a ``c10d:`` hook entry, which may have no device event)
+  retired says only that it ENDED, one way or the other. No dump carries
+  the error itself.
+
 No dump records the reduce op, the root (src/dst), the device or async_op;
 the rank is known only from the file name (the number it ends with).
 
@@ -41,16 +60,16 @@ and None can come out of one, and no code runs.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from distcheck.errors import CorruptInputError, UsageError
+from distcheck.files.salvage import RefusedPickle, load_json as _load_json, load_pickle as _load_pickle
 from distcheck.models import Event
 
 # c10 ScalarType names → torch dtype names (as the tracer writes them).
@@ -76,104 +95,6 @@ CANNOT_TELL = ("reduce op", "root (src/dst)", "device", "async_op", "module labe
 
 
 # -- loading --------------------------------------------------------------------
-
-
-class RefusedPickle(pickle.UnpicklingError):
-    """The pickle asked for a global (a class or function): never loaded."""
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Resolves no global at all: only the pickle VM's own dict/list/tuple/str/
-    bytes/int/float/bool/None values can be built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise RefusedPickle(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedPickle("a persistent id")
-
-
-class _SalvagingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """The pure-Python unpickler (its stacks are inspectable after an error),
-    with the same restriction."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise RefusedPickle(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedPickle("a persistent id")
-
-
-def _load_pickle(data: bytes) -> tuple[Any, bool]:
-    """(object, truncated). Raises RefusedPickle, or ValueError when nothing is readable."""
-    try:
-        return _RestrictedUnpickler(io.BytesIO(data)).load(), False
-    except RefusedPickle:
-        raise
-    except Exception:
-        pass
-    # Damaged or cut short: replay with the inspectable unpickler and keep what was built.
-    up = _SalvagingUnpickler(io.BytesIO(data))
-    try:
-        return up.load(), False
-    except RefusedPickle:
-        raise
-    except Exception:
-        pass
-    frames = [*getattr(up, "metastack", []), getattr(up, "stack", [])]
-    partial: set[int] = set()
-    for frame in frames:
-        for item in frame:
-            if isinstance(item, dict) and not item:
-                partial.add(id(item))   # dicts still being filled: their items were never set
-    for i in range(len(frames) - 1, 0, -1):
-        owner = frames[i - 1][-1] if frames[i - 1] else None
-        items = frames[i]
-        if isinstance(owner, dict):
-            for k, v in zip(items[0::2], items[1::2]):
-                try:
-                    owner[k] = v
-                except TypeError:
-                    pass
-        elif isinstance(owner, list):
-            owner.extend(items)
-    top = frames[0][0] if frames and frames[0] else None
-    if not isinstance(top, dict):
-        raise ValueError("no readable content")
-    entries = top.get("entries")
-    if isinstance(entries, list):
-        top["entries"] = [e for e in entries if not (isinstance(e, dict) and id(e) in partial)]
-    return top, True
-
-
-def _load_json(text: str) -> tuple[Any, bool]:
-    try:
-        return json.loads(text), False
-    except ValueError:
-        pass
-    # Cut short: keep the top-level values and the entries that parse whole.
-    m = re.search(r'"entries"\s*:\s*\[', text)
-    if not m:
-        raise ValueError("no readable content")
-    decoder = json.JSONDecoder()
-    entries = []
-    pos = m.end()
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            break
-        entries.append(obj)
-    top: dict[str, Any] = {"entries": entries}
-    for key in ("version", "comm_lib_version"):
-        km = re.search(rf'"{key}"\s*:\s*("(?:[^"\\]|\\.)*")', text[: m.start()])
-        if km:
-            top[key] = json.loads(km.group(1))
-    return top, True
 
 
 def sniff(data: bytes) -> str | None:
@@ -407,23 +328,85 @@ def membership(dumps: list[Dump], world: tuple[int, ...]) -> Membership:
     return Membership(world=world, groups=groups, inferred=tuple(sorted(inferred)))
 
 
-def to_events(dump: Dump, members: Membership) -> list[Event]:
-    """One rank's entries as Events, in the order the rank issued them.
+class EntryEnd(str, Enum):
+    """How an entry's call had ended when its dump was taken, as far as the entry says."""
 
-    An entry counts as completed when its state says so, when it is retired,
-    or when a later entry of the same group on this rank completed (collectives
-    of one group finish in order; gloo retires on its worker thread just after
-    waking the caller, so the newest finished entry may not show it yet).
+    COMPLETED = "completed"   # its end event fired: the call finished
+    FAILED = "failed"         # retired, its end event never fired (NCCL): an error, a time-out, an abort
+    ENDED = "ended"           # retired where the backend does not say how (gloo, the c10d: hook)
+    PENDING = "pending"       # not retired: in flight when the dump was taken
+
+
+_END_EVENT_BACKENDS = frozenset({"nccl", "nccl2"})   # their entries carry the call's end event
+
+
+def entry_end(e: dict[str, Any]) -> EntryEnd:
+    """What one entry says of its call's end (see the module's notes on ``state`` and ``retired``)."""
+    if e.get("state") == "completed":
+        return EntryEnd.COMPLETED
+    if e.get("retired") is not True:
+        return EntryEnd.PENDING
+    backend = op_name(e.get("profiling_name", ""))[1]
+    return EntryEnd.FAILED if backend in _END_EVENT_BACKENDS else EntryEnd.ENDED
+
+
+Reached = dict[str, dict[int, int]]   # pg name → rank → the highest collective_seq_id its dump holds
+
+
+def reached(dumps: list[Dump]) -> Reached:
+    """How far each rank's dump went in each group (collectives only; ranks with no entry tell nothing)."""
+    out: Reached = {}
+    for d in dumps:
+        for e in d.entries:
+            seq = _seq_of(e)
+            if e.get("is_p2p") or seq is None:
+                continue
+            ranks = out.setdefault(pg_of(e)[0], {})
+            ranks[d.rank] = max(ranks.get(d.rank, 0), seq)
+    return out
+
+
+def never_entered(dump: Dump, e: dict[str, Any], members: Membership, seen: Reached) -> tuple[int, ...]:
+    """Members of the entry's group whose dumps hold entries but never reached its call.
+
+    A collective cannot finish before every member entered it, so an ENDED
+    entry with such members ended in an error (gloo's time-out, a peer's
+    exit). A member without a usable dump is unknown, never counted here.
     """
-    entries = sorted(dump.entries, key=lambda e: e.get("record_id", 0) if isinstance(e.get("record_id"), int) else 0)
-    done = [e.get("state") == "completed" or e.get("retired") is True for e in entries]
+    seq = _seq_of(e)
+    if e.get("is_p2p") or seq is None:
+        return ()
+    name = pg_of(e)[0]
+    told = seen.get(name, {})
+    has_entries = {r for ranks in seen.values() for r in ranks}
+    return tuple(m for m in members.groups.get(name, ()) if m != dump.rank and m in has_entries
+                 and told.get(m, 0) < seq)
+
+
+def _finished(dump: Dump, entries: list[dict[str, Any]], members: Membership, seen: Reached | None) -> list[bool]:
+    """Per entry: did its call finish? COMPLETED did; ENDED did where every member with a dump entered it
+    (without ``seen``, as before: retired counts); FAILED did not. A PENDING entry did where a later entry
+    of its group on this rank finished (calls of one group finish in order; gloo retires on its worker
+    thread just after waking the caller, so the newest finished entry may not show it yet)."""
+    ends = [entry_end(e) for e in entries]
+    done = [end == EntryEnd.COMPLETED or (end == EntryEnd.ENDED and not (
+        seen is not None and never_entered(dump, e, members, seen))) for e, end in zip(entries, ends)]
     later_done: set[str] = set()
     for i in range(len(entries) - 1, -1, -1):
         key = "p2p" if entries[i].get("is_p2p") else pg_of(entries[i])[0]
         if done[i]:
             later_done.add(key)
-        elif key in later_done:
+        elif key in later_done and ends[i] == EntryEnd.PENDING:
             done[i] = True
+    return done
+
+
+def to_events(dump: Dump, members: Membership, seen: Reached | None = None) -> list[Event]:
+    """One rank's entries as Events, in the order the rank issued them; a call that
+    did not finish (``_finished``) has no exit time. ``seen``: ``reached`` over
+    every usable dump, which tells a retired gloo call that ended in an error."""
+    entries = sorted(dump.entries, key=lambda e: e.get("record_id", 0) if isinstance(e.get("record_id"), int) else 0)
+    done = _finished(dump, entries, members, seen)
     p2p_counts: dict[str, int] = {}
     events = []
     for e, completed in zip(entries, done):

@@ -38,5 +38,6 @@ def _cells(p: dict[str, Any] | None) -> list[str]:
 
 
 def _bw(gbps: float) -> str:
-    """nccl-tests' two decimals where they say something, three significant digits below 1 GB/s."""
-    return f"{gbps:.2f}" if gbps >= 1 else f"{gbps:.3g}"
+    """nccl-tests' two decimals where they say something (and for a 0-byte row's 0), three significant
+    digits below 1 GB/s."""
+    return f"{gbps:.2f}" if gbps >= 1 or gbps == 0 else f"{gbps:.3g}"
