@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from distcheck import bandwidth
+    from distcheck.knowledge import nccl_tests
     from distcheck.rank import sweep
 
     dist.init_process_group("nccl" if args.nccl else "gloo")
@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.set_device(dev)
     result = {}
     for op in args.ops:
-        c = bandwidth.counts(op, args.size, sweep.ELEMENT_SIZE, n)
+        c = nccl_tests.counts(op, args.size, sweep.ELEMENT_SIZE, n)
         harness_call = sweep.build(op, False, c, rank, n, dev)
         plain = plain_call(op, c.param, n, dev)
         times = {"harness": [], "plain": [], "wrong": 0}
@@ -94,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
                     times["wrong"] += t.wrong
                 else:
                     times["plain"].append(plain_seconds(plain, args.warmup, args.iters, dev))
-        result[op] = {"size": bandwidth.size_column(c, sweep.ELEMENT_SIZE), "count": c.param, **times}
+        result[op] = {"size": nccl_tests.size_column(c, sweep.ELEMENT_SIZE), "count": c.param, **times}
     if rank == 0:
         Path(args.out).write_text(json.dumps({"ranks": n, "ops": result}))
     dist.destroy_process_group()
@@ -117,7 +117,7 @@ def launch(args: argparse.Namespace) -> dict:
 
 
 def summarize(raw: dict) -> list[dict]:
-    from distcheck import bandwidth
+    from distcheck.knowledge import nccl_tests
     from distcheck.rank.sweep import ELEMENT_SIZE
 
     n, rows = raw["ranks"], []
@@ -129,13 +129,13 @@ def summarize(raw: dict) -> list[dict]:
         noise = median(abs(p / plain - 1) for p in r["plain"])
         rows.append({"op": op, "size": r["size"], "count": r["count"], "harness_us": harness * 1e6,
                      "plain_us": plain * 1e6, "ratio": paired, "plain_noise": noise, "wrong": r["wrong"],
-                     "harness_busbw": bandwidth.busbw(op, r["count"], ELEMENT_SIZE, harness, n),
-                     "plain_busbw": bandwidth.busbw(op, r["count"], ELEMENT_SIZE, plain, n)})
+                     "harness_busbw": nccl_tests.busbw(op, r["count"], ELEMENT_SIZE, harness, n),
+                     "plain_busbw": nccl_tests.busbw(op, r["count"], ELEMENT_SIZE, plain, n)})
     return rows
 
 
 def main() -> None:
-    from distcheck.bandwidth import parse_size
+    from distcheck.knowledge.nccl_tests import parse_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=4)

@@ -134,7 +134,7 @@ def scenario_options(pairs: tuple[str, ...] | list[str], min_busbw: str | None) 
             raise UsageError(f"--option needs KEY=VALUE (got {pair!r})")
         options.append((key, value))
     if min_busbw is not None:
-        from distcheck.bandwidth import parse_floors
+        from distcheck.knowledge.nccl_tests import parse_floors
 
         try:
             parse_floors(min_busbw)

@@ -22,36 +22,36 @@ def _on_gpu_links(ctx) -> bool:
 
 
 def _settings(ctx) -> dict:
-    from distcheck import bandwidth
+    from distcheck.knowledge import nccl_tests
 
     o = {**(NCCL if _on_gpu_links(ctx) else GLOO), **ctx.options}
-    ops = [op.strip() for op in str(o.get("ops", ",".join(bandwidth.OPS))).split(",") if op.strip()]
+    ops = [op.strip() for op in str(o.get("ops", ",".join(nccl_tests.OPS))).split(",") if op.strip()]
     for op in ops:
-        bandwidth.bus_factor(op, 2)   # an unknown op: one clear error before anything runs
+        nccl_tests.bus_factor(op, 2)   # an unknown op: one clear error before anything runs
     return {
-        "sizes": bandwidth.sweep(bandwidth.parse_size(o["min_bytes"]), bandwidth.parse_size(o["max_bytes"]),
+        "sizes": nccl_tests.sweep(nccl_tests.parse_size(o["min_bytes"]), nccl_tests.parse_size(o["max_bytes"]),
                                  float(o["step_factor"])),   # a whole number, as nccl-tests' -f
         "warmup": int(o["warmup"]), "iters": max(1, int(o["iters"])), "check": bool(int(o.get("check", 1))),
         "average": int(o.get("average", 1)), "ops": ops,
-        "pair_count": bandwidth.parse_size(o["pair_bytes"]) // 4, "pair_rounds": int(o.get("pair_rounds", 3)),
+        "pair_count": nccl_tests.parse_size(o["pair_bytes"]) // 4, "pair_rounds": int(o.get("pair_rounds", 3)),
         "pairs": bool(int(o.get("pairs", 1))), "slow_ratio": float(o.get("slow_ratio", 0.7)),
         "slow_rank": int(o["inject_slow_send_rank"]) if "inject_slow_send_rank" in o else None,
         "slow_s": float(o.get("inject_slow_send_ms", 20)) / 1e3,
-        "floors": bandwidth.parse_floors(o["min_busbw"]) if "min_busbw" in o else {},
+        "floors": nccl_tests.parse_floors(o["min_busbw"]) if "min_busbw" in o else {},
     }
 
 
 def _placement(op, c, seconds, wrong, n, check) -> dict:
-    from distcheck import bandwidth
+    from distcheck.knowledge import nccl_tests
     from distcheck.rank.sweep import ELEMENT_SIZE
 
-    return {"time_us": seconds * 1e6, "algbw": bandwidth.algbw(op, c.param, ELEMENT_SIZE, seconds, n),
-            "busbw": bandwidth.busbw(op, c.param, ELEMENT_SIZE, seconds, n), "wrong": wrong if check else None}
+    return {"time_us": seconds * 1e6, "algbw": nccl_tests.algbw(op, c.param, ELEMENT_SIZE, seconds, n),
+            "busbw": nccl_tests.busbw(op, c.param, ELEMENT_SIZE, seconds, n), "wrong": wrong if check else None}
 
 
 def _sweep(ctx, s) -> list[dict]:
     """One record per op and size: nccl-tests' columns, out-of-place and in-place."""
-    from distcheck import bandwidth
+    from distcheck.knowledge import nccl_tests
     from distcheck.rank import sweep
 
     n, rank, dev = ctx.world_size, ctx.rank, ctx.device
@@ -61,9 +61,9 @@ def _sweep(ctx, s) -> list[dict]:
             continue   # torch cannot send to its own rank
         for size in s["sizes"]:
             # nccl-tests' row for every swept size, also where the op's per-rank slice rounds down to 0
-            c = bandwidth.counts(op, size, sweep.ELEMENT_SIZE, n)
-            record = {"op": op, "size": bandwidth.size_column(c, sweep.ELEMENT_SIZE), "count": c.param,
-                      "type": sweep.TYPE_NAME, "redop": bandwidth.redop(op), "root": bandwidth.root(op),
+            c = nccl_tests.counts(op, size, sweep.ELEMENT_SIZE, n)
+            record = {"op": op, "size": nccl_tests.size_column(c, sweep.ELEMENT_SIZE), "count": c.param,
+                      "type": sweep.TYPE_NAME, "redop": nccl_tests.redop(op), "root": nccl_tests.root(op),
                       "out_of_place": None, "in_place": None}
             for placement in sweep.PLACEMENTS[op]:
                 call = sweep.build(op, placement == "in", c, rank, n, dev)
@@ -90,10 +90,10 @@ def _cells(p) -> list:
 
 def _floors(ctx, records, floors) -> None:
     """--min-busbw: each op's busbw at its largest size (out of place where torch has it)."""
-    from distcheck import bandwidth
+    from distcheck.knowledge import nccl_tests
 
     for op in dict.fromkeys(r["op"] for r in records):
-        floor = bandwidth.floor_of(floors, op)
+        floor = nccl_tests.floor_of(floors, op)
         if floor is None:
             continue
         last = [r for r in records if r["op"] == op][-1]

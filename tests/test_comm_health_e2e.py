@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from conftest import REPO, kill_tree
-from distcheck import bandwidth as bw
+from distcheck.knowledge import nccl_tests as bw
 from distcheck.report.json_schema import REPORT
 from test_comm_health_formulas import nccl_tests_bw, nccl_tests_row
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from distcheck import bandwidth as bw
+from distcheck.knowledge import nccl_tests as bw
 from distcheck.diagnose.health import health_findings
 from distcheck.diagnose.links import slow_links
 from distcheck.options import scenario_options

@@ -12,7 +12,7 @@ from distcheck.diagnose.out_of_step import out_of_step_ranks
 from distcheck.diagnose.unrecorded import is_unrecorded, unrecorded_call, with_unrecorded_calls
 from distcheck.files import user_code
 from distcheck.files.stacks import LIBRARY, USER, classify_file, torch_dir
-from distcheck.library_shapes import functional_call_in, group_pattern, wire_op, waits_elsewhere
+from distcheck.knowledge.library_shapes import functional_call_in, group_pattern, wire_op, waits_elsewhere
 from distcheck.models import Event, RankOutcome
 
 SITE = "/home/u/train.py:{}:main"

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 from typing import Mapping, Sequence
 
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts, who
-from distcheck.library_shapes import waits_elsewhere
+from distcheck.knowledge.library_shapes import waits_elsewhere
 from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState
 from distcheck.text import rank_list, site
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from distcheck.diagnose.common import Table, detail, majority, who
 from distcheck.diagnose.order import crossing_finding
 from distcheck.diagnose.splits import broken_pairs, odd_side, splits_finding
-from distcheck.library_shapes import waits_elsewhere, wire_op
+from distcheck.knowledge.library_shapes import waits_elsewhere, wire_op
 from distcheck.models import JOIN_LABEL, UNKNOWN_OP, Event, Finding
 from distcheck.text import field_value, plural, rank_list
 

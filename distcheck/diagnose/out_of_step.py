@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Mapping, Sequence
 
 from distcheck.diagnose.common import detail
-from distcheck.library_shapes import group_pattern
+from distcheck.knowledge.library_shapes import group_pattern
 from distcheck.models import Event, Finding
 from distcheck.text import rank_list, site
 

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from distcheck.diagnose.common import GroupKey, Table, detail, majority, who
 from distcheck.files.stacks import parse_dumps, user_top
-from distcheck.library_shapes import FunctionalCall, functional_call_in, wire_op
+from distcheck.knowledge.library_shapes import FunctionalCall, functional_call_in, wire_op
 from distcheck.models import Event, Finding, RankOutcome, RankState
 from distcheck.text import field_value, rank_list, site
 

@@ -59,7 +59,7 @@ OPS: dict[str, OpSpec] = {
 }
 ASYNC_BY_NATURE = {"isend", "irecv"}
 # Calls whose returned handle's ``wait()`` is traced (W records: the rank blocks there, not in the call), as is
-# every handle ``batch_isend_irecv`` returns: a pipelining schedule's P2P waits (distcheck.library_shapes).
+# every handle ``batch_isend_irecv`` returns: a pipelining schedule's P2P waits (distcheck.knowledge.library_shapes).
 WAITED_HANDLES = {"isend", "irecv"}
 # Calls numbered by the group's own collective counter advance it by one, except these:
 MULTI_SEQ = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",

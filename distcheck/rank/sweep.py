@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from distcheck import bandwidth
+from distcheck.knowledge import nccl_tests
 
 ELEMENT_SIZE = 4        # float32, nccl-tests' default type (-d float)
 TYPE_NAME = "float"
@@ -52,7 +52,7 @@ def values(rank: int, count: int, dev: Any, start: int = 0) -> Any:
     return (torch.arange(start, start + count, device=dev) % 13 + rank + 1).float()
 
 
-def build(op: str, in_place: bool, c: bandwidth.Counts, rank: int, n: int, dev: Any) -> Call:
+def build(op: str, in_place: bool, c: nccl_tests.Counts, rank: int, n: int, dev: Any) -> Call:
     """The buffers of ``op`` at counts ``c`` (nccl-tests' GetCollByteCount) and its call."""
     import torch
     import torch.distributed as dist

@@ -42,7 +42,7 @@ from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
-from distcheck.library_shapes import NUMBERED_APART
+from distcheck.knowledge.library_shapes import NUMBERED_APART
 from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, extra_fields,
                                 make_extractor, new_group_sequence, reduce_op_name)
 
@@ -88,7 +88,7 @@ class Tracer:
         self._bases: dict[str, int] = {key: counter() for key, counter in group_counters()}
         self._multi: tuple[str, Callable[[], int], int] | None = None
         # group -> counter numbers taken by calls outside the collective numbering (P2P, gloo's
-        # monitored_barrier: distcheck.library_shapes), as ([from offset, ...], [skew from there, ...])
+        # monitored_barrier: distcheck.knowledge.library_shapes), as ([from offset, ...], [skew from there, ...])
         self._skews: dict[str, tuple[list[int], list[int]]] = {}
         # Shared with the sidecar that finds C++-issued calls (rank.native): the group a Python call
         # is in right now (its numbers are its own), and a lock held while a new segment starts.
@@ -151,7 +151,7 @@ class Tracer:
     def trace_seq(self, group: str, offset: int) -> int:
         """The trace's number for the group counter's ``offset`` (counter minus ``seq_base``): less the
         numbers that P2P calls and gloo's monitored_barrier took before it, which a rank's peers do not
-        count alike (``distcheck.library_shapes``). Thread-safe (the sidecar's)."""
+        count alike (``distcheck.knowledge.library_shapes``). Thread-safe (the sidecar's)."""
         skews = self._skews.get(group)
         if not skews:
             return offset

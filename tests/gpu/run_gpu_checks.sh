@@ -46,7 +46,7 @@ python -m distcheck run comm_health --nproc-per-node "$gpus" --backend nccl \
 echo "exit code: ${PIPESTATUS[0]}" | tee -a "$out/node_check_nccl.txt"
 python - "$out/node_check_nccl.json" <<'PY'
 import json, sys
-from distcheck import bandwidth as bw
+from distcheck.knowledge import nccl_tests as bw
 s = json.load(open(sys.argv[1]))["scenarios"][0]
 n = json.load(open(sys.argv[1]))["run"]["world_size"]
 sweep = next(t for t in s["tables"] if t["title"].startswith("Bus bandwidth"))
