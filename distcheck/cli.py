@@ -261,7 +261,7 @@ def analyze_cmd(
 ) -> None:
     """Post-mortem: read PyTorch Flight Recorder dumps (NCCL or gloo) or distcheck traces and report hangs,
     missing ranks and mismatches with the same analysis as a live run. Pickles are loaded without running code."""
-    from distcheck.diagnose.postmortem import analyze_paths
+    from distcheck.evidence.postmortem import analyze_paths
     from distcheck.report import terminal
 
     result = analyze_paths(list(paths), world_size, command=shlex.join(["distcheck", *sys.argv[1:]]))

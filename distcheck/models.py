@@ -234,6 +234,20 @@ def rank_runs(ranks: Sequence[Any]) -> list[list[int]] | Sequence[Any]:
     return out
 
 
+RUNS_ABOVE = 16   # a longer ``group_ranks`` is written as runs
+
+
+def bounded(value: Any) -> Any:
+    """A report's data (or a scenario's) with every long ``group_ranks`` as runs: how it crosses to
+    report.json and to the other nodes."""
+    if isinstance(value, dict):
+        return {k: (rank_runs(v) if k == "group_ranks" and isinstance(v, (list, tuple)) and len(v) > RUNS_ABOVE
+                    else bounded(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [bounded(v) for v in value]
+    return value
+
+
 def ranks_from_json(value: Any) -> tuple[int, ...]:
     """A list of ranks as report.json writes it: plain, or as runs of consecutive ranks (``[[0, 4095]]``,
     ``rank_runs``' form)."""

@@ -27,7 +27,7 @@ from conftest import REPO, finish_process
 from distcheck.torch_features import features
 from distcheck.errors import CorruptInputError, ExitCode, UsageError
 from distcheck.files.flight_recorder import _load_pickle, load_dump
-from distcheck.diagnose.postmortem import analyze_paths
+from distcheck.evidence.postmortem import analyze_paths
 from distcheck.report.json_schema import REPORT
 
 JOB = REPO / "tests" / "fr_job.py"

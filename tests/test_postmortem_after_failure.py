@@ -26,7 +26,7 @@ import jsonschema
 import pytest
 
 from conftest import REPO, finish_process
-from distcheck.diagnose.postmortem import analyze_paths
+from distcheck.evidence.postmortem import analyze_paths
 from distcheck.errors import ExitCode
 from distcheck.files.flight_recorder import EntryEnd, entry_end
 from distcheck.report.json_schema import REPORT

@@ -1,5 +1,5 @@
 """The per-rank samples file (``samples/rank<N>.jsonl``): one JSON line per DataLoader pass,
-written by the rank's ``SampleRecorder`` (``rank.samples``), read after the run (``diagnose.collect``)."""
+written by the rank's ``SampleRecorder`` (``rank.samples``), read after the run (``evidence.collect``)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_window import window
 from distcheck.torch_features import quiet_native_stderr
 from distcheck.launch.watchdog import RankProgress
-from distcheck.models import rank_runs, ranks_from_json
+from distcheck.models import bounded, rank_runs, ranks_from_json
 
 DEFAULT_RDZV_PORT = 29500
 
@@ -547,8 +547,6 @@ class LaunchChannel:
 
     def post_result(self, result: dict[str, Any], timeout_s: float = 60.0) -> None:
         """Publish the verdict, then stay until every live node has read it: the store ends with node 0."""
-        from distcheck.report.json_report import bounded
-
         _put(self.store, "result", json.dumps(bounded(_for_other_nodes(result))))   # groups as runs
         wait_for_keys(self.store, [f"read/{n}" for n in self._gathered], timeout_s)
         # (a node that went away says so itself)

@@ -1,7 +1,7 @@
 """JSON renderer: the versioned report schema (``distcheck.report/1``).
 
 Bounded at scale: a list of plain values (a finding's ranks, a call's shapes) stays on one line, and a
-call's ``group_ranks`` of more than ``RUNS_ABOVE`` ranks is written as runs of consecutive ranks
+call's ``group_ranks`` of more than ``models.RUNS_ABOVE`` ranks is written as runs of consecutive ranks
 (``models.rank_runs``: ``[[0, 4095]]``; ``models.ranks_from_json`` reads both forms). Every rank's last
 call names its whole group: at 4,096 ranks, one rank per line made that part alone hundreds of MB.
 """
@@ -11,23 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from distcheck.models import Report, rank_runs
-
-RUNS_ABOVE = 16
+from distcheck.models import Report, bounded
 
 
 def render(report: Report) -> str:
     return _dump(bounded(report.to_dict()), 0) + "\n"
-
-
-def bounded(value: Any) -> Any:
-    """A report's data (or a scenario's) with every long ``group_ranks`` as runs."""
-    if isinstance(value, dict):
-        return {k: (rank_runs(v) if k == "group_ranks" and isinstance(v, (list, tuple)) and len(v) > RUNS_ABOVE
-                    else bounded(v)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [bounded(v) for v in value]
-    return value
 
 
 def _flat(value: list) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from distcheck.diagnose.collect import CollectedRun
+    from distcheck.evidence.collect import CollectedRun
     from distcheck.launch.cluster import ClusterStore
     from distcheck.models import ScenarioResult
     from distcheck.options import RunOptions

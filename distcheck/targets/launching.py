@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from distcheck.diagnose.analyze import RunFacts
-from distcheck.diagnose.collect import collect
+from distcheck.evidence.collect import collect
 from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import forkserver

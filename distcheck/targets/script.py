@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from distcheck.diagnose.collect import CollectedRun
+from distcheck.evidence.collect import CollectedRun
 from distcheck.errors import UsageError
 from distcheck.files import run_dir as rundir
 from distcheck.files import user_code

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from distcheck.diagnose.analyze import RunFacts
-from distcheck.diagnose.collect import MAX_STACK_CHARS, read_stack_dump, stack_top
+from distcheck.evidence.collect import MAX_STACK_CHARS, read_stack_dump, stack_top
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.diagnose.verdict import Blame, Evidence, Scenario, scenario_result
 from distcheck.errors import CorruptInputError, UsageError

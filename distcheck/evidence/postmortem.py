@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distcheck.diagnose.blame import attribute_by_majority
-from distcheck.diagnose.from_dumps import FR_SCENARIO, analyze_dumps, common_dir
-from distcheck.diagnose.from_traces import analyze_launch
+from distcheck.evidence.from_dumps import FR_SCENARIO, analyze_dumps, common_dir
+from distcheck.evidence.from_traces import analyze_launch
 from distcheck.diagnose.verdict import run_info
 from distcheck.errors import UsageError
 from distcheck.files.flight_recorder import rank_from_name, sniff
