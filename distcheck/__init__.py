@@ -1,6 +1,6 @@
 """distcheck — a deadlock and desync doctor for PyTorch distributed jobs."""
 
+from distcheck.models import VERSION as __version__
 from distcheck.scenario import ScenarioContext, scenario
 
-__version__ = "0.1.0"
 __all__ = ["ScenarioContext", "scenario", "__version__"]

@@ -16,7 +16,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from distcheck import __version__, torch_features
+from distcheck import torch_features
+from distcheck.models import VERSION
 
 REDACTED = "***"
 
@@ -152,7 +153,7 @@ def _torch_facts() -> dict[str, Any]:
 def collect(environ: Mapping[str, str] | None = None) -> EnvInfo:
     environ = os.environ if environ is None else environ
     return EnvInfo(
-        distcheck=__version__, python=platform.python_version() + f" ({sys.executable})",
+        distcheck=VERSION, python=platform.python_version() + f" ({sys.executable})",
         platform=platform.platform(), hostname=socket.gethostname(), cpus=os.cpu_count(),
         libraries={name: _version(name) for name in OPTIONAL_LIBRARIES},
         context=_context(environ), env=relevant_env(environ), **_torch_facts(),

@@ -15,6 +15,8 @@ REPORT_SCHEMA = "distcheck.report/1"
 UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
 JOIN_LABEL = "Join"   # the label of a shadow collective torch's Join runs for a rank out of data
 
+VERSION = "0.1.0"   # distcheck's own (pyproject.toml says the same); ``distcheck.__version__``
+
 
 
 class _Named(str, enum.Enum):

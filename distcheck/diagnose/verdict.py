@@ -12,11 +12,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from distcheck import __version__
 from distcheck.diagnose.analyze import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.diagnose.blame import attribute_by_majority
 from distcheck.diagnose.health import first_tables, health_findings
-from distcheck.models import EndReason, Event, Finding, RankOutcome, RunInfo, ScenarioResult
+from distcheck.models import VERSION, EndReason, Event, Finding, RankOutcome, RunInfo, ScenarioResult
 from distcheck.text import rank_list
 
 
@@ -146,7 +145,7 @@ def run_info(*, backend: str, world_size: int, nnodes: int, nproc_per_node: int,
     """The run's header; this machine and this distcheck fill in the rest."""
     return RunInfo(
         backend=backend, world_size=world_size, nnodes=nnodes, nproc_per_node=nproc_per_node,
-        torch_version=torch_version, distcheck_version=__version__, command=command, run_dir=run_dir,
+        torch_version=torch_version, distcheck_version=VERSION, command=command, run_dir=run_dir,
         seed=seed, duration_s=ended - started,
         started_at=datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         hostname=socket.gethostname(), python_version=platform.python_version(), versions=versions,
