@@ -21,7 +21,8 @@ from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.samples import read_samples
-from distcheck.files.stacks import IDLE_IN_POOL, StackDump, idle_in_pool, main_stack, read_dumps, torch_dir, user_top
+from distcheck.files.stacks import (IDLE_IN_POOL, StackDump, fatal_dump, idle_in_pool, main_stack, read_dumps,
+                                    torch_dir, user_top)
 from distcheck.files.trace_reader import RankTrace, read_trace_dir
 
 if TYPE_CHECKING:   # the launcher is only a type here: ``analyze`` need not import it
@@ -71,7 +72,11 @@ class _RankFacts:
 
 
 def read_stack_dump(files: LaunchFiles, rank: int) -> StackDump | None:
-    """The first stack dump the rank left (taken before teardown), if any."""
+    """Where the rank was: the fatal-error dump it died with (in its log), else the first dump its stack
+    probe wrote (taken before teardown), if any."""
+    fatal = fatal_dump(files.log(rank))
+    if fatal is not None:
+        return fatal
     dumps = read_dumps(files.stacks(rank))
     return dumps[0] if dumps else None
 
@@ -100,6 +105,11 @@ def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
               and f.status.phase not in (Phase.INTERRUPTED, Phase.FINISHED)]
     reactions = [f for f in failed if f.status.phase == Phase.ERROR and is_peer_failure(f.status.exception)]
     primary = [f for f in failed if f not in reactions and f.signal != "SIGTERM"]
+    # A rank that vanished without a word (SIGTERM and SIGKILL leave none) beside one that said why it
+    # failed was ended after it: the one with a word is the cause.
+    worded = [f for f in primary if f.signal is not None or f.status.phase == Phase.ERROR
+              or f.exit_code not in (None, 0)]
+    primary = worded or primary
     if not primary and not reactions:
         primary = failed   # e.g. every rank was SIGTERMed from outside: report them as they are
     # Only reactions (a peer left, e.g. it finished and destroyed its process group):

@@ -120,8 +120,12 @@ class LaunchFiles:
         return self.root / "stacks" / f"rank{rank}.txt"
 
     def stack_sample(self, rank: int) -> Path:
-        """Where a busy rank was while others waited (sampled on SIGUSR2, before any teardown)."""
+        """Where a busy rank was while others waited (sampled on request, before any teardown)."""
         return self.root / "stacks" / f"rank{rank}.sample.txt"
+
+    def stack_request(self, rank: int) -> Path:
+        """The watchdog's request for this rank's stacks (``rank.stack_probe`` answers it): ``N KIND``."""
+        return self.root / "stacks" / f"rank{rank}.request"
 
     def flight_recorder(self, rank: int) -> Path:
         return self.root / "flight_recorder" / f"rank{rank}.json"

@@ -1,4 +1,6 @@
-"""Stack frames: whose code a frame is in, and the dumps faulthandler writes in each rank.
+"""Stack frames: whose code a frame is in, and the dumps each rank leaves: on request, by its stack
+probe (``rank.stack_probe``) or py-spy, in faulthandler's layout; on a fatal error, by faulthandler
+on the rank's stderr (its log).
 
 ``classify_file`` is shared by the tracer (the call site of each collective),
 the worker (where an exception was raised) and the diagnosis (where a rank
@@ -91,11 +93,24 @@ FATAL_SIGNALS = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus err
 
 
 def signal_of(dumps: list[StackDump]) -> str | None:
-    """The signal a process's dumps say ended it: a fatal one by name, else SIGTERM for a plain dump
-    (a rank dumps on SIGTERM; distcheck's own requests go to other files or precede its teardown),
-    else None (SIGKILL, os._exit: no word)."""
-    fatal = next((FATAL_SIGNALS.get(d.fatal) for d in dumps if d.fatal in FATAL_SIGNALS), None)
-    return fatal or ("SIGTERM" if any(d.threads for d in dumps) else None)
+    """The fatal signal a process's dumps say ended it (SIGABRT, SIGSEGV...), else None: SIGTERM and
+    SIGKILL leave no word (distcheck installs no handler that would write one)."""
+    return next((FATAL_SIGNALS.get(d.fatal) for d in dumps if d.fatal in FATAL_SIGNALS), None)
+
+
+LOG_TAIL_BYTES = 262_144   # a fatal dump of every thread is a few KB, at the end of the rank's log
+
+
+def fatal_dump(log: Path) -> StackDump | None:
+    """The fatal-error dump faulthandler wrote to the rank's stderr (its log) as the rank died, if any."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    return next((d for d in reversed(parse_dumps(text)) if d.fatal is not None), None)
 
 
 def read_dumps(path: Path) -> list[StackDump]:

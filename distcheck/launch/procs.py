@@ -7,9 +7,13 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 import psutil
+
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.stack_requests import StackKind, answer_path, write_request
+from distcheck.launch import stack_reader
 
 
 def is_alive(pid: int | None) -> bool:
@@ -80,43 +84,52 @@ def _below(roots: Iterable[int], children: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def catches(pid: int, sig: int) -> bool:
-    """Whether the process has a handler for ``sig`` (its /proc status ``SigCgt`` mask; True where
-    there is no /proc to ask)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        return True
-    return True
-
-
-def request_stacks(pids: dict[int, int], stack_file: Callable[[int], Path], wait_s: float = 1.5,
-                   sig: int = signal.SIGUSR1) -> None:
-    """Signal every live rank (faulthandler dumps all threads: SIGUSR1 into its stacks file,
-    SIGUSR2 into its sample file) and wait for the dumps."""
+def request_stacks(files: LaunchFiles, pids: dict[int, int], kind: StackKind, wait_s: float = 1.5) -> None:
+    """Ask every live rank's stack probe (a thread of distcheck's own in the rank: no signal) and wait
+    for the answers; a rank that did not answer in time (its main thread holds the GIL in C) is read
+    from outside with py-spy where it is installed."""
+    number = time.time_ns()   # higher than any earlier request, whichever watchdog made it
     before: dict[int, int] = {}
     for rank, pid in pids.items():
-        if not is_alive(pid) or not catches(pid, sig):
-            continue   # a rank whose handler was reset (Lightning restores SIG_DFL) would die of it
-        path = stack_file(rank)
+        if not is_alive(pid):
+            continue
+        path = answer_path(files, rank, kind)
         before[rank] = path.stat().st_size if path.exists() else 0
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            before.pop(rank, None)
+        write_request(files, rank, number, kind)
+    pending = _wait_for_growth(files, kind, before, wait_s)
+    outside = stack_reader.read_all([pids[r] for r in pending if is_alive(pids[r])])
+    for rank in pending:
+        text = outside.get(pids[rank])
+        if text and not _grew(answer_path(files, rank, kind), before[rank]):   # the probe may answer late
+            _append(answer_path(files, rank, kind), text)
+
+
+def _grew(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size > size
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_growth(files: LaunchFiles, kind: StackKind, before: dict[int, int], wait_s: float) -> list[int]:
+    """The ranks whose answer file has not grown by the deadline."""
     deadline = time.monotonic() + wait_s
     pending = dict(before)
     while pending and time.monotonic() < deadline:
         for rank, size in list(pending.items()):
-            path = stack_file(rank)
-            if path.exists() and path.stat().st_size > size:
+            if _grew(answer_path(files, rank, kind), size):
                 pending.pop(rank)
         time.sleep(0.02)
-    if len(pending) < len(before):
-        time.sleep(0.05)   # let the last writers finish their lines
+    return sorted(pending)
+
+
+def _append(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, text.encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
 
 
 def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list[int]:

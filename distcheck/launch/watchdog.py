@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 from distcheck import interrupt
 from distcheck.launch import procs
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.files.stack_requests import StackKind
 from distcheck.files.stacks import main_stack, read_dumps, torch_dir, user_top
 from distcheck.files.trace_tail import TraceTail
 from distcheck.launch.waitfor import CertainHang, certain_hang
@@ -341,9 +341,9 @@ class RankMonitor:
         return {"evidence": ", ".join(said), "evidence_age": min(ages)} if said else {}
 
     def sample_stacks(self, ranks: list[int]) -> None:
-        """Where each of ``ranks`` is busy: a faulthandler sample (it works with the GIL held in C)."""
+        """Where each of ``ranks`` is busy: a sample from its stack probe (py-spy where the GIL is held in C)."""
         pids = {r: pid for r, pid in self.pids().items() if r in ranks}
-        procs.request_stacks(pids, self.files.stack_sample, wait_s=0.5, sig=signal.SIGUSR2)
+        procs.request_stacks(self.files, pids, StackKind.SAMPLE, wait_s=0.5)
         for rank, pid in pids.items():
             self._activity.rebaseline(rank, pid, time.monotonic())   # the dump it just wrote is ours, not progress
             where = busy_line(self.files.stack_sample(rank), self.status[rank].main_thread)
@@ -531,7 +531,7 @@ class Watchdog(threading.Thread):
         self.result.killed_ranks = alive
         hurry = self.result.decision is Decision.INTERRUPTED   # someone waits at the terminal
         self.files.flight_recorder_request.touch()   # served by ranks that run the Flight Recorder sidecar
-        procs.request_stacks(pids, self.files.stacks, **({"wait_s": INTERRUPT_STACKS_S} if hurry else {}))
+        procs.request_stacks(self.files, pids, StackKind.STACKS, **({"wait_s": INTERRUPT_STACKS_S} if hurry else {}))
         procs.wait_for_files([self.files.flight_recorder(r) for r in alive
                               if r in self.monitor.status and self.monitor.status[r].flight_recorder],
                              timeout_s=INTERRUPT_FLIGHT_RECORDER_S if hurry else 2.0)

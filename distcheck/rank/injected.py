@@ -3,8 +3,8 @@
 ``rank/inject/sitecustomize.py`` calls ``activate`` in every Python process the command
 starts. Nothing happens until the process calls ``init_process_group``: then it knows its
 global rank, and it becomes a traced rank exactly like one distcheck's worker started
-(``worker.trace_rank``: status file, tracer, C++-collective sidecar, stack dumps on
-SIGUSR1/SIGUSR2/SIGTERM, Flight Recorder sidecar, DataLoader samples, Lightning
+(``worker.trace_rank``: status file, tracer, C++-collective sidecar, the stack probe
+(a thread: no signal handler), Flight Recorder sidecar, DataLoader samples, Lightning
 attribution). Ranks are found by the launcher from these files, not from the
 processes it started.
 
@@ -221,7 +221,7 @@ def _trace_again(files: Any, rank: int, main_thread: int) -> Any:
     status = worker.STATUS = worker.Status(files, rank, main_thread)
     status.update(phase=Phase.STARTING)
     guard.set_publisher(lambda counts: worker.STATUS.update(hook_failures=counts))
-    worker.install_stack_dumps_guarded(files.stacks(rank), files.stack_sample(rank))
+    worker.install_stack_dumps_guarded(files, rank, main_thread)
     if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
         worker.start_flight_recorder_sidecar(files, rank)
         status.update(flight_recorder=True)

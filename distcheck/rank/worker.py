@@ -1,7 +1,7 @@
 """The rank process: ``python -m distcheck.rank.worker ...``.
 
 Launched by distcheck's launcher, by ``torchrun`` or by ``srun`` alike (it only
-reads torchrun's environment). It installs the tracer and the stack dumpers,
+reads torchrun's environment). It installs the tracer and the stack probe,
 runs one scenario or the user's script, reports through files, then stays idle
 until the launcher releases it, exactly like a healthy rank whose peers hang.
 """
@@ -37,6 +37,7 @@ from distcheck.models import Phase
 from distcheck.rank import guard
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.samples import SampleRecorder
+from distcheck.rank.stack_probe import PROBE
 from distcheck.rank.tracer import install
 
 PR_SET_PDEATHSIG = 1
@@ -63,28 +64,20 @@ def redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def install_stack_dumps(path: Path, sample_path: Path) -> None:
-    """All threads' stacks on SIGUSR1 (on request) and before SIGTERM kills us, and
-    a sample on SIGUSR2 (where a late rank is busy while the others wait).
-
-    faulthandler writes from the signal handler in C, so it works while the
-    main thread is blocked inside a collective or holds the GIL in C code.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a", buffering=1, encoding="utf-8")
-    faulthandler.enable(file=f, all_threads=True)
-    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGUSR2):
-        faulthandler.unregister(sig)   # a registration someone reset in Python is not redone otherwise
-    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
-    faulthandler.register(signal.SIGTERM, file=f, all_threads=True, chain=True)
-    sample = open(sample_path, "a", buffering=1, encoding="utf-8")
-    faulthandler.register(signal.SIGUSR2, file=sample, all_threads=True, chain=False)
+def install_stack_dumps(files: LaunchFiles, rank: int, main_thread: int | None) -> None:
+    """Stacks on the watchdog's request from a thread of distcheck's own (``rank.stack_probe``: no
+    signal, so no handler of the user's is ever fired or replaced); fatal-error tracebacks on the rank's
+    stderr, as ``faulthandler`` writes them (the rank's log keeps distcheck's copy), unless the user
+    enabled faulthandler already (then theirs stays as it is)."""
+    if not faulthandler.is_enabled() and sys.stderr is not None:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    PROBE.aim(files, rank, main_thread)
 
 
-def install_stack_dumps_guarded(path: Path, sample_path: Path) -> None:
+def install_stack_dumps_guarded(files: LaunchFiles, rank: int, main_thread: int | None = None) -> None:
     """``install_stack_dumps``, its failure counted (rule 0): the rank runs on without stack dumps."""
     try:
-        install_stack_dumps(path, sample_path)
+        install_stack_dumps(files, rank, main_thread)
     except Exception as exc:
         failed(Hook.STACK_DUMPS, exc)
 
@@ -209,9 +202,6 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
         _wait_for_peers(dist, world, rank, f"start/{index}", args.pg_timeout)
         started, before = time.time(), tracer.count
         fn(ctx)
-        # Lightning's Trainer restores the Python-level handlers it saw at its start at teardown, which
-        # for faulthandler's signals is SIG_DFL: the next scenario's stack requests would kill the rank.
-        install_stack_dumps_guarded(STATUS.files.stacks(rank), STATUS.files.stack_sample(rank))
         results = ctx.results()
         done[name] = {"results": results, "collectives": tracer.count - before,
                       "t_start": started, "t_end": time.time()}
@@ -351,7 +341,7 @@ def trace_rank(files: LaunchFiles, rank: int, *, script: bool, main_thread: int 
     status = STATUS = Status(files, rank, main_thread)
     status.update(phase=Phase.STARTING)
     guard.set_publisher(lambda counts: STATUS.update(hook_failures=counts))   # this generation's status
-    install_stack_dumps_guarded(files.stacks(rank), files.stack_sample(rank))
+    install_stack_dumps_guarded(files, rank, main_thread)
     if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
         start_flight_recorder_sidecar(files, rank)
         status.update(flight_recorder=True)
