@@ -413,7 +413,7 @@ def _may_lower_oom_score_adj() -> bool:
 def test_the_oom_killer_takes_a_rank_before_distcheck(distcheck, tmp_path):
     """The kernel can kill twice in a row (seen here: the second kill, 6 ms after the first, took
     distcheck, 13 MB bigger than the other rank); the witness must be the last choice."""
-    from distcheck.launch.memory import JOB_OOM_SCORE_ADJ_ENV
+    from distcheck.rank.oom_standing import JOB_OOM_SCORE_ADJ_ENV
 
     assert JOB_OOM_SCORE_ADJ_ENV not in os.environ
     script = tmp_path / "standing.py"
@@ -446,7 +446,7 @@ def test_the_jobs_oom_standing_is_the_smallest_step_that_outweighs_distcheck(own
 
 def test_the_command_under_the_guard_takes_the_oom_standing_meant_for_the_job():
     """``run -- CMD``: the guard takes the value distcheck passes down before it starts CMD."""
-    from distcheck.launch.memory import JOB_OOM_SCORE_ADJ_ENV
+    from distcheck.rank.oom_standing import JOB_OOM_SCORE_ADJ_ENV
 
     job = _oom_score_adj() + 7      # raising it needs no privilege: a value nobody had by chance
     read = f"import os; print(open('/proc/self/oom_score_adj').read().strip(), os.environ.get({JOB_OOM_SCORE_ADJ_ENV!r}))"

@@ -109,7 +109,10 @@ def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
     # failed was ended after it: the one with a word is the cause.
     worded = [f for f in primary if f.signal is not None or f.status.phase == Phase.ERROR
               or f.exit_code not in (None, 0)]
-    primary = worded or primary
+    # With no word from any: one that vanished inside a collective was waiting for one that vanished
+    # outside (mp.spawn terminates the survivors after a rank dies): the latter is the cause.
+    outside = [f for f in primary if not (f.trace.events and f.trace.events[-1].t_exit is None)]
+    primary = worded or outside or primary
     if not primary and not reactions:
         primary = failed   # e.g. every rank was SIGTERMed from outside: report them as they are
     # Only reactions (a peer left, e.g. it finished and destroyed its process group):

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         sys.stderr.write("usage: python -m distcheck.launch.guard CMD [ARGS...]\n")
         return 2
-    from distcheck.launch.memory import take_job_standing
+    from distcheck.rank.oom_standing import take_job_standing
 
     take_job_standing()   # the command and all it starts get the OOM standing meant for the job
     become_subreaper()

@@ -20,7 +20,7 @@ in the memory the OOM killer counts (the memory cgroup's limit, or RAM and
 swap): the ranks are scored as if that much bigger, no more. Either way the
 value for the job is passed down in ``DISTCHECK_JOB_OOM_SCORE_ADJ``, and
 every process distcheck starts for the job (a rank, the guard of
-``run -- CMD``, the metric replay) takes it first thing (``take_job_standing``).
+``run -- CMD``, the metric replay) takes it first thing (``rank.oom_standing.take_job_standing``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import psutil
 
+from distcheck.rank.oom_standing import JOB_OOM_SCORE_ADJ_ENV, OOM_SCORE_ADJ, write_oom_score_adj
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-OOM_SCORE_ADJ = Path("/proc/self/oom_score_adj")
-JOB_OOM_SCORE_ADJ_ENV = "DISTCHECK_JOB_OOM_SCORE_ADJ"
 # Privileged: 500 below the job puts distcheck (a few hundred MB) behind any rank, yet killable
 # (-1000 would forbid the kill altogether).
 OOM_SHIELD = 500
@@ -97,20 +97,6 @@ def oom_kills_since(before: int | None) -> int | None:
     return None if before is None or after is None else max(0, after - before)
 
 
-def _write_oom_score_adj(value: int) -> bool:
-    try:
-        fd = os.open(OOM_SCORE_ADJ, os.O_WRONLY)
-    except OSError:
-        return False
-    try:
-        os.write(fd, str(value).encode())
-        return True
-    except OSError:    # EACCES: lowering it needs CAP_SYS_RESOURCE
-        return False
-    finally:
-        os.close(fd)
-
-
 def _cgroup_limits() -> list[int]:
     """The memory limits of this process's cgroup and of each cgroup above it (bytes)."""
     limits = []
@@ -145,24 +131,16 @@ def shield_from_oom_killer() -> tuple[int, int] | None:
     if JOB_OOM_SCORE_ADJ_ENV in os.environ:      # done already (an earlier launch of this run)
         return None
     try:
-        own = int(OOM_SCORE_ADJ.read_text())
+        own = int(Path(OOM_SCORE_ADJ).read_text())
     except (OSError, ValueError):
         return None
     rss = resident_bytes(os.getpid())
     if rss is None:
         return None
     lowered, _ = job_oom_score_adj(own, rss, 0, may_lower=True)
-    may_lower = lowered < own and _write_oom_score_adj(lowered)
+    may_lower = lowered < own and write_oom_score_adj(lowered)
     mine, job = job_oom_score_adj(own, rss, oom_counted_bytes(), may_lower)
     if job == own and not may_lower:     # already at the top: nothing can put the job before distcheck
         return None
     os.environ[JOB_OOM_SCORE_ADJ_ENV] = str(job)
     return mine, job
-
-
-def take_job_standing() -> None:
-    """In a process distcheck started for the job: take the ``oom_score_adj`` meant for the job
-    (raising it, or putting back the job's own above distcheck's, needs no privilege)."""
-    value = os.environ.pop(JOB_OOM_SCORE_ADJ_ENV, None)
-    if value is not None and value.lstrip("-").isdigit():
-        _write_oom_score_adj(int(value))

@@ -152,7 +152,7 @@ def load(folders: list[Path], rel: str) -> Any:
 
 def serve() -> None:
     """Answer replay requests (``IN<TAB>OUT`` lines) until stdin closes: distcheck ended."""
-    from distcheck.launch.memory import take_job_standing
+    from distcheck.rank.oom_standing import take_job_standing
 
     take_job_standing()
     answers = os.fdopen(os.dup(1), "w")

@@ -32,7 +32,7 @@ from distcheck.rank.callsite import USER, classify_file
 from distcheck.rank.exit_site import exit_site
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stacks import torch_dir
-from distcheck.launch.memory import take_job_standing
+from distcheck.rank.oom_standing import take_job_standing
 from distcheck.models import Phase
 from distcheck.rank import guard
 from distcheck.rank.guard import Hook, failed
