@@ -1,6 +1,6 @@
 """Analysis and trace parsing at 1,000+ ranks, on synthetic traces.
 
-1. ``diagnose.analyze.analyze`` over 1,024 ranks × 1,000 collectives (about 1M
+1. ``diagnose.rules.analyze`` over 1,024 ranks × 1,000 collectives (about 1M
    events) with one planted hang (rank 0 alone enters the last collective)
    and one planted mismatch (one rank uses MAX where the others use SUM):
    wall time, peak memory of the call (tracemalloc, in a second run, since
@@ -67,7 +67,7 @@ def synthetic(ranks: int, collectives: int) -> tuple[dict, dict]:
 
 
 def run_analysis(traces, outcomes, ranks):
-    from distcheck.diagnose.analyze import RunFacts, analyze
+    from distcheck.diagnose.rules import RunFacts, analyze
 
     facts = RunFacts(world_size=ranks, end_reason="stall", stall_onset=1.0, detected_at=6.0)
     return analyze(traces, outcomes, facts, {})

@@ -23,7 +23,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 EXIT_CODE = 130   # errors.ExitCode.INTERRUPTED (not imported: this module loads before anything else)
 SIGNALS = ("SIGINT", "SIGTERM")
@@ -36,6 +36,7 @@ class _State:
     watched: int = 0             # launches whose watchdog ends them on a request
     requested_at: float | None = None
     signal_name: str | None = None
+    stop_everything: Callable[[], None] = lambda: None   # kills what distcheck started (``begin_run``)
 
 
 _state = _State()
@@ -60,12 +61,14 @@ def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
 
-def begin_run() -> None:
+def begin_run(stop_everything: Callable[[], None] = lambda: None) -> None:
     """The run dir exists: from here an interrupted run still writes its report. In a library caller
-    (the pytest plugin), each run starts with no request: its own Ctrl-C reaches it as KeyboardInterrupt."""
+    (the pytest plugin), each run starts with no request: its own Ctrl-C reaches it as KeyboardInterrupt.
+    ``stop_everything`` kills whatever distcheck started, should a second signal come."""
     if not _state.installed:
         _state.requested_at = _state.signal_name = None
     _state.running = True
+    _state.stop_everything = stop_everything
 
 
 def requested() -> bool:
@@ -101,9 +104,7 @@ def _stop_at_once(name: str) -> None:
     """A second Ctrl-C: no teardown of courtesy, no report; nothing distcheck started is left."""
     _say(f"distcheck: interrupted again ({name}): stopped at once\n")
     with contextlib.suppress(Exception):
-        from distcheck.launch import procs
-
-        procs.kill_descendants(grace_s=0.0)
+        _state.stop_everything()
     os._exit(EXIT_CODE)
 
 

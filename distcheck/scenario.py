@@ -213,17 +213,4 @@ class ScenarioContext:
             "tables": self.tables,
             "requirements": self.requirements,
         }
-        return {**out, **_recorded(own_samples=bool(self.samples), own_checks=bool(self.numeric_checks))}
-
-
-def _recorded(own_samples: bool, own_checks: bool) -> dict[str, Any]:
-    """What the rank recorded on its own during the scenario (DataLoader passes, torchmetrics), unless
-    the scenario declared its own: a scenario that checks itself is not checked twice."""
-    from distcheck.rank import metrics, samples
-
-    passes = samples.ACTIVE.drain() if samples.ACTIVE is not None else []
-    recorded = metrics.results()   # drained either way: nothing leaks into the next scenario of a batch
-    out: dict[str, Any] = {} if own_checks else recorded
-    if passes and not own_samples:
-        out["samples"] = passes
-    return out
+        return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import os
 import secrets
@@ -26,7 +27,7 @@ from distcheck.files import run_dir as rundir
 from distcheck.files import user_code
 from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.saved_runs import REPORT_FILE
-from distcheck.launch import forkserver
+from distcheck.launch import forkserver, procs
 from distcheck.launch.cluster import ClusterStore, check_endpoint_address
 from distcheck.launch.launcher import quiet_native_warnings, workers_torch_environment
 from distcheck.models import EndReason, Report, RunInfo, ScenarioResult
@@ -96,7 +97,8 @@ def run_targets(targets: list[Target], options: RunOptions, hooks: RunHooks | No
     user_code.declare([f for t in targets for f in t.named_files()])   # the ranks inherit it
     run_id = new_run_id()
     run_dir = make_run_dir(options.run_dir, run_id)
-    interrupt.begin_run()   # from here Ctrl-C still ends with a report
+    # From here Ctrl-C still ends with a report (a second one kills what distcheck started).
+    interrupt.begin_run(functools.partial(procs.kill_descendants, grace_s=0.0))
     # Every node must name its launches alike for torch's rendezvous to pair them.
     launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
     check_endpoint_address(options.nodes)

@@ -18,11 +18,12 @@ def _raising(what: str):
 
 
 def break_before_init() -> None:
-    """Hooks set up at init_process_group: the stack dumps (faulthandler's signal handlers) and the
+    """Hooks set up at init_process_group: the stack probe (and faulthandler on the rank's stderr) and the
     Lightning attribution (one of the rank's recorders set up there)."""
-    from distcheck.rank import integrations, worker
+    from distcheck.rank import integrations
+    from distcheck.rank.runtime import PROCESS
 
-    worker.install_stack_dumps = _raising("the stack dumps")
+    PROCESS._arm_stacks = _raising("the stack dumps")
     integrations.install = _raising("the rank's setup of the Lightning attribution")
 
 
@@ -31,9 +32,10 @@ def break_after_init() -> None:
     seen takes: collectives, send/recv, each op of a batch_isend_irecv; and the batch's numbering
     after it), the C++-collective sidecar's poll and its flush before destroy_process_group (and at
     the rank's end), the DataLoader recorder and the metric recorder."""
-    from distcheck.rank import injected, metrics, samples
+    from distcheck.rank import metrics, samples
+    from distcheck.rank.runtime import PROCESS
 
-    runtime = injected._RUNTIME
+    runtime = PROCESS.current
     runtime.tracer._define = _raising("the tracer")
     runtime.tracer._claim_batch = _raising("the tracer's batch_isend_irecv numbering")
     runtime.watcher.poll = _raising("the sidecar")
@@ -61,7 +63,7 @@ def break_rank_setup():
 def break_rank_end() -> None:
     """The rank's end hooks: sys.exit's (recording the failure a harness exits with) and atexit's
     (writing "finished")."""
-    from distcheck.rank import injected, worker
+    from distcheck.rank import injected, runtime
 
     injected._record = _raising("the sys.exit hook")
-    worker.finish_rank = _raising("the atexit hook")
+    runtime.finish_rank = _raising("the atexit hook")

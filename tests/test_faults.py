@@ -452,7 +452,7 @@ def test_the_command_under_the_guard_takes_the_oom_standing_meant_for_the_job():
     read = f"import os; print(open('/proc/self/oom_score_adj').read().strip(), os.environ.get({JOB_OOM_SCORE_ADJ_ENV!r}))"
     distcheck_alive, hold = os.pipe()         # the guard ends everything once its stdin closes
     try:
-        done = subprocess.run([sys.executable, "-m", "distcheck.launch.guard", sys.executable, "-c", read],
+        done = subprocess.run([sys.executable, "-m", "distcheck.launch.subreaper", sys.executable, "-c", read],
                               env={**os.environ, JOB_OOM_SCORE_ADJ_ENV: str(job)}, stdin=distcheck_alive,
                               capture_output=True, text=True, timeout=60)
     finally:

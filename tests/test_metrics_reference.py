@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import findings_less_torch_notes
-from distcheck.diagnose.analyze import observed_kinds
+from distcheck.diagnose.rules import observed_kinds
 from distcheck.diagnose.duplicates import find_duplicates, find_partial_coverage
 from distcheck.diagnose.metrics import find_metric_results
 from distcheck.files.metric_records import MAX_CHECKED, chains, joint_computes, spread

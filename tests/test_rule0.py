@@ -118,7 +118,9 @@ def test_a_failing_rank_end_hook_lets_the_users_exception_through_unchanged(monk
         data = type("Data", (), {"pid": os.getpid()})()
         update = staticmethod(planted)
 
-    monkeypatch.setattr(injected, "_RUNTIME", type("Runtime", (), {"status": FailingStatus()})())
+    from distcheck.rank.runtime import PROCESS
+
+    monkeypatch.setattr(PROCESS, "current", type("Runtime", (), {"status": FailingStatus(), "ours": True})())
     exits = []
     for code in (0, 3):
         injected._recording_exit(exits.append)(code)
@@ -261,13 +263,13 @@ def test_a_failing_flight_recorder_sidecar_thread_is_counted_and_prints_nothing(
     (a thread's uncaught exception would be printed into the user's output)."""
     from distcheck import torch_features
     from distcheck.files.launch_dir import LaunchFiles
-    from distcheck.rank import worker
+    from distcheck.rank.runtime import start_flight_recorder_sidecar
 
     files = LaunchFiles(tmp_path)
     files.flight_recorder_request.touch()
     monkeypatch.setattr(torch_features, "fr_dump_json_function", planted)
     before = set(threading.enumerate())
-    worker.start_flight_recorder_sidecar(files, 0)
+    start_flight_recorder_sidecar(files, 0, still_wanted=lambda: True)
     for thread in set(threading.enumerate()) - before:
         thread.join(30)
         assert not thread.is_alive()
@@ -305,11 +307,12 @@ def test_failing_init_hooks_of_distchecks_own_rank_and_its_store_wait_leave_the_
         tmp_path, monkeypatch, capfd):
     """distcheck's worker notes the user's init_process_group in the rank's status; a rank of the user's
     command waits in the job's store for its generation's number. Failing (a status that cannot be written,
-    the wait's own time-out), the user's init returns its result and the rank is traced alone."""
+    the wait's own time-out), the user's init returns its result and the rank is traced alone; and the one
+    wrapper distcheck put there is taken back by ``disarm``."""
     import torch.distributed.distributed_c10d as c10d
 
     from distcheck.files.launch_dir import LaunchFiles
-    from distcheck.rank import worker
+    from distcheck.rank.runtime import RankProcess
 
     calls = []
 
@@ -322,11 +325,15 @@ def test_failing_init_hooks_of_distchecks_own_rank_and_its_store_wait_leave_the_
 
     monkeypatch.setattr(c10d, "init_process_group", users_init)
     monkeypatch.setattr(dist, "init_process_group", users_init)
-    monkeypatch.setattr(worker, "STATUS", FailingStatus(), raising=False)
-    worker.note_process_group_init()
+    process = RankProcess()
+    process.on_init.append(lambda: FailingStatus.update(phase="running"))
+    process.wrap_process_group_calls()
+    assert dist.init_process_group is not users_init and c10d.init_process_group is not users_init
     assert dist.init_process_group("gloo", rank=0) == "the init's own result"
     assert calls == [(("gloo",), {"rank": 0})]
     assert guard.failures()["rank_setup"] == {"count": 1, "error": "Planted: planted"}
+    process.disarm()
+    assert dist.init_process_group is users_init and c10d.init_process_group is users_init
 
     store = dist.HashStore()
     store.add(injected.ARRIVALS_KEY, 1)   # another rank arrived first, and never names the generation

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distcheck.diagnose.analyze import (
+from distcheck.diagnose.rules import (
     RunFacts, analyze, behaved_as_expected, collectives_compared, group_table, majority, observed_kinds,
 )
 from distcheck.diagnose.duplicates import find_duplicates

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from distcheck.diagnose.analyze import RunFacts, analyze
+from distcheck.diagnose.rules import RunFacts, analyze
 from distcheck.diagnose.common import group_table
 from distcheck.diagnose.out_of_step import out_of_step_ranks
 from distcheck.diagnose.unrecorded import is_unrecorded, unrecorded_call, with_unrecorded_calls

@@ -5,7 +5,7 @@ compared result. No processes."""
 
 from __future__ import annotations
 
-from distcheck.diagnose.analyze import behaved_as_expected, observed_kinds
+from distcheck.diagnose.rules import behaved_as_expected, observed_kinds
 from distcheck.diagnose.duplicates import find_duplicates
 from distcheck.models import RankOutcome
 from distcheck.rank.ops import NEW_GROUP_KEY, NOT_A_MEMBER, local_group_key, new_group_sequence

@@ -9,7 +9,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from distcheck.diagnose.common import RunFacts
-from distcheck.diagnose.analyze import analyze
+from distcheck.diagnose.rules import analyze
 from distcheck.diagnose.windows import find_window_divergence
 from distcheck.files.trace_reader import parse_trace, read_trace_bytes, read_trace_dir
 from distcheck.files.trace_window import BLOCK, KEEP_CALLS, window

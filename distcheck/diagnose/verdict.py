@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from distcheck.diagnose.analyze import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
+from distcheck.diagnose.rules import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.diagnose.blame import attribute_by_majority
 from distcheck.diagnose.health import first_tables, health_findings
 from distcheck.models import VERSION, EndReason, Event, Finding, RankOutcome, RunInfo, ScenarioResult

@@ -233,5 +233,5 @@ def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOu
         flight_recorder=f.flight_recorder,
         rss_bytes=seen.rss_bytes if seen else None, peak_rss_bytes=seen.peak_rss_bytes if seen else None,
         unwatched=f.status.unwatched, hook_failures=f.status.hook_failures,
-        busy_at=next((where for r, _, where in reversed(launch.watchdog.busy_samples) if r == f.rank), None),
+        busy_at=next((where for r, _, where in reversed(launch.watchdog.busy_lines) if r == f.rank), None),
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from distcheck.diagnose.analyze import RunFacts
+from distcheck.diagnose.rules import RunFacts
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.diagnose.verdict import Blame, Evidence, Scenario, scenario_result
 from distcheck.errors import CorruptInputError, UsageError

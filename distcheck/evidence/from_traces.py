@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from distcheck.diagnose.analyze import RunFacts
+from distcheck.diagnose.rules import RunFacts
 from distcheck.evidence.collect import MAX_STACK_CHARS, read_stack_dump, stack_top
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.diagnose.verdict import Blame, Evidence, Scenario, scenario_result

@@ -119,9 +119,9 @@ class LaunchFiles:
     def stacks(self, rank: int) -> Path:
         return self.root / "stacks" / f"rank{rank}.txt"
 
-    def stack_sample(self, rank: int) -> Path:
-        """Where a busy rank was while others waited (sampled on request, before any teardown)."""
-        return self.root / "stacks" / f"rank{rank}.sample.txt"
+    def busy_stack(self, rank: int) -> Path:
+        """Where a busy rank was while others waited (taken on request, before any teardown)."""
+        return self.root / "stacks" / f"rank{rank}.busy.txt"
 
     def stack_request(self, rank: int) -> Path:
         """The watchdog's request for this rank's stacks (``rank.stack_probe`` answers it): ``N KIND``."""

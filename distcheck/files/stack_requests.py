@@ -1,6 +1,6 @@
 """The stack request a watchdog leaves for a rank and the rank's ``stack_probe`` answers: one line,
 ``N KIND``, rewritten atomically; a higher ``N`` is a new request. KIND says which file the answer is
-appended to: ``stacks`` (where every thread was, before a teardown) or ``sample`` (where a busy rank
+appended to: ``stacks`` (where every thread was, before a teardown) or ``busy`` (where a busy rank
 was while others waited). No signal is involved: a thread of distcheck's own in the rank reads it."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from distcheck.files.launch_dir import LaunchFiles
 
 class StackKind(str, enum.Enum):
     STACKS = "stacks"
-    SAMPLE = "sample"
+    BUSY = "busy"
 
 
 def answer_path(files: LaunchFiles, rank: int, kind: StackKind) -> Path:
-    return files.stacks(rank) if kind == StackKind.STACKS else files.stack_sample(rank)
+    return files.stacks(rank) if kind == StackKind.STACKS else files.busy_stack(rank)
 
 
 def write_request(files: LaunchFiles, rank: int, number: int, kind: StackKind) -> None:

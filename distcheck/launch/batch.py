@@ -86,7 +86,7 @@ def split(batch: LaunchFiles, specs: list[ScenarioSpec], world_size: int, outcom
                       for r in range(world_size))
         if all(done):
             launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=False)
-            out.completed.append((spec, launch_dir, _completed_outcome(done, outcome.watchdog.busy_samples)))
+            out.completed.append((spec, launch_dir, _completed_outcome(done, outcome.watchdog.busy_lines)))
         elif started and out.failed is None:
             launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=True)
             out.failed = (spec, launch_dir, outcome)
@@ -102,12 +102,12 @@ def _segments(path: Path) -> dict[str, bytes]:
         return {}
 
 
-def _completed_outcome(done: list[dict], busy_samples: list[tuple[int, float, str]]) -> LaunchOutcome:
+def _completed_outcome(done: list[dict], busy_lines: list[tuple[int, float, str]]) -> LaunchOutcome:
     start = min(d["t_start"] for d in done)
     end = max(d["t_end"] for d in done)
-    own = [s for s in busy_samples if start <= s[1] <= end]   # taken while this scenario ran
+    own = [s for s in busy_lines if start <= s[1] <= end]   # taken while this scenario ran
     return LaunchOutcome(end_reason=EndReason.COMPLETED, started_at=start, ended_at=end,
-                         watchdog=WatchdogResult(busy_samples=own))
+                         watchdog=WatchdogResult(busy_lines=own))
 
 
 def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses: dict[int, RankStatus],

@@ -1,6 +1,6 @@
 """``distcheck run -- CMD [ARGS...]``: the user's own launch command, run unchanged.
 
-The command runs below ``launch.guard`` (a child subreaper that ends everything below it
+The command runs below ``launch.subreaper`` (a child subreaper that ends everything below it
 when distcheck goes), with ``rank/inject`` first on PYTHONPATH: every Python process it
 starts that calls ``init_process_group`` becomes a traced rank (``rank.injected``) and
 writes the same launch files as a rank distcheck started itself. Ranks are found from
@@ -137,13 +137,13 @@ def command_env(files: LaunchFiles, flight_recorder: bool) -> dict[str, str]:
 
 
 def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool) -> subprocess.Popen:
-    """The command below ``launch.guard``, in a session of its own (the terminal's Ctrl-C is
+    """The command below ``launch.subreaper``, in a session of its own (the terminal's Ctrl-C is
     distcheck's to handle), its output in ``logs/command.log``."""
     log_path = files.root / "logs" / COMMAND_LOG
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "distcheck.launch.guard", *spec.argv], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "distcheck.launch.subreaper", *spec.argv], stdin=subprocess.PIPE,
             stdout=log, stderr=log, env=command_env(files, flight_recorder), start_new_session=True,
         )
 

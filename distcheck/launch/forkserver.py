@@ -124,7 +124,7 @@ def start_early(torch_env: Mapping[str, str]) -> bool:
         return False
     # torch loads here under the ranks' environment, except its C++ log level: this process keeps its own
     # (``launcher.quiet_native_warnings``), and the server is given the ranks' level below.
-    from distcheck.launch.launcher import environment_with
+    from distcheck.launch.procs import environment_with
 
     with environment_with({k: v for k, v in torch_env.items() if k != "TORCH_CPP_LOG_LEVEL"}):
         for module in PRELOAD:

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 from distcheck import interrupt
 from distcheck.launch import forkserver
@@ -88,22 +88,6 @@ def quiet_native_warnings() -> None:
     global _workers_cpp_log_level
     _workers_cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-
-
-@contextlib.contextmanager
-def environment_with(extra: Mapping[str, str]) -> Iterator[None]:
-    """This process's environment with ``extra`` set (what the agent copies into every worker, what a fork
-    server loads torch under), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 LAUNCHER_LOG = "launcher.log"   # in logs/: what torch's launcher machinery logged in distcheck's own process
@@ -398,7 +382,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     failures: dict[int, RankFailure] = {}
     exit_codes: dict[int, tuple[int, int]] = {}
     error = None
-    with (environment_with(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
+    with (procs.environment_with(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
           _restore_signal_handlers(),
           _survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
         entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
 import psutil
 
@@ -363,3 +364,19 @@ class Activity(NamedTuple):
     cores: float       # CPU of the whole tree
     io_bytes: int      # read or written by the tree (files, pipes)
     wakeups: int       # times the main thread woke up
+
+
+@contextlib.contextmanager
+def environment_with(extra: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with ``extra`` set (what the agent copies into every worker, what a fork
+    server loads torch under), restored afterwards."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -340,13 +340,13 @@ class RankMonitor:
             ages.append(now - moved_at)
         return {"evidence": ", ".join(said), "evidence_age": min(ages)} if said else {}
 
-    def sample_stacks(self, ranks: list[int]) -> None:
+    def busy_stacks(self, ranks: list[int]) -> None:
         """Where each of ``ranks`` is busy: a sample from its stack probe (py-spy where the GIL is held in C)."""
         pids = {r: pid for r, pid in self.pids().items() if r in ranks}
-        procs.request_stacks(self.files, pids, StackKind.SAMPLE, wait_s=0.5)
+        procs.request_stacks(self.files, pids, StackKind.BUSY, wait_s=0.5)
         for rank, pid in pids.items():
             self._activity.rebaseline(rank, pid, time.monotonic())   # the dump it just wrote is ours, not progress
-            where = busy_line(self.files.stack_sample(rank), self.status[rank].main_thread)
+            where = busy_line(self.files.busy_stack(rank), self.status[rank].main_thread)
             if where:
                 self.busy_at[rank] = where
 
@@ -385,7 +385,7 @@ class WatchdogResult:
     lost_node_0: bool = False            # multi-node: node 0's distcheck went away mid-launch
     last_progress: dict[int, RankProgress] = field(default_factory=dict)
     # (rank, wall time, file:line:function): where a late rank was busy while others waited
-    busy_samples: list[tuple[int, float, str]] = field(default_factory=list)
+    busy_lines: list[tuple[int, float, str]] = field(default_factory=list)
     # Why the run was ended, as the live view and the report say it: "certain: ranks 1-3 finished",
     # "stuck: no progress for 5.0 s ...". None while it was not ended by distcheck's verdict.
     evidence: str | None = None
@@ -521,8 +521,8 @@ class Watchdog(threading.Thread):
             del self.monitor.busy_at[rank]   # it arrived: a later wait for it is sampled again
         late = [r for r in waiting_for if r not in self.monitor.busy_at]
         if late:
-            self.monitor.sample_stacks(late)
-            self.result.busy_samples.extend((r, time.time(), self.monitor.busy_at[r])
+            self.monitor.busy_stacks(late)
+            self.result.busy_lines.extend((r, time.time(), self.monitor.busy_at[r])
                                             for r in late if r in self.monitor.busy_at)
 
     def _tear_down(self, progress: dict[int, RankProgress]) -> None:

@@ -3,7 +3,7 @@
 ``rank/inject/sitecustomize.py`` calls ``activate`` in every Python process the command
 starts. Nothing happens until the process calls ``init_process_group``: then it knows its
 global rank, and it becomes a traced rank exactly like one distcheck's worker started
-(``worker.trace_rank``: status file, tracer, C++-collective sidecar, the stack probe
+(``runtime.arm``: status file, tracer, C++-collective sidecar, the stack probe
 (a thread: no signal handler), Flight Recorder sidecar, DataLoader samples, Lightning
 attribution). Ranks are found by the launcher from these files, not from the
 processes it started.
@@ -32,18 +32,12 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.rank import guard
 from distcheck.rank.guard import Hook, failed
+from distcheck.rank.runtime import PROCESS
 
 LAUNCH_DIR_ENV = "DISTCHECK_LAUNCH_DIR"
 LAUNCHER_PID_ENV = "DISTCHECK_LAUNCHER_PID"
 
-_RUNTIME: Any = None        # worker.RankRuntime of this process's current generation
-# The generation this process ended with destroy_process_group: its work is not over until the process
-# ends it, so an exception that escapes afterwards (a library's clean-up in a ``finally:``) is still its failure.
-_ENDED_RUNTIME: Any = None
-_ENDED = False
-_TRACED_ONCE = False        # worker.trace_rank ran in this process (its one-time hooks are in place)
 # Keys in the job's own store (under torch's "default_pg/" prefix): arrivals count the ranks that
 # initialized on this store, the generation key names the files their generation writes.
 ARRIVALS_KEY = "distcheck/arrivals"
@@ -69,51 +63,31 @@ def activate() -> None:
 
 
 def _patch_c10d(c10d: Any) -> None:
-    """Wrap ``init_process_group`` before ``torch.distributed`` re-exports it."""
-    original = c10d.init_process_group
-    if getattr(original, "__distcheck__", False):
+    """Before ``torch.distributed`` re-exports them: after ``init_process_group`` this process becomes a
+    traced rank; destroying the default group ends its generation (a pool worker then waits for its next
+    task, perhaps to come back under another rank). Through the rank's one pair of wrappers (``runtime``)."""
+    if _become_rank_guarded not in PROCESS.on_init:
+        PROCESS.on_init.append(_become_rank_guarded)
+        PROCESS.on_destroy.append(_end_generation_guarded)
+    PROCESS.wrap_process_group_calls()
+
+
+def _become_rank_guarded() -> None:
+    try:
+        _become_rank()
+    except Exception as exc:   # the user's job goes on, untraced, rather than fail on our account (rule 0)
+        failed(Hook.RANK_SETUP, exc)
+        sys.stderr.write(f"distcheck: could not trace this rank: {type(exc).__name__}: {exc}\n")
+
+
+def _end_generation_guarded(c10d: Any, group: Any) -> None:
+    if group is not None and not _is_default(c10d, group):
         return
-
-    @functools.wraps(original)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        try:
-            _become_rank()
-        except Exception as exc:   # the user's job goes on, untraced, rather than fail on our account (rule 0)
-            failed(Hook.RANK_SETUP, exc)
-            sys.stderr.write(f"distcheck: could not trace this rank: {type(exc).__name__}: {exc}\n")
-        return result
-
-    init_process_group.__distcheck__ = True  # type: ignore[attr-defined]
-    c10d.init_process_group = init_process_group
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and getattr(dist, "init_process_group", None) is original:
-        dist.init_process_group = init_process_group
-    _patch_destroy(c10d)
-
-
-def _patch_destroy(c10d: Any) -> None:
-    """Destroying the default group ends this process's generation (a pool worker then waits for
-    its next task, perhaps to come back under another rank)."""
-    original = c10d.destroy_process_group
-    if getattr(original, "__distcheck_generation__", False):
-        return
-
-    @functools.wraps(original)
-    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if group is None or _is_default(c10d, group):
-            try:
-                _end_generation()
-            except Exception as exc:   # never keep the user's call from running (rule 0)
-                failed(Hook.RANK_END, exc)
-                sys.stderr.write(f"distcheck: could not end this rank's generation: {type(exc).__name__}: {exc}\n")
-        return original(group, *args, **kwargs)
-
-    destroy_process_group.__distcheck_generation__ = True  # type: ignore[attr-defined]
-    c10d.destroy_process_group = destroy_process_group
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and getattr(dist, "destroy_process_group", None) is original:
-        dist.destroy_process_group = destroy_process_group
+    try:
+        _end_generation()
+    except Exception as exc:   # never keep the user's call from running (rule 0)
+        failed(Hook.RANK_END, exc)
+        sys.stderr.write(f"distcheck: could not end this rank's generation: {type(exc).__name__}: {exc}\n")
 
 
 def _is_default(c10d: Any, group: Any) -> bool:
@@ -125,39 +99,32 @@ def _is_default(c10d: Any, group: Any) -> bool:
 
 def _become_rank() -> None:
     """Right after init: trace this process as the global rank it just became, in its generation."""
-    global _RUNTIME, _TRACED_ONCE
     if _own_worker():
         return   # a rank of a distcheck launch inside the command (the pytest plugin): traced by that launch
-    if _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
+    current = PROCESS.current
+    if current is not None and current.ours:
         _end_generation()   # re-initialized without destroy_process_group (through a wrapper we missed)
-    if _TRACED_ONCE:
-        guard.reset()   # a new generation reports its own hook failures
     import multiprocessing.util
 
     import torch.distributed as dist
 
     from distcheck.files.launch_dir import LaunchFiles
     from distcheck.models import Phase
-    from distcheck.rank import worker
+    from distcheck.rank import runtime, worker
 
     rank, world = dist.get_rank(), dist.get_world_size()
     launch = LaunchFiles(Path(os.environ[LAUNCH_DIR_ENV]))
     files = launch.generation(_generation(launch, world))
     worker.redirect_output(files.log(rank))   # from here on, this rank's output is its own log
-    main = threading.get_ident()
-    if _TRACED_ONCE:
-        runtime = _trace_again(files, rank, main)
-    else:
-        runtime = worker.trace_rank(files, rank, script=True, main_thread=main)
-    runtime.status.update(phase=Phase.RUNNING, pg_initialized=True, world_size=world,
-                          backend=str(dist.get_backend()), test=current_test(launch))
-    _RUNTIME = runtime
-    if _TRACED_ONCE:
+    armed = runtime.arm(files, rank, script=True, main_thread=threading.get_ident())
+    armed.status.update(phase=Phase.RUNNING, pg_initialized=True, world_size=world,
+                        backend=str(dist.get_backend()), test=current_test(launch))
+    if PROCESS.end_hooks:
         return
-    _TRACED_ONCE = True
-    sys.excepthook = _recording_excepthook(sys.excepthook)
+    PROCESS.end_hooks = True
+    PROCESS.patches.set(sys, "excepthook", _recording_excepthook(sys.excepthook))
     if not getattr(sys.exit, "__distcheck__", False):
-        sys.exit = _recording_exit(sys.exit)
+        PROCESS.patches.set(sys, "exit", _recording_exit(sys.exit))
     # atexit for exec'd and spawned processes; multiprocessing's finalizers for forked ones,
     # which leave through os._exit and never run atexit.
     atexit.register(_at_exit)
@@ -212,42 +179,18 @@ def generation_on(store: Any, launch: Any, world: int, wait_s: float = GENERATIO
         return launch.claim_generation()
 
 
-def _trace_again(files: Any, rank: int, main_thread: int) -> Any:
-    """A later generation of this process: its own status, stacks, trace and sidecar. The process-wide
-    hooks (DataLoader passes, torchmetrics, Lightning) stay and write into this generation's files."""
-    from distcheck.models import Phase
-    from distcheck.rank import metrics, samples, tracer, worker
-
-    status = worker.STATUS = worker.Status(files, rank, main_thread)
-    status.update(phase=Phase.STARTING)
-    guard.set_publisher(lambda counts: worker.STATUS.update(hook_failures=counts))
-    worker.install_stack_dumps_guarded(files, rank, main_thread)
-    if os.environ.get("DISTCHECK_FLIGHT_RECORDER") == "1":
-        worker.start_flight_recorder_sidecar(files, rank)
-        status.update(flight_recorder=True)
-    traced = tracer.install(files.trace(rank), rank)
-    watcher = worker.watch_native_collectives(traced, main_thread)
-    if samples.ACTIVE is not None:
-        samples.ACTIVE.path = files.samples(rank)
-        files.samples(rank).parent.mkdir(parents=True, exist_ok=True)
-    if metrics.RECORDER is not None:
-        metrics.RECORDER = metrics.MetricRecorder(files.metrics(rank), metrics.cap_bytes())
-    return worker.RankRuntime(files, status, traced, watcher)
-
-
 def _end_generation() -> None:
     """This process's generation is over: "finished" (unless it failed), and its tracer and sidecar
     write nothing more, so a later generation's calls never land in this generation's trace."""
-    global _RUNTIME, _ENDED_RUNTIME
     from distcheck.models import Phase
-    from distcheck.rank import worker
+    from distcheck.rank.runtime import finish_rank
 
-    runtime = _RUNTIME
-    if runtime is None or runtime.status.data.pid != os.getpid():
+    runtime = PROCESS.current
+    if runtime is None or not runtime.ours:
         return
-    _RUNTIME, _ENDED_RUNTIME = None, runtime
+    PROCESS.current, PROCESS.ended = None, runtime
     if runtime.status.data.phase == Phase.RUNNING:
-        worker.finish_rank(runtime, {})
+        finish_rank(runtime, {})
     runtime.tracer.uninstall()
     with runtime.tracer.lock:
         # Its thread polls on: it must not read the next generation's groups, nor keep this one's alive.
@@ -289,20 +232,20 @@ def _record(exc: BaseException, exit_code: int = 1, uncaught: bool = False) -> N
     ``destroy_process_group`` it is still the ended generation's failure, with its line. An exit code
     chosen after the destroy (a test harness's skip code) is not."""
     from distcheck.models import Phase
-    from distcheck.rank import worker
+    from distcheck.rank.runtime import flush_native, record_failure
 
-    runtime = _RUNTIME
+    runtime = PROCESS.current
     if runtime is None and uncaught and not isinstance(exc, KeyboardInterrupt):
-        runtime = _ENDED_RUNTIME
-    if runtime is None or runtime.status.data.pid != os.getpid():
+        runtime = PROCESS.ended   # its work is not over until the process ends (a clean-up in a ``finally:``)
+    if runtime is None or not runtime.ours:
         return
     if runtime.status.data.phase == Phase.ERROR:
         return   # the first failure recorded is the rank's own (a harness may exit twice on its way out)
     if isinstance(exc, KeyboardInterrupt):   # Ctrl-C is not this rank's failure
         runtime.status.update(phase=Phase.INTERRUPTED, collectives=runtime.tracer.count)
     else:
-        worker.flush_native(runtime, exc)   # its C++-issued calls are in the trace before it counts as failed
-        worker.record_failure(runtime.status, exc, runtime.tracer.count, exit_code=exit_code)
+        flush_native(runtime, exc)   # its C++-issued calls are in the trace before it counts as failed
+        record_failure(runtime.status, exc, runtime.tracer.count, exit_code=exit_code)
 
 
 def _recording_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
@@ -324,15 +267,16 @@ def _recording_exit(previous: Callable[..., Any]) -> Callable[..., Any]:
     def exit(code: Any = None) -> None:
         try:
             failing = code not in (None, 0) and not isinstance(code, str)
-            if failing and _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
+            current = PROCESS.current
+            if failing and current is not None and current.ours:
                 handled = sys.exc_info()[1]
                 _record(handled if handled is not None else SystemExit(code),
                         exit_code=code if isinstance(code, int) else 1)
-            elif _RUNTIME is not None and _RUNTIME.status.data.pid == os.getpid():
+            elif current is not None and current.ours:
                 # a clean exit mid-job: where its work ended, for a hang its peers then show (rank.exit_site)
                 from distcheck.rank.exit_site import exit_site_of_caller
 
-                _RUNTIME.status.update(where=exit_site_of_caller(sys._getframe(1)))
+                current.status.update(where=exit_site_of_caller(sys._getframe(1)))
         except Exception as exc:   # never keep the process from exiting as it asked (rule 0)
             failed(Hook.RANK_END, exc)
         previous(code)
@@ -356,7 +300,7 @@ def _patch_spawn(spawn: Any) -> None:
         return original(_recording(fn), *rest)
 
     _wrap.__distcheck__ = True  # type: ignore[attr-defined]
-    spawn._wrap = _wrap
+    PROCESS.patches.set(spawn, "_wrap", _wrap)
 
 
 def _recording(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -386,21 +330,20 @@ def _launcher_alive() -> bool:
 
 def _at_exit() -> None:
     """The rank's normal end: "finished", then idle until the watchdog releases the launch."""
-    global _ENDED
     from distcheck.models import Phase
-    from distcheck.rank import worker
+    from distcheck.rank.runtime import finish_rank, wait_for_release
 
-    runtime = _RUNTIME
+    runtime = PROCESS.current
     try:
-        if _ENDED or runtime is None or runtime.status.data.pid != os.getpid():
+        if PROCESS.exited or runtime is None or not runtime.ours:
             return
-        _ENDED = True
+        PROCESS.exited = True
         if runtime.status.data.phase in (Phase.ERROR, Phase.INTERRUPTED):
             return
-        worker.finish_rank(runtime, {})
+        finish_rank(runtime, {})
         for stream in (sys.stdout, sys.stderr):
             if stream is not None and not stream.closed:
                 stream.flush()
-        worker.wait_for_release(runtime.files, _launcher_alive)
+        wait_for_release(runtime.files, _launcher_alive)
     except Exception as exc:   # the process still ends as it would, nothing printed at its exit (rule 0)
         failed(Hook.RANK_END, exc)

@@ -565,3 +565,10 @@ def results() -> dict[str, Any]:
         return {}
     drained = RECORDER.drain()   # worker.finish_rank counts its failure (rule 0)
     return {"metrics": drained, "metrics_sys_path": list(sys.path)} if drained else {}
+
+
+def aim(directory: Path) -> None:
+    """A later generation of this process: its torchmetrics records go to its own files."""
+    global RECORDER
+    if RECORDER is not None:
+        RECORDER = MetricRecorder(directory, cap_bytes())

@@ -202,3 +202,21 @@ class SampleRecorder:
 
 
 ACTIVE: SampleRecorder | None = None   # the rank's recorder, once installed
+
+
+def aim(path: Path) -> None:
+    """A later generation of this process: its DataLoader passes go to its own file."""
+    if ACTIVE is not None:
+        ACTIVE.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def drain() -> list:
+    """The passes recorded since the last drain (a scenario's go out with its results)."""
+    return ACTIVE.drain() if ACTIVE is not None else []
+
+
+def flush() -> None:
+    """Passes cut short whose iterators are still alive go out now (the rank is ending)."""
+    if ACTIVE is not None:
+        ACTIVE.flush()

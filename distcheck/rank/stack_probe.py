@@ -54,17 +54,21 @@ class StackProbe:
         self._answered: dict[str, int] = {}
         self._seen: int | None = None
         self._failures = 0
+        self._stopped = False
         self._thread: threading.Thread | None = None
 
     def aim(self, files: LaunchFiles, rank: int, main_thread: int | None) -> None:
         self._target, self._seen = (files, rank, main_thread), None
-        self._answered = {}
+        self._answered, self._stopped = {}, False
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="distcheck-stacks", daemon=True)
             self._thread.start()
 
+    def stop(self) -> None:
+        self._stopped, self._target = True, None
+
     def _run(self) -> None:
-        while self._failures < MAX_FAILURES:
+        while self._failures < MAX_FAILURES and not self._stopped:
             time.sleep(POLL_S)
             try:
                 self.poll()
@@ -98,6 +102,3 @@ class StackProbe:
         finally:
             os.close(fd)
         self._answered[str(path)] = number
-
-
-PROBE = StackProbe()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from distcheck.diagnose.analyze import RunFacts
+from distcheck.diagnose.rules import RunFacts
 from distcheck.evidence.collect import collect
 from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
 from distcheck.files.launch_dir import LaunchFiles

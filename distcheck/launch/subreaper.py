@@ -1,5 +1,5 @@
 """The parent of the user's launch command under ``distcheck run -- CMD``:
-``python -m distcheck.launch.guard CMD [ARGS...]``.
+``python -m distcheck.launch.subreaper CMD [ARGS...]``.
 
 It makes itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): every process the
 command starts, at any depth, stays below it even when its own parent exits first (a
@@ -67,7 +67,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        sys.stderr.write("usage: python -m distcheck.launch.guard CMD [ARGS...]\n")
+        sys.stderr.write("usage: python -m distcheck.launch.subreaper CMD [ARGS...]\n")
         return 2
     from distcheck.rank.oom_standing import take_job_standing
 
