@@ -1,4 +1,5 @@
-"""Rule 0 in a rank's process: distcheck installs no signal handler, fires none of the user's, leaves
+"""Rule 0 in a rank's process: distcheck installs no signal handler but faulthandler's (each chained to
+what was there), fires none of the user's, leaves
 the warnings filters and faulthandler as the user has them, and adds no module but its own: compared
 for a rank run plainly and under ``distcheck run`` (a script's ranks, and a command's)."""
 
@@ -24,7 +25,8 @@ OWN_HANDLERS = SCRIPTS / "own_handlers.py"
 # torch already); never a third-party package the job did not import. A command's ranks also have the
 # injected start-up module (``sitecustomize``, which runs the user's own in turn).
 ALLOWED_TOP = set(sys.stdlib_module_names) | {"torch", "sitecustomize"}
-FAULTHANDLER_FATAL = {int(s) for s in (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)}
+FAULTHANDLER_FATAL = {int(s) for s in (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL,
+                                        signal.SIGTERM)}
 
 
 def _plain(out: Path, port: int) -> None:
@@ -57,8 +59,9 @@ def test_a_rank_under_distcheck_sees_its_process_as_without_it(distcheck, tmp_pa
     for rank in (0, 1):
         after = _seen(traced, rank)
         assert after["handlers"] == before["handlers"]
-        # faulthandler's fatal-error handlers (they dump, then hand the signal on as before) are the only
-        # ones, and only where the user had not enabled faulthandler: no handler for any other signal
+        # faulthandler's handlers are the only ones, each dumps and hands the signal on as before: the
+        # fatal-error ones (only where the user had not enabled faulthandler) and SIGTERM's (chained to the
+        # disposition the rank had); none for SIGUSR1, SIGUSR2 or any other signal
         extra = set(after["caught"]) - set(before["caught"])
         assert extra <= FAULTHANDLER_FATAL and set(before["caught"]) <= set(after["caught"]), sorted(extra)
         assert after["warning_filters"] == before["warning_filters"]

@@ -123,6 +123,10 @@ class LaunchFiles:
         """Where a busy rank was while others waited (taken on request, before any teardown)."""
         return self.root / "stacks" / f"rank{rank}.busy.txt"
 
+    def terminated_stack(self, rank: int) -> Path:
+        """Where the rank was when a SIGTERM ended it (faulthandler, chained to the rank's own handling)."""
+        return self.root / "stacks" / f"rank{rank}.sigterm.txt"
+
     def stack_request(self, rank: int) -> Path:
         """The watchdog's request for this rank's stacks (``rank.stack_probe`` answers it): ``N KIND``."""
         return self.root / "stacks" / f"rank{rank}.request"

@@ -92,10 +92,12 @@ FATAL_SIGNALS = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus err
                  "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
 
 
-def signal_of(dumps: list[StackDump]) -> str | None:
-    """The fatal signal a process's dumps say ended it (SIGABRT, SIGSEGV...), else None: SIGTERM and
-    SIGKILL leave no word (distcheck installs no handler that would write one)."""
-    return next((FATAL_SIGNALS.get(d.fatal) for d in dumps if d.fatal in FATAL_SIGNALS), None)
+def signal_of(fatal: StackDump | None, terminated: list[StackDump]) -> str | None:
+    """The signal a process's dumps say ended it: a fatal one by name (faulthandler's dump on its stderr),
+    else SIGTERM where faulthandler's chained SIGTERM dump is there, else None (SIGKILL, os._exit: no word)."""
+    if fatal is not None and fatal.fatal in FATAL_SIGNALS:
+        return FATAL_SIGNALS[fatal.fatal]
+    return "SIGTERM" if any(d.threads for d in terminated) else None
 
 
 LOG_TAIL_BYTES = 262_144   # a fatal dump of every thread is a few KB, at the end of the rank's log

@@ -123,6 +123,7 @@ def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses
         _copy(batch.log(rank), files.log(rank))
         if failed:   # stacks and Flight Recorder dumps were taken while this scenario ran
             _copy(batch.stacks(rank), files.stacks(rank))
+            _copy(batch.terminated_stack(rank), files.terminated_stack(rank))
             _copy(batch.flight_recorder(rank), files.flight_recorder(rank))
     return files.root
 

@@ -28,7 +28,7 @@ from distcheck.launch import rendezvous
 from distcheck.launch.cluster import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.files.stacks import FATAL_SIGNALS, fatal_dump, signal_of
+from distcheck.files.stacks import FATAL_SIGNALS, fatal_dump, read_dumps, signal_of
 from distcheck.files.trace_tail import synced_at
 from distcheck.launch.watchdog import Decision, Limits, NodeChannel, RankProgress, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
@@ -158,15 +158,14 @@ def rank_failures(files: LaunchFiles, killed_by_us: tuple[int, ...] = (), fatal_
     ranks whose exit codes no launcher of ours saw: a fatal signal is read from faulthandler's dump in the
     rank's log.
 
-    ``fatal_only``: of the vanished ones, only those a fatal signal ended (SIGABRT, SIGSEGV...); one that
-    left no word was terminated or killed (SIGTERM, SIGKILL: after another one died, a consequence)."""
+    ``fatal_only``: of the vanished ones, only those a fatal signal ended (SIGABRT, SIGSEGV...); a rank
+    with a SIGTERM dump was terminated after another one died (a consequence, not the cause)."""
     failures = {}
     for r, s in files.read_statuses().items():
         if s.phase == Phase.ERROR:
             failures[r] = RankFailure(exit_code=s.exit_code if s.exit_code is not None else 1, signal=None, pid=s.pid)
         elif s.phase in (Phase.STARTING, Phase.RUNNING) and r not in killed_by_us and not procs.is_alive(s.pid):
-            dump = fatal_dump(files.log(r))
-            sig = signal_of([dump]) if dump is not None else None
+            sig = signal_of(fatal_dump(files.log(r)), read_dumps(files.terminated_stack(r)))
             if not fatal_only or sig in FATAL_SIGNALS.values():
                 failures[r] = RankFailure(exit_code=None, signal=sig, pid=s.pid)
     return failures

@@ -116,7 +116,7 @@ def _become_rank() -> None:
     launch = LaunchFiles(Path(os.environ[LAUNCH_DIR_ENV]))
     files = launch.generation(_generation(launch, world))
     worker.redirect_output(files.log(rank))   # from here on, this rank's output is its own log
-    armed = runtime.arm(files, rank, script=True, main_thread=threading.get_ident())
+    armed = runtime.arm(files, rank, script=True, main_thread=threading.get_ident(), command=True)
     armed.status.update(phase=Phase.RUNNING, pg_initialized=True, world_size=world,
                         backend=str(dist.get_backend()), test=current_test(launch))
     if PROCESS.end_hooks:

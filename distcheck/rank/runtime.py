@@ -17,12 +17,14 @@ import faulthandler
 import functools
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from distcheck import torch_features
@@ -101,18 +103,21 @@ class RankProcess:
     recorders_armed: bool = False
     end_hooks: bool = False             # a command's rank: sys.excepthook, sys.exit and atexit record its end
     wrapped: bool = False
+    _sigterm_file: Any = None           # where faulthandler writes a SIGTERM's stacks (this generation's)
     on_init: list[Callable[[], None]] = field(default_factory=list)        # after init_process_group returns
     on_destroy: list[Callable[[Any, Any], None]] = field(default_factory=list)   # (c10d, group), before destroy
 
-    def arm(self, files: LaunchFiles, rank: int, *, script: bool, main_thread: int | None = None) -> RankRuntime:
-        """Trace this process as ``rank`` of the generation whose files are ``files``."""
+    def arm(self, files: LaunchFiles, rank: int, *, script: bool, main_thread: int | None = None,
+            command: bool = False) -> RankRuntime:
+        """Trace this process as ``rank`` of the generation whose files are ``files``; ``command``: a rank
+        the user's own command started (no launcher of distcheck's sees how it ends)."""
         if self.generations:
             guard.reset()   # a new generation reports its own hook failures
         self.generations += 1
         status = Status(files, rank, main_thread)
         status.update(phase=Phase.STARTING)
         guard.set_publisher(lambda counts: status.update(hook_failures=counts))
-        _guarded(Hook.STACK_DUMPS, lambda: self._arm_stacks(files, rank, main_thread))
+        _guarded(Hook.STACK_DUMPS, lambda: self._arm_stacks(files, rank, main_thread, command))
         if os.environ.get(FLIGHT_RECORDER_ENV) == "1":
             start_flight_recorder_sidecar(files, rank, still_wanted=lambda: self.current is None
                                           or self.current.files is files)
@@ -127,13 +132,25 @@ class RankProcess:
         _guarded(Hook.RANK_SETUP, self.wrap_process_group_calls)
         return self.current
 
-    def _arm_stacks(self, files: LaunchFiles, rank: int, main_thread: int | None) -> None:
+    def _arm_stacks(self, files: LaunchFiles, rank: int, main_thread: int | None, command: bool) -> None:
         """Stacks on the watchdog's request from a thread of distcheck's own (no signal, so no handler of
         the user's is ever fired or replaced); fatal-error tracebacks on the rank's stderr, as faulthandler
-        writes them (the rank's log keeps distcheck's copy), unless the user enabled it already."""
+        writes them (the rank's log keeps distcheck's copy), unless the user enabled it already. A command's
+        rank whose SIGTERM has no handler of its own also leaves where a SIGTERM found it (chained: the default
+        then ends it as before), so a rank its launcher terminated after another one died is told from the
+        one that died first: no launcher of distcheck's sees those ranks' exit statuses."""
         if not faulthandler.is_enabled() and sys.stderr is not None:
             faulthandler.enable(file=sys.stderr, all_threads=True)
         self.probe.aim(files, rank, main_thread)
+        if command and (self._sigterm_file is not None or signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+            self._dump_on_sigterm(files.terminated_stack(rank))
+
+    def _dump_on_sigterm(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        previous, self._sigterm_file = self._sigterm_file, open(path, "a", buffering=1, encoding="utf-8")
+        faulthandler.register(signal.SIGTERM, file=self._sigterm_file, all_threads=True, chain=True)
+        if previous is not None:
+            previous.close()
 
     def _arm_recorders(self, files: LaunchFiles, rank: int, script: bool) -> None:
         """Installed once per process; a later generation's records go into its own files. A script's
@@ -185,6 +202,8 @@ class RankProcess:
     def disarm(self) -> None:
         """Put back everything distcheck replaced in this process and stop tracing it."""
         self.patches.undo()
+        if self._sigterm_file is not None:
+            faulthandler.unregister(signal.SIGTERM)
         self.wrapped = False
         if self.current is not None:
             self.current.tracer.uninstall()
@@ -194,9 +213,10 @@ class RankProcess:
 PROCESS = RankProcess()
 
 
-def arm(files: LaunchFiles, rank: int, *, script: bool, main_thread: int | None = None) -> RankRuntime:
+def arm(files: LaunchFiles, rank: int, *, script: bool, main_thread: int | None = None,
+        command: bool = False) -> RankRuntime:
     """The one way a rank is traced, however it was started (``RankProcess.arm``)."""
-    return PROCESS.arm(files, rank, script=script, main_thread=main_thread)
+    return PROCESS.arm(files, rank, script=script, main_thread=main_thread, command=command)
 
 
 def _guarded(hook: Hook, call: Callable[[], Any]) -> None:
