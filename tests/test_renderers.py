@@ -140,7 +140,7 @@ def console(width=100):
 # -- terminal -------------------------------------------------------------------
 
 
-def test_terminal_shows_every_scenario_finding_and_the_rank_table(fixed):
+def test_terminal_by_default_shows_findings_only_where_the_outcome_was_not_expected(fixed):
     report, _ = fixed
     c = console()
     terminal.render(report, c)
@@ -148,10 +148,31 @@ def test_terminal_shows_every_scenario_finding_and_the_rank_table(fixed):
     assert "OK   auroc_rank0_only_compute  expected hang, observed hang" in out
     assert "FAIL reduce_op_mismatch  expected pass, observed mismatch" in out
     assert "SKIP nccl_only" in out
-    assert "HANG [error] Rank 0 is waiting in barrier #4" in out
-    assert "barrier #4 [BinaryAUROC.compute]" in out          # the stuck rank's row
-    assert "FAIL  3/4 scenarios behaved as expected, 1 skipped" in out
+    assert "Rank 0 is waiting in barrier #4" not in out       # the expected hang: its one line only
+    assert "MISMATCH [error]" in out                           # the unexpected one: its findings and ranks
+    assert "[error]" not in "".join(line for line in out.splitlines() if "HANG" in line)
+    assert "FAIL  3/4 scenarios behaved as expected (2 planted bugs found, 1 clean), 1 skipped" in out
+    assert "needs attention: reduce_op_mismatch (pass expected, mismatch observed)" in out
+    assert "torch 2" not in out                                # the torch line is -v's (and distcheck env's)
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_terminal_verbose_marks_expected_findings_expected_and_shows_every_rank_table(fixed):
+    report, _ = fixed
+    c = console()
+    terminal.render(report, c, verbose=True)
+    out = c.file.getvalue()
+    assert "HANG [expected] Rank 0 is waiting in barrier #4" in out
+    assert "barrier #4 [BinaryAUROC.compute]" in out          # the stuck rank's row
+    assert "MISMATCH [error]" in out
+
+
+def test_terminal_quiet_is_one_line(fixed):
+    report, _ = fixed
+    c = console()
+    terminal.render(report, c, quiet=True)
+    [line] = c.file.getvalue().splitlines()
+    assert line.startswith("FAIL  3/4 scenarios behaved as expected")
 
 
 def test_terminal_rerender_from_json_is_identical(fixed):

@@ -187,8 +187,9 @@ class LiveView:
 
     def __init__(self, console: Console, *, stall_timeout: float, verbose: bool = False,
                  clock: Callable[[], float] = time.time, interactive: bool | None = None,
-                 busy_timeout: float | None = None) -> None:
+                 busy_timeout: float | None = None, quiet: bool = False) -> None:
         self.console = console
+        self.quiet = quiet          # -q: nothing but the summary line the caller prints
         self.stall_timeout = stall_timeout
         self.busy_timeout = busy_timeout
         self.verbose = verbose
@@ -200,6 +201,8 @@ class LiveView:
         self._late_reported = False
         self._lock = threading.Lock()
         self._live: Live | None = None
+        self._open: dict[str, str] = {}     # started, no result yet (a shared launch's targets): "[i/n]"
+        self._announced: set[str] = set()   # whose RUN line is printed
 
     # rich calls this on every refresh
     def __rich__(self) -> Group:
@@ -221,11 +224,24 @@ class LiveView:
         with self._lock:
             self.state = LiveState(name=spec.name, index=index, total=total, started=self.clock())
             self._stall_reported = self._late_reported = False
-        if not self.interactive:
-            self.console.print(f"  RUN  {spec.name}  [{index + 1}/{total}]", style="dim", markup=False,
-                               highlight=False, soft_wrap=True)
+            first = not self._open
+            self._open[spec.name] = f"[{index + 1}/{total}]"
+        # Plain output pairs a start with its result: a target's RUN line comes at once only when no other
+        # target's result is pending (the first of a shared launch); the rest get theirs (-v) right above
+        # their result, or with a stall line about them.
+        if first:
+            self._announce(spec.name)
+
+    def _announce(self, name: str | None) -> None:
+        if self.interactive or self.quiet or name is None or name in self._announced:
+            return
+        self._announced.add(name)
+        self.console.print(f"  RUN  {name}  {self._open.get(name, '')}".rstrip(), style="dim", markup=False,
+                           highlight=False, soft_wrap=True)
 
     def note(self, text: str) -> None:
+        if self.quiet:
+            return
         self.console.print(f"  {text}", style="dim", markup=False, highlight=False, soft_wrap=True)
 
     def on_poll(self, progress: Mapping[int, RankProgress], idle_s: float) -> None:
@@ -242,8 +258,10 @@ class LiveView:
             if (idle_s >= self.stall_timeout and not self._late_reported and _late(state)
                     and all(state.progress[r].busy_at for r in _late(state))):
                 self._late_reported = late = True
-        if self.interactive:
+        if self.interactive or self.quiet:
             return
+        if report or late:
+            self._announce(state.name)    # the line says which target the ranks are in
         if report:
             self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False,
                                soft_wrap=True)
@@ -253,5 +271,12 @@ class LiveView:
 
     def scenario_finished(self, result) -> None:
         with self._lock:
-            self.state = LiveState(name=None, index=self.state.index, total=self.state.total)
-        self.console.print(terminal.scenario_block(result, self.verbose))
+            total = self.state.total
+            self.state = LiveState(name=None, index=self.state.index, total=total)
+        if self.verbose:
+            self._announce(result.name)
+        with self._lock:
+            self._open.pop(result.name, None)
+        if self.quiet:
+            return
+        self.console.print(terminal.scenario_block(result, self.verbose, tables=self.verbose or total == 1))
