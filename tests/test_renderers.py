@@ -396,6 +396,47 @@ def test_live_view_plain_mode_prints_lines_and_one_stall_line(fixed):
     assert "OK   auroc_rank0_only_compute" in out
 
 
+def _spec(name):
+    return ScenarioSpec(name=name, file="x.py")
+
+
+def test_live_view_plain_mode_pairs_each_start_with_its_result(fixed):
+    """Piped: no block of RUN lines first. The run's first launch says it started; a shared launch's other
+    targets are one result line each; a later launch's RUN line comes once it takes a while."""
+    report, _ = fixed
+    now = [T0]
+    c = console(120)
+    view = LiveView(c, stall_timeout=3, clock=lambda: now[0])
+    hang, mismatch, crash = report.scenarios[:3]
+    with view:
+        for i, result in enumerate((hang, mismatch)):     # one shared launch
+            view.scenario_started(_spec(result.name), i, 4)
+        view.scenario_finished(hang)
+        view.scenario_finished(mismatch)
+        view.scenario_started(_spec(crash.name), 2, 4)    # a launch of its own, quick
+        view.on_poll({}, 0.0)
+        view.scenario_finished(crash)
+        view.scenario_started(_spec("slow"), 3, 4)        # one that takes a while
+        now[0] += 2.5
+        view.on_poll({}, 0.0)
+    lines = [line.strip() for line in c.file.getvalue().splitlines() if line.startswith("  ") and
+             line.strip().startswith(("RUN", "OK", "FAIL"))]
+    assert [line.split()[:2] for line in lines] == [
+        ["RUN", hang.name], ["OK", hang.name], ["FAIL", mismatch.name], ["OK", crash.name], ["RUN", "slow"]]
+
+
+def test_live_view_quiet_prints_nothing(fixed):
+    report, _ = fixed
+    c = console(120)
+    view = LiveView(c, stall_timeout=3, quiet=True)
+    with view:
+        view.scenario_started(_spec(report.scenarios[0].name), 0, 1)
+        view.on_poll(STALLED, 2.0)
+        view.note("waiting for the fork server")
+        view.scenario_finished(report.scenarios[0])
+    assert c.file.getvalue() == ""
+
+
 def test_live_view_on_a_terminal_uses_a_live_display(fixed):
     report, _ = fixed
     c = Console(file=io.StringIO(), width=100, force_terminal=True, color_system=None)

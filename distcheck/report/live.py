@@ -25,6 +25,7 @@ from distcheck.report import terminal
 from distcheck.text import rank_list, short_path
 
 MAX_ROWS = 12
+ANNOUNCE_AFTER_S = 2.0      # plain output: a later launch's RUN line once it has run this long
 
 
 class RankProgress(Protocol):
@@ -226,10 +227,11 @@ class LiveView:
             self._stall_reported = self._late_reported = False
             first = not self._open
             self._open[spec.name] = f"[{index + 1}/{total}]"
-        # Plain output pairs a start with its result: a target's RUN line comes at once only when no other
-        # target's result is pending (the first of a shared launch); the rest get theirs (-v) right above
-        # their result, or with a stall line about them.
-        if first:
+        # Plain output pairs a start with its result: a target's RUN line comes at once only for the run's
+        # first launch (the wait for the rendezvous); a later launch's once it has taken ANNOUNCE_AFTER_S
+        # (a quick one is just its result line). A shared launch's other targets get theirs (-v) right
+        # above their result, or with a stall line about them.
+        if first and not self._announced:
             self._announce(spec.name)
 
     def _announce(self, name: str | None) -> None:
@@ -260,6 +262,8 @@ class LiveView:
                 self._late_reported = late = True
         if self.interactive or self.quiet:
             return
+        if len(self._open) == 1 and state.started is not None and self.clock() - state.started >= ANNOUNCE_AFTER_S:
+            self._announce(state.name)    # a launch of its own that takes a while: say what runs
         if report or late:
             self._announce(state.name)    # the line says which target the ranks are in
         if report:
