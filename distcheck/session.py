@@ -262,7 +262,7 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     check_endpoint_address(options.nodes)
     cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None
     started = time.time()
-    specs = unique_names(specs)
+    specs = unique_names([s.at_world_size(options.world_size) if isinstance(s, ScenarioSpec) else s for s in specs])
     state = _run_all(specs, options, run_dir, launch_base, cluster, hooks)
     output = None
     if isinstance(specs[0], CommandSpec):   # the report's world size is the one the command's ranks reported
