@@ -14,6 +14,7 @@ import pytest
 
 from distcheck.errors import DistcheckError
 from distcheck.pytest.plan import Outcome, Planned, PluginState
+from distcheck.report.frames import without_own_frames
 
 if TYPE_CHECKING:
     from distcheck.models import ScenarioResult
@@ -132,8 +133,8 @@ def _from_test(traceback: str) -> str:
     test = next((i for i, line in enumerate(lines) if shim is not None and i > shim and line.startswith("  File ")),
                 None)
     if test is None:
-        return traceback
-    return "Traceback (most recent call last, on the rank):\n" + "\n".join(lines[test:])
+        return without_own_frames(traceback)
+    return "Traceback (most recent call last, on the rank):\n" + without_own_frames("\n".join(lines[test:]))
 
 
 def judge(item: pytest.Item, outcome: Outcome) -> None:

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.models import EndReason, Finding, RankOutcome, Report, ScenarioResult
+from distcheck.report.frames import without_own_frames
 from distcheck.report.health_table import bandwidth_table, is_bandwidth_table
 from distcheck.report.words import ending as _ending
 from distcheck.report.words import alike_ranks, script_name, script_observed
@@ -144,9 +145,11 @@ def scenario_block(result: ScenarioResult, verbose: bool = False, tables: bool |
         parts.append(finding_block(finding, is_expected(result, finding)))
     if result.ranks and (result.findings or verbose or not result.ok):
         parts.append(_rank_table(result.ranks))
-    if not result.ok and result.log_tail:
-        parts.append(Text("    log tail:", style="dim"))
-        parts.append(Text("\n".join("      " + line for line in result.log_tail.splitlines()[-12:]), style="dim"))
+    tail = without_own_frames(result.log_tail or "").splitlines()[-12:]
+    if not result.ok and tail:
+        parts.append(Text("    log tail (distcheck's own frames left out; every line in the run dir's logs):",
+                          style="dim"))
+        parts.append(Text("\n".join("      " + line for line in tail), style="dim"))
     return Group(*parts)
 
 
