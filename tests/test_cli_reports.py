@@ -141,3 +141,23 @@ def test_an_unknown_scenario_name_gets_a_did_you_mean(distcheck):
                                         "did you mean 'auroc_rank0_only_compute' or 'auroc_all_ranks_compute'?")
     far = distcheck("list", "zzz_nothing_like_it", json=False)
     assert far.returncode == 2 and "did you mean" not in far.stderr and "built-in scenarios:" in far.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_builtins_pass_at_every_rank_count_a_node_has_in_one_screen(distcheck, nproc):
+    """The README's first command (every built-in on gloo) at 2 and 4 ranks: exit 0, one screen, no [error]
+    line for a finding a scenario expected; at 2 ranks the two odd-one-out scenarios expect the certain hang."""
+    r = distcheck("run", "--nproc-per-node", str(nproc), "--backend", "gloo", timeout=560)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) <= 60, r.stdout
+    assert not [line for line in lines if "[error]" in line], r.stdout
+    [verdict] = [line for line in lines if line.startswith(("PASS", "FAIL"))]
+    assert verdict.startswith("PASS  ") and "scenarios behaved as expected" in verdict, r.stdout
+    ran = {s["name"]: s for s in r.report["scenarios"] if not s["skipped"]}
+    odd_one_out = ("ddp_extra_step_then_barrier", "monitored_barrier_skipped_by_one_rank")
+    for name in odd_one_out:
+        assert ran[name]["expected"] == (["hang"] if nproc == 2 else ["mismatch"]), ran[name]
+
