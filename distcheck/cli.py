@@ -75,6 +75,7 @@ def run(
     seed: int = typer.Option(0, "--seed", metavar="N", rich_help_panel="What to run", help="Seed for the scenarios' data."),
     verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", rich_help_panel="Reports", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
     quiet: bool = typer.Option(False, "--quiet", "-q", metavar="", rich_help_panel="Reports", help="Print one line: the verdict."),
+    quiet_ranks: bool = typer.Option(False, "--quiet-ranks", metavar="", rich_help_panel="Reports", help="Keep a script's own output in the run dir's logs/rankN.log only (default: also on the terminal as it comes, each line '[rankN]:', as torchrun shows it)."),
     module: Optional[str] = typer.Option(None, "--module", "-m", metavar="MODULE", rich_help_panel="What to run", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
     max_duration: Optional[float] = typer.Option(None, "--max-duration", metavar="SECONDS", rich_help_panel="Limits", help="Pre-flight: end a healthy script after S seconds and report that window."),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),
@@ -114,7 +115,7 @@ def run(
     if verbose and quiet:
         raise UsageError("--verbose and --quiet cannot be used together")
     console = _console(json_path)
-    report = _run_live(specs, options, console, verbose, quiet)
+    report = _run_live(specs, options, console, verbose, quiet, ranks_shown=not (quiet or quiet_ranks))
     _print_run_end(report, options, console, verbose, quiet)
     _announce(console, _write_json(report, json_path), quiet)
     _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True, quiet=quiet)
@@ -122,7 +123,7 @@ def run(
 
 
 def _run_live(specs: list[Target], options: RunOptions, console: Console, verbose: bool,
-              quiet: bool = False) -> Report:
+              quiet: bool = False, ranks_shown: bool = False) -> Report:
     """``session.run_targets`` under the live view; SIGTERM ends it like Ctrl-C (``distcheck.interrupt``:
     a report is still written)."""
     from distcheck.report.live import LiveView
@@ -145,7 +146,7 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
     view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose,
                     quiet=quiet)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
-                     on_poll=view.on_poll, note=view.note)
+                     on_poll=view.on_poll, note=view.note, rank_output=view.rank_line if ranks_shown else None)
     with view:
         return run_targets(specs, options, hooks)
 

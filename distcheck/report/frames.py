@@ -31,20 +31,26 @@ def is_own_frame(path: str) -> bool:
     return False
 
 
+class OwnFrames:
+    """Line by line (a rank's output as it comes): ``keep(line)`` is False for a line of a distcheck or
+    runpy frame, the frame's line and the source and caret lines under it."""
+
+    def __init__(self) -> None:
+        self._skipping: str | None = None   # the prefix of the frame being left out
+
+    def keep(self, line: str) -> bool:
+        frame = _FRAME.match(line)
+        if frame is not None:
+            self._skipping = frame["prefix"] if is_own_frame(frame["path"]) else None
+            return self._skipping is None
+        if self._skipping is not None and line.startswith(self._skipping + "    "):
+            return False   # the left-out frame's source line, or its ^^^^ line
+        self._skipping = None
+        return True
+
+
 def without_own_frames(text: str) -> str:
     """``text`` with every distcheck (and runpy) frame of its tracebacks left out: the frame's line and the
     source and caret lines under it. Other lines, and other frames, are kept as they are."""
-    out: list[str] = []
-    skipping: str | None = None   # the prefix of the frame being left out
-    for line in text.splitlines():
-        frame = _FRAME.match(line)
-        if frame is not None:
-            skipping = frame["prefix"] if is_own_frame(frame["path"]) else None
-            if skipping is not None:
-                continue
-        elif skipping is not None and line.startswith(skipping + "    "):
-            continue   # the left-out frame's source line, or its ^^^^ line
-        else:
-            skipping = None
-        out.append(line)
-    return "\n".join(out)
+    frames = OwnFrames()
+    return "\n".join(line for line in text.splitlines() if frames.keep(line))

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.report import terminal
+from distcheck.report.frames import OwnFrames
 from distcheck.text import rank_list, short_path
 
 MAX_ROWS = 12
@@ -204,6 +205,7 @@ class LiveView:
         self._live: Live | None = None
         self._open: dict[str, str] = {}     # started, no result yet (a shared launch's targets): "[i/n]"
         self._announced: set[str] = set()   # whose RUN line is printed
+        self._frames: dict[int, OwnFrames] = {}   # per rank: inside a distcheck frame of a traceback
 
     # rich calls this on every refresh
     def __rich__(self) -> Group:
@@ -240,6 +242,13 @@ class LiveView:
         self._announced.add(name)
         self.console.print(f"  RUN  {name}  {self._open.get(name, '')}".rstrip(), style="dim", markup=False,
                            highlight=False, soft_wrap=True)
+
+    def rank_line(self, rank: int, line: str) -> None:
+        """A line a script's rank wrote, as torchrun shows it ("[rank0]:loss 0.25"), through the view's own
+        console (a live display stays below it); distcheck's traceback frames left out (the log keeps them)."""
+        frames = self._frames.setdefault(rank, OwnFrames())
+        if frames.keep(line):
+            self.console.print(f"[rank{rank}]:{line}", markup=False, highlight=False, soft_wrap=True, style="")
 
     def note(self, text: str) -> None:
         if self.quiet:
