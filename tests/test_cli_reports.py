@@ -161,3 +161,36 @@ def test_the_builtins_pass_at_every_rank_count_a_node_has_in_one_screen(distchec
     for name in odd_one_out:
         assert ran[name]["expected"] == (["hang"] if nproc == 2 else ["mismatch"]), ran[name]
 
+
+
+SCRIPT = '''
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(2)
+dist.all_reduce(t)
+print(f"sum {t[0].item():g} on rank {rank}", flush=True)
+if rank == 1:
+    raise ValueError("rank 1 gives up")
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_a_scripts_own_output_reaches_the_terminal_with_rank_prefixes(distcheck, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    r = distcheck("run", str(script), "--nproc-per-node", "2", "--stall-timeout", "5", timeout=150)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[rank0]:sum 2 on rank 0" in r.stdout and "[rank1]:sum 2 on rank 1" in r.stdout
+    assert "[rank1]:ValueError: rank 1 gives up" in r.stdout
+    shown = [line for line in r.stdout.splitlines() if line.startswith("[rank1]:")]
+    assert any('train.py", line' in line for line in shown), shown
+    assert not any("worker.py" in line or "runpy" in line for line in shown), shown   # distcheck's frames: out
+    log = (r.run_dir / "train" / "logs" / "rank1.log").read_text()
+    assert "sum 2 on rank 1" in log and "worker.py" in log          # the log keeps every frame
+    quiet = distcheck("run", str(script), "--nproc-per-node", "2", "--stall-timeout", "5", "--quiet-ranks",
+                      timeout=150)
+    assert quiet.returncode == 1 and "[rank" not in quiet.stdout, quiet.stdout
