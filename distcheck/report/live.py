@@ -292,4 +292,5 @@ class LiveView:
             self._open.pop(result.name, None)
         if self.quiet:
             return
-        self.console.print(terminal.scenario_block(result, self.verbose, tables=self.verbose or total == 1))
+        # a run of one target: all there is to say about it (a demonstration's diagnosis, a node check's table)
+        self.console.print(terminal.scenario_block(result, self.verbose or total == 1))

@@ -128,16 +128,16 @@ def is_expected(result: ScenarioResult, finding: Finding) -> bool:
     return result.ok and not result.script and finding.kind in result.expected
 
 
-def scenario_block(result: ScenarioResult, verbose: bool = False, tables: bool | None = None) -> Group:
-    """pytest's levels: a result as expected is its one line (``tables``: and the tables it reported, by
-    default only with ``verbose``); one that is not, or ``verbose``, also its findings and rank table."""
+def scenario_block(result: ScenarioResult, verbose: bool = False) -> Group:
+    """pytest's levels: a result as expected is its one line; one that is not, or ``verbose`` (and a run of
+    one target: callers pass it), also its tables, findings (expected ones marked so) and rank table."""
     parts: list = [scenario_line(result)]
     if result.skipped:
         return Group(*parts)
     clean = clean_line(result) if result.script or verbose else None
     if clean is not None:   # a script's one verdict says what it checked; scenarios' at -v
         parts.append(clean)
-    if verbose if tables is None else tables:
+    if verbose or not result.ok:
         parts.extend(scenario_table(t) for t in result.tables)
     if result.ok and not verbose:
         return Group(*parts)
@@ -225,7 +225,7 @@ def command_output(report: Report) -> Text:
 
 def render(report: Report, console: Console, verbose: bool = False, quiet: bool = False) -> None:
     if not quiet:
-        single = len(report.scenarios) == 1
+        single = len(report.scenarios) == 1   # a run of one target: all there is to say about it
         for result in report.scenarios:
-            console.print(scenario_block(result, verbose, tables=verbose or single))
+            console.print(scenario_block(result, verbose or single))
     console.print(summary_line(report, verbose, quiet), soft_wrap=quiet)
