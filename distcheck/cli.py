@@ -105,6 +105,8 @@ def run(
     from distcheck.session import start_fork_server
     from distcheck.torch_features import check_supported
 
+    if verbose and quiet:
+        raise UsageError("--verbose and --quiet cannot be used together", "use one: -v shows everything, -q one line")
     check_supported()   # before torch is imported: an old one may fail to import, or fail later
     flags = RunFlags.of({**locals(), "command": shlex.join(["distcheck", *sys.argv[1:]])})
     nodes = check_flags(flags)
@@ -112,8 +114,6 @@ def run(
     specs = run_targets_of(names, module, script_args, flags, nodes)
     start_fork_server(specs, flight_recorder is not False)   # before run_options loads torch
     options = run_options(flags, nodes)
-    if verbose and quiet:
-        raise UsageError("--verbose and --quiet cannot be used together")
     console = _console(json_path)
     report = _run_live(specs, options, console, verbose, quiet, ranks_shown=not (quiet or quiet_ranks))
     _print_run_end(report, options, console, verbose, quiet)
@@ -136,8 +136,8 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
     from distcheck.launch.command import CommandSpec
 
     what = specs[0].source if len(specs) == 1 and isinstance(specs[0], ScriptSpec) else f"{len(specs)} scenario(s)"
-    if quiet:
-        pass
+    if quiet:   # -q: the verdict line alone
+        ...
     elif len(specs) == 1 and isinstance(specs[0], CommandSpec):   # its ranks are counted as they initialize
         console.print(f"distcheck {__version__}: {specs[0].source}", style="dim", markup=False, highlight=False)
     else:

@@ -134,6 +134,30 @@ def test_every_command_help_lists_the_exit_codes():
                "130 interrupted" in text, name
 
 
+def test_run_help_is_typers_rich_help_with_option_groups_and_h():
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "-h"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for panel in ("What to run", "Launch", "Limits", "Reports", "Multi-node"):
+        assert f"─ {panel} " in result.output, panel
+    assert "--nproc-per-node" in result.output and " N " in result.output and "<int>" not in result.output
+    assert " ".join(result.output.split()).count("Exit codes: 0") == 1
+    root = runner.invoke(app, ["--help"], terminal_width=200)
+    assert "--install-completion" in root.output and " ".join(root.output.split()).count("Exit codes: 0") == 1
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--nproc-per-node", "abc"), "--nproc-per-node: 'abc' is not a whole number (e.g. --nproc-per-node 4)"),
+    (("--stall-timeout=soon",), "--stall-timeout: 'soon' is not a number (e.g. --stall-timeout 30)"),
+    (("-v", "-q", "collectives_sanity"), "--verbose and --quiet cannot be used together"),
+])
+def test_a_bad_value_is_one_line_and_exit_2(distcheck, args, line):
+    r = distcheck("run", *args, json=False)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines()[0] == f"distcheck: error: {line}", r.stderr
+    assert "Usage:" not in r.stderr and "Input should be" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_an_unknown_scenario_name_gets_a_did_you_mean(distcheck):
     r = distcheck("run", "auroc_rank0_only_compte", json=False)
     assert r.returncode == 2
