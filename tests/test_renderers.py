@@ -417,7 +417,7 @@ def test_live_view_plain_mode_pairs_each_start_with_its_result(fixed):
         view.on_poll({}, 0.0)
         view.scenario_finished(crash)
         view.scenario_started(_spec("slow"), 3, 4)        # one that takes a while
-        now[0] += 2.5
+        now[0] += 5.5
         view.on_poll({}, 0.0)
     lines = [line.strip() for line in c.file.getvalue().splitlines() if line.startswith("  ") and
              line.strip().startswith(("RUN", "OK", "FAIL"))]
