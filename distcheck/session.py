@@ -56,6 +56,7 @@ class RunHooks:
     scenario_finished: Callable[[ScenarioResult], None] = lambda result: None
     on_poll: Callable | None = None
     note: Callable[[str], None] = lambda text: None      # what distcheck itself is waiting for
+    rank_output: Callable[[int, str], None] | None = None   # a script's ranks' lines, as they write them
 
 
 @dataclass
@@ -119,22 +120,25 @@ def check_script_was_distributed(spec: Target, run: CollectedRun, end_reason: st
 
 
 def run_unit(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
-             on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> list[ScenarioResult]:
+             on_poll: Callable | None = None, cluster: ClusterStore | None = None,
+             on_output: Callable[[int, str], None] | None = None) -> list[ScenarioResult]:
     """One target's results: a scenario's or script's one, a command's one per test it ran."""
     if isinstance(spec, CommandSpec):
         return run_command(spec, options, launch_dir, on_poll, cluster)
-    return [run_scenario(spec, options, launch_dir, run_id, on_poll, cluster)]
+    return [run_scenario(spec, options, launch_dir, run_id, on_poll, cluster,
+                         on_output if isinstance(spec, ScriptSpec) else None)]
 
 
 def run_scenario(spec: Target, options: RunOptions, launch_dir: Path, run_id: str,
-                 on_poll: Callable | None = None, cluster: ClusterStore | None = None) -> ScenarioResult:
+                 on_poll: Callable | None = None, cluster: ClusterStore | None = None,
+                 on_output: Callable[[int, str], None] | None = None) -> ScenarioResult:
     reason = None if isinstance(spec, ScriptSpec) else skip_reason(spec, options.backend, options.nproc_per_node)
     if reason:
         return skipped_result(spec, reason)
     rundir.prepare_launch_dir(launch_dir)   # a re-used --run-dir: nothing stale mixes into this launch
     channel = cluster.launch(launch_dir.name, options.world_size) if cluster is not None else None
     outcome = launch(launch_spec(options, launch_dir, worker_args(spec, options, launch_dir), run_id, channel,
-                                 scenario=isinstance(spec, ScenarioSpec)), on_poll=on_poll)
+                                 scenario=isinstance(spec, ScenarioSpec)), on_poll=on_poll, on_output=on_output)
     return judged_across_nodes(spec, options, launch_dir, outcome, channel)
 
 
@@ -262,7 +266,7 @@ def run_targets(specs: list[Target], options: RunOptions, hooks: RunHooks | None
     check_endpoint_address(options.nodes)
     cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None
     started = time.time()
-    specs = unique_names(specs)
+    specs = unique_names([s.at_world_size(options.world_size) if isinstance(s, ScenarioSpec) else s for s in specs])
     state = _run_all(specs, options, run_dir, launch_base, cluster, hooks)
     output = None
     if isinstance(specs[0], CommandSpec):   # the report's world size is the one the command's ranks reported
@@ -307,7 +311,7 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
             if len(unit) == 1:
                 announce(unit[0])
                 results, leftover = run_unit(unit[0], options, run_dir / unit[0].name, launch_base,
-                                             hooks.on_poll, cluster), []
+                                             hooks.on_poll, cluster, hooks.rank_output), []
             else:
                 batches += 1
                 results, leftover = run_batch(unit, options, run_dir, f"batch-{batches}", launch_base, hooks.on_poll,

@@ -466,7 +466,7 @@ def _terminal_says_what_was_duplicated_and_which_entries_are_off(stdout: str, s:
 def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
     # No targets: the whole built-in catalogue, exactly as the "done when" runs it.
     r = distcheck("run", "--nproc-per-node", "4", "--backend", "gloo", "--stall-timeout", str(STALL),
-                  "--option", f"busy_s={BUSY_S}", timeout=HARD_TIMEOUT_4, env=WIDE)
+                  "--option", f"busy_s={BUSY_S}", "-v", timeout=HARD_TIMEOUT_4, env=WIDE)   # -v: every finding
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     report = r.report
     assert report["verdict"] == "pass"
@@ -486,7 +486,7 @@ def test_the_catalogue_behaves_as_expected_on_2_gloo_ranks(distcheck):
     # On 2 ranks every odd-one-out of the catalogue becomes a tie: no side is blamed.
     # Two pass scenarios ride along in the catalogue's shared launch (they were test_run_e2e.py's pass test).
     r = distcheck("run", *CATALOGUE, *PASSES_AT_2, "--nproc-per-node", "2", "--backend", "gloo", "--stall-timeout",
-                  str(STALL), timeout=HARD_TIMEOUT_2, env=WIDE)
+                  str(STALL), "-v", timeout=HARD_TIMEOUT_2, env=WIDE)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     verify(r, 2, CATALOGUE + PASSES_AT_2)
     report = r.report
