@@ -123,6 +123,7 @@ class SampleRecorder:
         from torch.utils.data.dataloader import _DatasetKind
 
         if getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
+            self._iterable_pass(loader)
             return None
         try:
             size = len(loader.dataset)
@@ -143,6 +144,18 @@ class SampleRecorder:
                   "sampler": index_source(loader), "t_start": time.time(), "drawn": 0}
         self._open[id(loader)] = record
         return record
+
+    def _iterable_pass(self, loader: Any) -> None:
+        """A pass over an ``IterableDataset``: no sampler tells its samples, so only that it started is written
+        (the duplicates check then reads what the ranks fed their metrics instead: ``rank.row_digests``)."""
+        number, passes = self._loader_number(loader)
+        stage, _ = lightning_context()
+        out = {"dataset": f"{type(loader.dataset).__name__} (loader {number}, pass {passes})", "iterable": True,
+               "stage": stage, "t_start": time.time()}
+        if self.path is None:
+            self._done.append(out)
+        else:
+            append_pass(self.path, out)
 
     def _record(self, record: dict[str, Any], index: Any) -> None:
         record["batches"] += 1
