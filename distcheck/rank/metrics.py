@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import weakref
+from array import array
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ MAX_ENTRIES = 4_096            # recorded objects per rank (a metric made per ev
 MAX_COMPUTES = 20_000          # compute() records per rank
 MAX_VALUE_ELEMENTS_KEPT = 2**21   # elements of compute() results kept per rank
 MAX_STREAMS = 20_000           # (metric, epoch) streams of row digests per rank
+DIGESTED_EPOCHS = 16           # per metric: the first epochs' rows digested, then every power of two
 _LIBRARY_METRICS = ("lightning", "pytorch_lightning")   # Lightning's own self.log accumulators
 
 
@@ -80,6 +82,8 @@ class _Entry:
         self.pending: list[tuple] = []   # ("u", epoch, args, kwargs) and ("s", compute index, local state)
         self.pending_bytes = 0
         self.rows: dict[int, dict[str, Any]] = {}   # epoch -> its row digests (rank.row_digests)
+        self.computes: list[tuple] = []   # (epoch, updates, callsite, value, sync tuple or None): _compute_record
+        self.chunks = array("q")          # numbers of the files its inputs went to
 
     @property
     def obj(self) -> Any:
@@ -97,6 +101,7 @@ class MetricRecorder:
         self.rows = RowDigests(rows_cap())
         self.computes = 0          # compute records kept (MAX_COMPUTES)
         self.value_elements = 0    # elements of their values (MAX_VALUE_ELEMENTS_KEPT)
+        self._shared: dict[Any, Any] = {}   # one copy of each callsite and group's ranks, however many computes
         self._local = threading.local()
         self._chunks = 0
         self._drains = 0     # file names stay unique across the scenarios of a batched launch
@@ -177,6 +182,8 @@ class MetricRecorder:
         """The rows this update was fed, as digests in the stream of the entry's epoch (rank.row_digests)."""
         stream = entry.rows.get(entry.epoch)
         if stream is None:
+            if not _digested_epoch(entry.epoch):
+                return
             if len(self.rows.streams) >= MAX_STREAMS:
                 capped(Hook.METRICS_CAP, f"more than {MAX_STREAMS:,} metric epochs; later ones' rows were not digested")
                 return
@@ -198,7 +205,7 @@ class MetricRecorder:
 
     def _compute(self, entry: _Entry, call: Callable[[], Any]) -> Any:
         try:
-            k = len(entry.info["computes"])
+            k = len(entry.computes)
             state = self._copy_state(entry.obj)
             point = _sync_point(entry.obj)
             t0 = time.time()
@@ -233,15 +240,15 @@ class MetricRecorder:
         value = jsonable(result)   # reading the value waits for an asynchronous backend's sync (NCCL)
         t1 = time.time()
         sync = None
-        if point is not None:
+        if point is not None:   # kept as a tuple (a dict per compute() costs more than the rest of the record)
             pg, ranks, seq, group_rank, rank = point
-            sync = {"ranks": ranks, "seq": seq, "after": _seq(pg, seq), "group_rank": group_rank, "rank": rank,
-                    "t0": t0, "t1": t1}
+            ranks = self._shared.setdefault(tuple(ranks), tuple(ranks))
+            sync = (ranks, seq, _seq(pg, seq), group_rank, rank, t0, t1)
         if state is not None and self.over_cap is None:
             entry.pending.append(("s", k, state))
         self._flush(entry)
-        entry.info["computes"].append({"epoch": entry.epoch, "updates": entry.in_epoch, "callsite": user_callsite(),
-                                       "value": value, "sync": sync})
+        site = user_callsite()
+        entry.computes.append((entry.epoch, entry.in_epoch, self._shared.setdefault(site, site), value, sync))
 
     def _entry(self, obj: Any, collection: bool) -> _Entry:
         entry = self.entries.get(id(obj))
@@ -315,7 +322,7 @@ class MetricRecorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / name, "wb") as f:
             _pickler(f).dump(entry.pending)
-        entry.info["chunks"].append(f"{self.dir.name}/{name}")
+        entry.chunks.append(self._chunks - 1)
         entry.pending, entry.pending_bytes = [], 0
 
     def drain(self) -> list[dict[str, Any]]:
@@ -329,12 +336,32 @@ class MetricRecorder:
             if self.over_cap:
                 entry.info["note"] = entry.info["note"] or self.over_cap
             entry.info["rows"] = {str(epoch): self.rows.saved(s) for epoch, s in entry.rows.items()}
+            entry.info["computes"] = [_compute_record(c) for c in entry.computes]
+            entry.info["chunks"] = [f"{self.dir.name}/{entry.key}-records-{n}.pkl" for n in entry.chunks]
             out.append(entry.info)
         self.entries, self.retired = {}, []
         self.rows.clear()
         self.computes = self.value_elements = 0
+        self._shared = {}
         self._drains += 1
         return out
+
+
+def _compute_record(c: tuple) -> dict[str, Any]:
+    """A kept compute() as ``files.metric_records`` reads it."""
+    epoch, updates, callsite, value, sync = c
+    if sync is not None:
+        ranks, seq, after, group_rank, rank, t0, t1 = sync
+        sync = {"ranks": list(ranks), "seq": seq, "after": after, "group_rank": group_rank, "rank": rank,
+                "t0": t0, "t1": t1}
+    return {"epoch": epoch, "updates": updates, "callsite": callsite, "value": value, "sync": sync}
+
+
+def _digested_epoch(epoch: int) -> bool:
+    """Whether the rows of this epoch (updates between two resets) are digested: the first ``DIGESTED_EPOCHS``
+    and then every power of two, the same on every rank, so a metric reset after each of thousands of
+    evaluation passes keeps a few dozen streams."""
+    return epoch < DIGESTED_EPOCHS or epoch & (epoch - 1) == 0
 
 
 def _elements(value: Any) -> int:
