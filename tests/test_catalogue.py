@@ -35,7 +35,7 @@ CATALOGUE = (
     "reduce_op_mismatch", "confmat_local_num_classes", "auroc_empty_rank", "metrics_computed_in_different_order",
     "uneven_shards_allreduce", "rank_raises_mid_loop", "mean_of_means", "weighted_mean",
     "sampler_padding_confmat", "unrepeated_sharding_confmat", "unsharded_eval_data", "straggler",
-    "cpu_state_on_nccl",
+    "cpu_state_on_nccl", "iterable_eval_unsharded",
 )
 
 PASSES_AT_2 = ("collectives_sanity", "auroc_all_ranks_compute")   # with numeric checks, and no finding at all
@@ -250,6 +250,15 @@ def _unsharded(s: dict, world: int) -> None:
     assert "every rank evaluated the same 8 samples" in d["summary"]
     [n] = findings(s, "numeric")
     assert f"the grand total {8 * world} is right" in n["summary"]   # rows wrong, total right
+
+
+@check("iterable_eval_unsharded")
+def _iterable_unsplit(s: dict, world: int) -> None:
+    # No sampler: the rows every rank fed MulticlassAccuracy say that each evaluated the whole stream.
+    [d] = findings(s, "duplicates")
+    assert d["severity"] == "error" and d["data"]["fed"] and d["data"]["same_on_every_rank"]
+    assert d["data"]["rows"] == {str(r): 60 for r in range(world)}
+    assert f"counted {60 * world} rows for 60 samples" in d["summary"]
 
 
 @check("lightning_confmat_limit_val")
