@@ -34,9 +34,9 @@ EXIT_CODES_HELP = (
 )
 
 app = typer.Typer(
-    name="distcheck", add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-    help="A deadlock and desync doctor for PyTorch distributed jobs. " + EXIT_CODES_HELP,
-    epilog=EXIT_CODES_HELP,
+    name="distcheck", no_args_is_help=True, rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="A deadlock and desync doctor for PyTorch distributed jobs.", epilog=EXIT_CODES_HELP,
 )
 
 
@@ -61,36 +61,38 @@ def _console(json_path: str | None) -> Console:
 
 @app.command(epilog=EXIT_CODES_HELP)
 def run(
-    targets: list[str] = typer.Argument(None, help="Built-in scenario names, scenario files or folders (none: all built-ins)."),
-    nproc_per_node: int = typer.Option(None, "--nproc-per-node", help="Ranks to start (default: GPUs for nccl, else 4)."),
-    backend: str = typer.Option("auto", "--backend", help="auto | gloo | nccl (auto: nccl with a GPU per rank, else gloo)."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda: where scenario tensors live (gloo works with both)."),
-    stall_timeout: float = typer.Option(10.0, "--stall-timeout", help="Seconds without progress while a rank waits (and none is busy computing) before it is a hang."),
-    busy_timeout: float = typer.Option(600.0, "--busy-timeout", help="Seconds the others may wait for a rank busy in its own code (late, not hung) before it is a hang."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds for each launch before distcheck ends it (exit 4)."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
-    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here (one testcase per scenario)."),
-    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here (Perfetto, chrome://tracing)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where traces, logs and reports go (default .distcheck/runs/<id>)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for the scenarios' data."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
-    module: Optional[str] = typer.Option(None, "--module", "-m", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
-    max_duration: Optional[float] = typer.Option(None, "--max-duration", help="Pre-flight: end a healthy script after S seconds and report that window."),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank; node 0 hosts distcheck's store and writes the full report."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (node 0's host)."),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="Job id shared by every node."),
-    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", help="c10d, torch's rendezvous (the only one supported)."),
-    rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every node to join."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rendezvous host when --rdzv-endpoint is not given."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port with --master-addr (default 29500)."),
-    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address, where its stores listen (default: the one it reaches the endpoint from)."),
-    store_port: Optional[int] = typer.Option(None, "--store-port", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
-    min_busbw: Optional[str] = typer.Option(None, "--min-busbw", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor: one number for every op, or per op (all_reduce=10,all_gather=8)."),
-    option: list[str] = typer.Option([], "--option", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
-    flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
-    isolate: bool = typer.Option(False, "--isolate", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
-    metric_memory_mb: Optional[float] = typer.Option(None, "--metric-memory-mb", help="Per-rank cap on the torchmetrics update() inputs and states recorded for the single-process reference (default 256); past it the check is skipped with a warning."),
+    targets: list[str] = typer.Argument(None, metavar="TARGETS", show_default=False, rich_help_panel="What to run", help="Built-in scenario names, scenario files or folders (none: all built-ins), or one script."),
+    nproc_per_node: int = typer.Option(None, "--nproc-per-node", metavar="N", rich_help_panel="Launch", help="Ranks to start (default: GPUs for nccl, else 4)."),
+    backend: str = typer.Option("auto", "--backend", metavar="auto|gloo|nccl", rich_help_panel="Launch", help="The process-group backend (auto: nccl with a GPU per rank, else gloo)."),
+    device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda", rich_help_panel="Launch", help="Where scenario tensors live (gloo works with both)."),
+    stall_timeout: float = typer.Option(10.0, "--stall-timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds without progress while a rank waits (and none is busy computing) before it is a hang."),
+    busy_timeout: float = typer.Option(600.0, "--busy-timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds the others may wait for a rank busy in its own code (late, not hung) before it is a hang."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds any one launch may run: at that distcheck ends it and stops the run (exit 4; default: no limit)."),
+    json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH|-", rich_help_panel="Reports", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", metavar="PATH", rich_help_panel="Reports", help="Write a JUnit XML report here (one testcase per scenario)."),
+    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", metavar="PATH", rich_help_panel="Reports", help="Write a Chrome trace-event JSON timeline here (Perfetto, chrome://tracing)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", metavar="DIR", rich_help_panel="Reports", help="Where traces, logs and reports go (default .distcheck/runs/<id>)."),
+    seed: int = typer.Option(0, "--seed", metavar="N", rich_help_panel="What to run", help="Seed for the scenarios' data."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", rich_help_panel="Reports", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", metavar="", rich_help_panel="Reports", help="Print one line: the verdict."),
+    quiet_ranks: bool = typer.Option(False, "--quiet-ranks", metavar="", rich_help_panel="Reports", help="Keep a script's own output in the run dir's logs/rankN.log only (default: also on the terminal as it comes, each line '[rankN]:', as torchrun shows it)."),
+    module: Optional[str] = typer.Option(None, "--module", "-m", metavar="MODULE", rich_help_panel="What to run", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
+    max_duration: Optional[float] = typer.Option(None, "--max-duration", metavar="SECONDS", rich_help_panel="Limits", help="Pre-flight: end a healthy script after S seconds and report that window."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", metavar="N", rich_help_panel="Multi-node", help="This node's rank; node 0 hosts distcheck's store and writes the full report."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", rich_help_panel="Multi-node", help="HOST:PORT of the c10d rendezvous (node 0's host)."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", metavar="ID", rich_help_panel="Multi-node", help="Job id shared by every node."),
+    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", metavar="c10d", rich_help_panel="Multi-node", help="c10d, torch's rendezvous (the only one supported)."),
+    rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", metavar="SECONDS", rich_help_panel="Multi-node", help="Seconds to wait for every node to join."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", metavar="HOST", rich_help_panel="Multi-node", help="Rendezvous host when --rdzv-endpoint is not given."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", metavar="PORT", rich_help_panel="Multi-node", help="Rendezvous port with --master-addr (default 29500)."),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", metavar="HOST", rich_help_panel="Multi-node", help="This node's address, where its stores listen (default: the one it reaches the endpoint from)."),
+    store_port: Optional[int] = typer.Option(None, "--store-port", metavar="PORT", rich_help_panel="Multi-node", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
+    min_busbw: Optional[str] = typer.Option(None, "--min-busbw", metavar="GBPS|OP=GBPS,...", rich_help_panel="Limits", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor: one number for every op, or per op (all_reduce=10,all_gather=8)."),
+    option: list[str] = typer.Option([], "--option", metavar="KEY=VALUE", rich_help_panel="What to run", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
+    flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", metavar="", rich_help_panel="Launch", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
+    isolate: bool = typer.Option(False, "--isolate", metavar="", rich_help_panel="Launch", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
+    metric_memory_mb: Optional[float] = typer.Option(None, "--metric-memory-mb", metavar="MB", rich_help_panel="Limits", help="Per-rank cap on the torchmetrics update() inputs and states recorded for the single-process reference (default 256); past it the check is skipped with a warning."),
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
@@ -104,6 +106,8 @@ def run(
     from distcheck.targets.discovery import run_targets_of
     from distcheck.torch_features import check_supported
 
+    if verbose and quiet:
+        raise UsageError("--verbose and --quiet cannot be used together", "use one: -v shows everything, -q one line")
     check_supported()   # before torch is imported: an old one may fail to import, or fail later
     flags = RunFlags.of({**locals(), "command": shlex.join(["distcheck", *sys.argv[1:]])})
     nodes = check_flags(flags)
@@ -112,14 +116,15 @@ def run(
     start_fork_server(specs, flight_recorder is not False)   # before run_options loads torch
     options = run_options(flags, nodes)
     console = _console(json_path)
-    report = _run_live(specs, options, console, verbose)
-    _print_run_end(report, options, console)
-    _announce(console, _write_json(report, json_path))
-    _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True)
+    report = _run_live(specs, options, console, verbose, quiet, ranks_shown=not (quiet or quiet_ranks))
+    _print_run_end(report, options, console, verbose, quiet)
+    _announce(console, _write_json(report, json_path), quiet)
+    _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True, quiet=quiet)
     raise typer.Exit(int(_exit_code(report)))
 
 
-def _run_live(specs: list[Target], options: RunOptions, console: Console, verbose: bool) -> Report:
+def _run_live(specs: list[Target], options: RunOptions, console: Console, verbose: bool,
+              quiet: bool = False, ranks_shown: bool = False) -> Report:
     """``session.run_targets`` under the live view; SIGTERM ends it like Ctrl-C (``distcheck.interrupt``:
     a report is still written)."""
     from distcheck.report.live import LiveView
@@ -129,27 +134,32 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
     ranks = f"{nodes.nnodes} nodes x {options.nproc_per_node}" if nodes.multi else f"{options.nproc_per_node}"
     on = f"{ranks} {options.backend} ranks" + (f" (node {nodes.node_rank})" if nodes.multi else "")
     what = specs[0].headline(on) if len(specs) == 1 else f"{len(specs)} scenario(s) on {on}"
-    console.print(f"distcheck {__version__}: {what}", style="dim", markup=False, highlight=False)
-    view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose)
+    if not quiet:   # -q: the verdict line alone
+        console.print(f"distcheck {__version__}: {what}", style="dim", markup=False, highlight=False)
+    view = LiveView(console, stall_timeout=options.stall_timeout, busy_timeout=options.busy_timeout, verbose=verbose,
+                    quiet=quiet)
     hooks = RunHooks(scenario_started=view.scenario_started, scenario_finished=view.scenario_finished,
-                     on_poll=view.on_poll, note=view.note)
+                     on_poll=view.on_poll, note=view.note, rank_output=view.rank_line if ranks_shown else None)
     with view:
         return run_targets(specs, options, hooks)
 
 
-def _print_run_end(report: Report, options: RunOptions, console: Console) -> None:
+def _print_run_end(report: Report, options: RunOptions, console: Console, verbose: bool = False,
+                   quiet: bool = False) -> None:
     from distcheck.files.saved_runs import REPORT_FILE
     from distcheck.report import terminal
 
-    console.print(terminal.summary_line(report))
+    console.print(terminal.summary_line(report, verbose, quiet), soft_wrap=quiet)
     nodes = options.nodes
+    if quiet:
+        return
     if nodes.multi and nodes.node_rank != 0 and report.scenarios and report.scenarios[-1].launch_dir:
         console.print(f"      node 0 wrote the full report: {Path(report.scenarios[-1].launch_dir).parent / REPORT_FILE}",
                       markup=False)
 
 
-def _announce(console: Console, written: list[Path]) -> None:
-    for path in written:
+def _announce(console: Console, written: list[Path], quiet: bool = False) -> None:
+    for path in [] if quiet else written:
         console.print(f"      wrote {path}", style="dim", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -166,7 +176,7 @@ def _write_json(report: Report, json_path: str | None) -> list[Path]:
 
 def _write_formats(report: Report, console: Console, *, junit_xml: Path | None, chrome_trace: Path | None,
                    timeline: bool, html: Path | None = None,
-                   events: dict[str, dict[int, list[Event]]] | None = None) -> None:
+                   events: dict[str, dict[int, list[Event]]] | None = None, quiet: bool = False) -> None:
     """JUnit, Chrome trace and the HTML timeline (always into the run dir after a run)."""
     from distcheck.files.saved_runs import TIMELINE_FILE, load_events
     from distcheck.report.outputs import write_outputs
@@ -178,7 +188,7 @@ def _write_formats(report: Report, console: Console, *, junit_xml: Path | None, 
     if events is None:
         events = load_events(report, run_dir)
     _announce(console, write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace,
-                                     html_path=html_path))
+                                     html_path=html_path), quiet)
 
 
 def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -231,7 +241,8 @@ def report_cmd(
     junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
     chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here."),
     html: Optional[Path] = typer.Option(None, "--html", help="Write the HTML timeline here (default: none; every run dir has timeline.html)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table for every scenario."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print one line: the verdict."),
 ) -> None:
     """Re-render a saved run (terminal view and any format) from its report.json and traces, without re-running."""
     from distcheck.files.saved_runs import load_run
@@ -239,10 +250,10 @@ def report_cmd(
 
     saved = load_run(run_dir)
     console = _console(json_path)
-    if verbose or not (json_path or junit_xml or chrome_trace or html):
+    if verbose or not (json_path or junit_xml or chrome_trace or html or quiet):
         terminal.render(saved.report, console, verbose)
-    else:   # only files were asked for: the verdict and where they went, not the whole view again
-        console.print(terminal.summary_line(saved.report))
+    else:   # only files (or -q) were asked for: the verdict and where they went, not the whole view again
+        console.print(terminal.summary_line(saved.report, quiet=quiet), soft_wrap=quiet)
     _announce(console, _write_json(saved.report, json_path))
     _write_formats(saved.report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=False,
                    html=html, events=saved.events)
@@ -336,12 +347,45 @@ def main() -> None:
         sys.exit(int(ExitCode.INTERRUPTED))
     except Exception as exc:
         # click's usage errors (typer vendors click) arrive here with standalone_mode=False
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            sys.stderr.write(f"distcheck: error: {usage_message(exc)}\n")
             sys.exit(int(ExitCode.USAGE))
         if type(exc).__name__ == "Abort":
             sys.exit(int(ExitCode.INTERRUPTED))
         raise
+
+
+_FORMS = {int: ("a whole number", "4"), float: ("a number", "30")}
+
+
+def usage_message(exc: Exception) -> str:
+    """click's usage error as one line: what, where, the valid form ("--nproc-per-node: 'abc' is not a whole
+    number (e.g. --nproc-per-node 4)"), instead of its usage block and pydantic's wording."""
+    param = getattr(exc, "param", None)
+    ctx = getattr(exc, "ctx", None)
+    where = f" (see 'distcheck {ctx.info_name} -h')" if ctx is not None and ctx.parent is not None else \
+        " (see 'distcheck -h')"
+    opts = getattr(param, "opts", None)
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if opts and annotation in _FORMS:
+        name = max(opts, key=len)
+        value = _given(name)
+        form, example = _FORMS[annotation]
+        given = f"{value!r} is not {form}" if value is not None else f"needs {form}"
+        return f"{name}: {given} (e.g. {name} {example})"
+    first = exc.format_message().splitlines()[0] if exc.format_message() else type(exc).__name__
+    return first + where
+
+
+def _given(name: str) -> str | None:
+    """The value the command line gave an option ("--n 3" or "--n=3")."""
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _exit_now(code: int) -> None:

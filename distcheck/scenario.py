@@ -14,10 +14,11 @@ scenario's optional dependencies.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from distcheck.models import FINDING_KINDS
 
@@ -39,6 +40,9 @@ class ScenarioSpec:
     min_world_size: int = 2
     description: str = ""
     builtin: bool = False
+    # (world size, expectation) where it differs from ``expect``: at 2 ranks an extra call against the
+    # others' barrier has no odd one out (each side waits in its own call: a certain hang, no mismatch)
+    expect_by_world_size: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -46,7 +50,27 @@ class ScenarioSpec:
             "requires": list(self.requires), "backends": list(self.backends),
             "min_world_size": self.min_world_size, "description": self.description,
             "builtin": self.builtin,
+            "expect_by_world_size": {str(n): list(e) for n, e in self.expect_by_world_size},
         }
+
+    def at_world_size(self, world_size: int) -> ScenarioSpec:
+        """This scenario as it runs on ``world_size`` ranks: ``expect`` is what it expects there."""
+        expect = dict(self.expect_by_world_size).get(world_size, self.expect)
+        return dataclasses.replace(self, expect=expect)
+
+
+def expectations_by_world_size(value: Mapping[int, str | tuple[str, ...]], where: str) -> tuple[
+        tuple[int, tuple[str, ...]], ...]:
+    """``expect_by_world_size={2: "hang"}`` checked, as the spec keeps it."""
+    out = []
+    for n, expect in sorted(value.items()):
+        expected = (expect,) if isinstance(expect, str) else tuple(expect)
+        unknown = [e for e in expected if e not in EXPECTATIONS]
+        if not isinstance(n, int) or n < 1 or unknown:
+            raise ValueError(f"{where}: expect_by_world_size wants {{ranks: expectation}} with ranks ≥ 1 and "
+                             f"expectations among {', '.join(EXPECTATIONS)} (got {n!r}: {expect!r})")
+        out.append((n, expected))
+    return tuple(out)
 
 
 def missing_requirements(spec: ScenarioSpec, cpu_tensors: bool = True, backend: str = "gloo") -> list[str]:
@@ -88,17 +112,20 @@ def scenario(
     requires: tuple[str, ...] = (),
     backends: tuple[str, ...] = BACKENDS,
     min_world_size: int = 2,
+    expect_by_world_size: Mapping[int, str | tuple[str, ...]] | None = None,
 ) -> Callable[[Callable], Callable]:
-    """Mark a function as a distcheck scenario (runtime side of the declaration)."""
+    """Mark a function as a distcheck scenario (runtime side of the declaration). ``expect_by_world_size``
+    ({2: "hang"}): what it expects instead at those rank counts."""
     expected = (expect,) if isinstance(expect, str) else tuple(expect)
     unknown = [e for e in expected if e not in EXPECTATIONS]
     if unknown:
         raise ValueError(f"unknown expectation {unknown[0]!r}; use one of {', '.join(EXPECTATIONS)}")
+    by_size = expectations_by_world_size(expect_by_world_size or {}, "@scenario")
 
     def mark(fn: Callable) -> Callable:
         fn.__distcheck_scenario__ = {  # type: ignore[attr-defined]
             "expect": expected, "requires": tuple(requires),
-            "backends": tuple(backends), "min_world_size": min_world_size,
+            "backends": tuple(backends), "min_world_size": min_world_size, "expect_by_world_size": by_size,
         }
         return fn
 

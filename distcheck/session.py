@@ -47,6 +47,7 @@ class RunHooks:
     scenario_finished: Callable[[ScenarioResult], None] = lambda result: None
     on_poll: Callable | None = None
     note: Callable[[str], None] = lambda text: None      # what distcheck itself is waiting for
+    rank_output: Callable[[int, str], None] | None = None   # a script's ranks' lines, as they write them
 
 
 @dataclass
@@ -104,8 +105,9 @@ def run_targets(targets: list[Target], options: RunOptions, hooks: RunHooks | No
     check_endpoint_address(options.nodes)
     cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None
     started = time.time()
-    targets = unique_names(targets)
-    state = _run_all(targets, RunContext(options, run_dir, launch_base, cluster, hooks.on_poll), hooks)
+    targets = unique_names([t.at_world_size(options.world_size) for t in targets])
+    state = _run_all(targets, RunContext(options, run_dir, launch_base, cluster, hooks.on_poll, hooks.rank_output),
+                     hooks)
     reported, output = targets[0].as_reported(options, run_dir)
     report = Report(run=run_info(reported, run_dir, started, output), scenarios=tuple(state.results),
                     interrupted=state.interrupted)

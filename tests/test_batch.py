@@ -182,7 +182,7 @@ def test_a_shared_launch_with_an_aborting_scenario_keeps_exceptions_where_they_h
     """Names sort a, b, c; the launch runs b, c (healthy first), then a, which aborts a rank."""
     path = tmp_path / "aborting.py"
     path.write_text(ABORTING)
-    r = distcheck("run", str(path), "--nproc-per-node", "2", "--stall-timeout", "5")
+    r = distcheck("run", str(path), "--nproc-per-node", "2", "--stall-timeout", "5", "-v")
     assert r.returncode == 1, r.stderr[-3000:]
     report = r.report
     assert [s["name"] for s in report["scenarios"]] == ["b_ok", "c_ok", "a_aborts"]   # the order they ran
@@ -190,7 +190,7 @@ def test_a_shared_launch_with_an_aborting_scenario_keeps_exceptions_where_they_h
     assert b["ok"] and c["ok"]
     assert [x["exception"] for x in b["ranks"] + c["ranks"]] == [None] * 4
     assert "ValueError: rank 1 gives up" in [x["exception"] for x in a["ranks"]]
-    # Plain output (not a terminal): a start line for every scenario, counted in run order.
+    # Plain output (not a terminal) at -v: a start line for every scenario, counted in run order.
     starts = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("RUN ")]
     assert starts == ["RUN  b_ok  [1/3]", "RUN  c_ok  [2/3]", "RUN  a_aborts  [3/3]"], r.stdout
     assert f"wrote {r.json_path}" in r.stdout      # --json PATH says where it went, like the other outputs

@@ -35,7 +35,7 @@ CATALOGUE = (
     "reduce_op_mismatch", "confmat_local_num_classes", "auroc_empty_rank", "metrics_computed_in_different_order",
     "uneven_shards_allreduce", "rank_raises_mid_loop", "mean_of_means", "weighted_mean",
     "sampler_padding_confmat", "unrepeated_sharding_confmat", "unsharded_eval_data", "straggler",
-    "cpu_state_on_nccl",
+    "cpu_state_on_nccl", "iterable_eval_unsharded",
 )
 
 PASSES_AT_2 = ("collectives_sanity", "auroc_all_ranks_compute")   # with numeric checks, and no finding at all
@@ -252,6 +252,15 @@ def _unsharded(s: dict, world: int) -> None:
     assert f"the grand total {8 * world} is right" in n["summary"]   # rows wrong, total right
 
 
+@check("iterable_eval_unsharded")
+def _iterable_unsplit(s: dict, world: int) -> None:
+    # No sampler: the rows every rank fed MulticlassAccuracy say that each evaluated the whole stream.
+    [d] = findings(s, "duplicates")
+    assert d["severity"] == "error" and d["data"]["fed"] and d["data"]["same_on_every_rank"]
+    assert d["data"]["rows"] == {str(r): 60 for r in range(world)}
+    assert f"counted {60 * world} rows for 60 samples" in d["summary"]
+
+
 @check("lightning_confmat_limit_val")
 def _seed_confmat(s: dict, world: int) -> None:
     # The sync is right (the replay agrees); the rows count only the 120 samples per rank the cut pass saw.
@@ -466,7 +475,7 @@ def _terminal_says_what_was_duplicated_and_which_entries_are_off(stdout: str, s:
 def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
     # No targets: the whole built-in catalogue, exactly as the "done when" runs it.
     r = distcheck("run", "--nproc-per-node", "4", "--backend", "gloo", "--stall-timeout", str(STALL),
-                  "--option", f"busy_s={BUSY_S}", timeout=HARD_TIMEOUT_4, env=WIDE)
+                  "--option", f"busy_s={BUSY_S}", "-v", timeout=HARD_TIMEOUT_4, env=WIDE)   # -v: every finding
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     report = r.report
     assert report["verdict"] == "pass"
@@ -486,7 +495,7 @@ def test_the_catalogue_behaves_as_expected_on_2_gloo_ranks(distcheck):
     # On 2 ranks every odd-one-out of the catalogue becomes a tie: no side is blamed.
     # Two pass scenarios ride along in the catalogue's shared launch (they were test_run_e2e.py's pass test).
     r = distcheck("run", *CATALOGUE, *PASSES_AT_2, "--nproc-per-node", "2", "--backend", "gloo", "--stall-timeout",
-                  str(STALL), timeout=HARD_TIMEOUT_2, env=WIDE)
+                  str(STALL), "-v", timeout=HARD_TIMEOUT_2, env=WIDE)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     verify(r, 2, CATALOGUE + PASSES_AT_2)
     report = r.report

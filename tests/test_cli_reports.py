@@ -134,6 +134,30 @@ def test_every_command_help_lists_the_exit_codes():
                "130 interrupted" in text, name
 
 
+def test_run_help_is_typers_rich_help_with_option_groups_and_h():
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "-h"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for panel in ("What to run", "Launch", "Limits", "Reports", "Multi-node"):
+        assert f"─ {panel} " in result.output, panel
+    assert "--nproc-per-node" in result.output and " N " in result.output and "<int>" not in result.output
+    assert " ".join(result.output.split()).count("Exit codes: 0") == 1
+    root = runner.invoke(app, ["--help"], terminal_width=200)
+    assert "--install-completion" in root.output and " ".join(root.output.split()).count("Exit codes: 0") == 1
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--nproc-per-node", "abc"), "--nproc-per-node: 'abc' is not a whole number (e.g. --nproc-per-node 4)"),
+    (("--stall-timeout=soon",), "--stall-timeout: 'soon' is not a number (e.g. --stall-timeout 30)"),
+    (("-v", "-q", "collectives_sanity"), "--verbose and --quiet cannot be used together"),
+])
+def test_a_bad_value_is_one_line_and_exit_2(distcheck, args, line):
+    r = distcheck("run", *args, json=False)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines()[0] == f"distcheck: error: {line}", r.stderr
+    assert "Usage:" not in r.stderr and "Input should be" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_an_unknown_scenario_name_gets_a_did_you_mean(distcheck):
     r = distcheck("run", "auroc_rank0_only_compte", json=False)
     assert r.returncode == 2
@@ -141,3 +165,56 @@ def test_an_unknown_scenario_name_gets_a_did_you_mean(distcheck):
                                         "did you mean 'auroc_rank0_only_compute' or 'auroc_all_ranks_compute'?")
     far = distcheck("list", "zzz_nothing_like_it", json=False)
     assert far.returncode == 2 and "did you mean" not in far.stderr and "built-in scenarios:" in far.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_builtins_pass_at_every_rank_count_a_node_has_in_one_screen(distcheck, nproc):
+    """The README's first command (every built-in on gloo) at 2 and 4 ranks: exit 0, one screen, no [error]
+    line for a finding a scenario expected; at 2 ranks the two odd-one-out scenarios expect the certain hang."""
+    r = distcheck("run", "--nproc-per-node", str(nproc), "--backend", "gloo", timeout=560)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) <= 60, r.stdout
+    assert not [line for line in lines if "[error]" in line], r.stdout
+    [verdict] = [line for line in lines if line.startswith(("PASS", "FAIL"))]
+    assert verdict.startswith("PASS  ") and "scenarios behaved as expected" in verdict, r.stdout
+    ran = {s["name"]: s for s in r.report["scenarios"] if not s["skipped"]}
+    odd_one_out = ("ddp_extra_step_then_barrier", "monitored_barrier_skipped_by_one_rank")
+    for name in odd_one_out:
+        assert ran[name]["expected"] == (["hang"] if nproc == 2 else ["mismatch"]), ran[name]
+
+
+
+SCRIPT = '''
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(2)
+dist.all_reduce(t)
+print(f"sum {t[0].item():g} on rank {rank}", flush=True)
+if rank == 1:
+    raise ValueError("rank 1 gives up")
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_a_scripts_own_output_reaches_the_terminal_with_rank_prefixes(distcheck, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    r = distcheck("run", str(script), "--nproc-per-node", "2", "--stall-timeout", "5", timeout=150)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[rank0]:sum 2 on rank 0" in r.stdout and "[rank1]:sum 2 on rank 1" in r.stdout
+    assert "[rank1]:ValueError: rank 1 gives up" in r.stdout
+    shown = [line for line in r.stdout.splitlines() if line.startswith("[rank1]:")]
+    assert any('train.py", line' in line for line in shown), shown
+    assert not any("worker.py" in line or "runpy" in line for line in shown), shown   # distcheck's frames: out
+    log = (r.run_dir / "train" / "logs" / "rank1.log").read_text()
+    assert "sum 2 on rank 1" in log and "worker.py" in log          # the log keeps every frame
+    quiet = distcheck("run", str(script), "--nproc-per-node", "2", "--stall-timeout", "5", "--quiet-ranks",
+                      timeout=150)
+    assert quiet.returncode == 1 and "[rank" not in quiet.stdout, quiet.stdout

@@ -110,6 +110,50 @@ def test_a_hang_fails_with_the_diagnosis_and_the_other_tests_still_run(pytester)
     print(f"\n{summary[0]}; pytest took {took:.1f} s")
 
 
+SHARED = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(nproc=2)
+def test_all_reduce(dist_ctx):
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t[0] == 2
+
+
+@pytest.mark.distributed(nproc=2)
+def test_rank0_only(dist_ctx):
+    dist.all_reduce(torch.ones(2))
+    if dist_ctx.rank == 0:
+        dist.barrier()   # HANG LINE
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(200)
+def test_a_certain_hang_in_a_shared_launch_is_named_at_once_on_the_failed_line(pytester):
+    """Two tests in one launch; rank 1 is past the second (it waits for rank 0 at the test's end, through the
+    store) while rank 0 waits in a barrier: a certain hang, named well before the stall timeout (30 s here),
+    and pytest's FAILED line says it."""
+    path = pytester.makepyfile(test_x=SHARED)
+    line = path.read_text().splitlines().index("        dist.barrier()   # HANG LINE") + 1
+    junit = str(pytester.path / "junit.xml")
+    result = run_pytest(pytester, str(path), "--distcheck-stall-timeout", "30", f"--junitxml={junit}", "-rf",
+                        timeout=150)
+    result.assert_outcomes(passed=1, failed=1)
+    summary = [x for x in result.outlines if x.startswith("distcheck: ")]
+    assert summary and "2 distributed test(s) in 1 launch(es)" in summary[0], result.outlines[-10:]
+    text = failures(junit)["test_rank0_only"]
+    assert text.startswith(f"Failed: hang: rank 0 in barrier at test_x.py:{line}; rank 1 never entered"), text
+    detected = re.search(r"detected (\d+\.\d) s after the last progress", text)
+    assert detected and float(detected[1]) <= 1.0, text
+    assert "Decided: certain: rank 1 finished" in " ".join(text.split())
+    failed = [x for x in result.outlines if x.startswith("FAILED ")]
+    assert failed and "hang: rank 0 in barrier" in failed[0], result.outlines[-5:]
+
+
 SMALL = '''
 import pytest
 import torch

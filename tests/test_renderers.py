@@ -140,7 +140,7 @@ def console(width=100):
 # -- terminal -------------------------------------------------------------------
 
 
-def test_terminal_shows_every_scenario_finding_and_the_rank_table(fixed):
+def test_terminal_by_default_shows_findings_only_where_the_outcome_was_not_expected(fixed):
     report, _ = fixed
     c = console()
     terminal.render(report, c)
@@ -148,10 +148,31 @@ def test_terminal_shows_every_scenario_finding_and_the_rank_table(fixed):
     assert "OK   auroc_rank0_only_compute  expected hang, observed hang" in out
     assert "FAIL reduce_op_mismatch  expected pass, observed mismatch" in out
     assert "SKIP nccl_only" in out
-    assert "HANG [error] Rank 0 is waiting in barrier #4" in out
-    assert "barrier #4 [BinaryAUROC.compute]" in out          # the stuck rank's row
-    assert "FAIL  3/4 scenarios behaved as expected, 1 skipped" in out
+    assert "Rank 0 is waiting in barrier #4" not in out       # the expected hang: its one line only
+    assert "MISMATCH [error]" in out                           # the unexpected one: its findings and ranks
+    assert "[error]" not in "".join(line for line in out.splitlines() if "HANG" in line)
+    assert "FAIL  3/4 scenarios behaved as expected (2 planted bugs found, 1 clean), 1 skipped" in out
+    assert "needs attention: reduce_op_mismatch (pass expected, mismatch observed)" in out
+    assert "torch 2" not in out                                # the torch line is -v's (and distcheck env's)
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_terminal_verbose_marks_expected_findings_expected_and_shows_every_rank_table(fixed):
+    report, _ = fixed
+    c = console()
+    terminal.render(report, c, verbose=True)
+    out = c.file.getvalue()
+    assert "HANG [expected] Rank 0 is waiting in barrier #4" in out
+    assert "barrier #4 [BinaryAUROC.compute]" in out          # the stuck rank's row
+    assert "MISMATCH [error]" in out
+
+
+def test_terminal_quiet_is_one_line(fixed):
+    report, _ = fixed
+    c = console()
+    terminal.render(report, c, quiet=True)
+    [line] = c.file.getvalue().splitlines()
+    assert line.startswith("FAIL  3/4 scenarios behaved as expected")
 
 
 def test_terminal_rerender_from_json_is_identical(fixed):
@@ -373,6 +394,47 @@ def test_live_view_plain_mode_prints_lines_and_one_stall_line(fixed):
     assert out.count("no progress for") == 1
     assert "rank 0 in barrier #4 [group 0] [BinaryAUROC.compute] for" in out and "ranks 1, 2, 3 finished" in out
     assert "OK   auroc_rank0_only_compute" in out
+
+
+def _spec(name):
+    return ScenarioSpec(name=name, file="x.py")
+
+
+def test_live_view_plain_mode_pairs_each_start_with_its_result(fixed):
+    """Piped: no block of RUN lines first. The run's first launch says it started; a shared launch's other
+    targets are one result line each; a later launch's RUN line comes once it takes a while."""
+    report, _ = fixed
+    now = [T0]
+    c = console(120)
+    view = LiveView(c, stall_timeout=3, clock=lambda: now[0])
+    hang, mismatch, crash = report.scenarios[:3]
+    with view:
+        for i, result in enumerate((hang, mismatch)):     # one shared launch
+            view.scenario_started(_spec(result.name), i, 4)
+        view.scenario_finished(hang)
+        view.scenario_finished(mismatch)
+        view.scenario_started(_spec(crash.name), 2, 4)    # a launch of its own, quick
+        view.on_poll({}, 0.0)
+        view.scenario_finished(crash)
+        view.scenario_started(_spec("slow"), 3, 4)        # one that takes a while
+        now[0] += 5.5
+        view.on_poll({}, 0.0)
+    lines = [line.strip() for line in c.file.getvalue().splitlines() if line.startswith("  ") and
+             line.strip().startswith(("RUN", "OK", "FAIL"))]
+    assert [line.split()[:2] for line in lines] == [
+        ["RUN", hang.name], ["OK", hang.name], ["FAIL", mismatch.name], ["OK", crash.name], ["RUN", "slow"]]
+
+
+def test_live_view_quiet_prints_nothing(fixed):
+    report, _ = fixed
+    c = console(120)
+    view = LiveView(c, stall_timeout=3, quiet=True)
+    with view:
+        view.scenario_started(_spec(report.scenarios[0].name), 0, 1)
+        view.on_poll(STALLED, 2.0)
+        view.note("waiting for the fork server")
+        view.scenario_finished(report.scenarios[0])
+    assert c.file.getvalue() == ""
 
 
 def test_live_view_on_a_terminal_uses_a_live_display(fixed):

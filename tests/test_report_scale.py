@@ -162,7 +162,7 @@ def test_a_wide_jobs_terminal_and_junit_reports_give_one_line_to_ranks_alike():
     finding = type(result.findings[0])(**{**result.findings[0].__dict__, "ranks": result.findings[0].ranks + waiting})
     report = Report(run=report.run, scenarios=(type(result)(**{**result.__dict__, "findings": (finding,)}),))
     out = io.StringIO()
-    terminal.render(report, Console(file=out, width=120, color_system=None))
+    terminal.render(report, Console(file=out, width=120, color_system=None), verbose=True)   # an expected hang's ranks: -v
     rows = [line.split() for line in out.getvalue().splitlines() if " stuck " in f" {line} " or " finished " in line]
     assert rows == [["0-4090,", "4092-4095", "(4,095)", "stuck", "3", "-"], ["4091", "finished", "2", "-"]]
     body = junit.render(report)
@@ -173,5 +173,5 @@ def test_a_wide_jobs_terminal_and_junit_reports_give_one_line_to_ranks_alike():
 
     small, _ = hang(4, 2, finished=3)
     out = io.StringIO()
-    terminal.render(small, Console(file=out, width=120, color_system=None))
+    terminal.render(small, Console(file=out, width=120, color_system=None), verbose=True)
     assert sum(1 for line in out.getvalue().splitlines() if " stuck " in f" {line} ") == 3

@@ -244,6 +244,26 @@ def test_the_rank_that_used_the_wrong_mesh_dimension_is_named_before_the_cycle()
     assert cycle.waiting_ranks == (0, 1, 2, 3) and cycle.data["caused_by"]["ranks"] == [1]
 
 
+DP8 = {r: (str(r % 4 + 1), (r % 4, r % 4 + 4)) for r in range(8)}          # a (2, 4) mesh: "dp" pairs
+TP8 = {r: ("5", (0, 1, 2, 3)) if r < 4 else ("6", (4, 5, 6, 7)) for r in range(8)}
+
+
+def test_at_8_ranks_the_rank_that_used_the_wrong_mesh_dimension_is_still_named():
+    """On a (2, 4) mesh the cycle's parts are 3 ranks waiting for 1 in a "tp" group and 1 for 3 in the other, so
+    they stay separate hangs (a side outnumbered); the waits still lead round: rank 7 is named before them.
+    Each trace ends where the real 8-rank run's ranks ended."""
+    traces = {r: [mesh_ev(r, DP8, 1, LOSS), mesh_ev(r, TP8, 1, ACT, done=False)] for r in (0, 1, 2)}
+    traces[3] = [mesh_ev(3, DP8, 1, LOSS, done=False)]
+    traces.update({r: [mesh_ev(r, DP8, 1, LOSS), mesh_ev(r, TP8, 1, ACT), mesh_ev(r, DP8, 2, LOSS, done=False)]
+                   for r in (4, 5, 6)})
+    traces[7] = [mesh_ev(7, TP8, 1, LOSS), mesh_ev(7, TP8, 2, ACT, done=False)]
+    assert out_of_step_ranks(traces) == {7: (0, [3, 4, 5, 6])}
+    errors = [f for f in stalled(traces) if f.severity == "error"]
+    assert errors[0].kind == "order" and errors[0].odd_ranks == (7,)
+    hangs = errors[1:]
+    assert hangs and all(f.kind == "hang" and f.data["caused_by"]["ranks"] == [7] for f in hangs)
+
+
 def test_ranks_that_follow_one_mesh_pattern_have_no_rank_out_of_step():
     assert out_of_step_ranks(_mesh_traces(odd=None)) == {}
     outcomes = {r: RankOutcome(rank=r, state="finished", phase="finished") for r in range(4)}

@@ -269,7 +269,7 @@ def test_every_report_lists_the_torch_features():
                   started_at="2026-12-01T00:00:00", torch_features=flags)
     report = Report(run=run, scenarios=())
     console = Console(width=400, record=True)
-    console.print(terminal.summary_line(report))
+    console.print(terminal.summary_line(report, verbose=True))   # the torch line is -v's (and distcheck env's)
     line = console.export_text()
     assert "torch 2.6.0 · yes: libuv TCPStore, Flight Recorder, group sequence counter · no: " in line
     assert "Flight Recorder on gloo (torch 2.8+)" in line

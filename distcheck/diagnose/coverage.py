@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from distcheck.models import HOOK_LOST, Finding, Hook, RankOutcome
+from distcheck.models import CAP_HOOKS, HOOK_LOST, Finding, Hook, RankOutcome
 from distcheck.text import rank_list
 
 
@@ -37,9 +37,22 @@ def find_hook_failures(outcomes: Mapping[int, RankOutcome]) -> list[Finding]:
             lost = HOOK_LOST[Hook(hook)]
         except ValueError:   # a hook a newer distcheck named
             lost = "part of what it records was not recorded"
+        if hook in {h.value for h in CAP_HOOKS}:
+            found.append(_cap_note(hook, ranks, error.removeprefix("CapReached: "), lost))
+            continue
         found.append(Finding(
             kind="coverage", severity="info", odd_ranks=ranks,
             summary=(f"On {rank_list(list(ranks))}, distcheck's {hook} hook failed {count} time(s) ({error}): {lost}. "
                      "Your program was not affected: distcheck caught its own error."),
             data={"hook": hook, "count": count, "error": error, "lost": lost}))
     return found
+
+
+def _cap_note(hook: str, ranks: tuple[int, ...], why: str, lost: str) -> Finding:
+    """A recorder that reached its memory cap: a limit distcheck keeps on itself, not a failure."""
+    recorder = hook.removesuffix("_cap")
+    return Finding(
+        kind="coverage", severity="info", odd_ranks=ranks,
+        summary=(f"On {rank_list(list(ranks))}, distcheck's {recorder} recorder reached its memory cap ({why}): "
+                 f"{lost}. Your program was not affected: the cap bounds what distcheck keeps in its process."),
+        data={"hook": hook, "capped": True, "error": why, "lost": lost})

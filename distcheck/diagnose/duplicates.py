@@ -1,6 +1,7 @@
 """Duplicated or missed samples: the DataLoader passes every rank recorded,
 per dataset, with the likely cause in plain words; and how much of the
-dataset a pass cut short covered. Pure.
+dataset a pass cut short covered. Where no sampler tells (an IterableDataset),
+the rows the ranks fed a synced torchmetrics metric (``find_fed_duplicates``). Pure.
 
 Repeated or missing samples are an error only where they reach a result compared or
 reported across ranks: a pass whose samples no collective consumed, a training pass
@@ -42,15 +43,20 @@ def find_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int,
                             use=use, sampler=_sampler_of(records[dataset]))
         if f is not None:
             findings.append(f)
-    return findings
+    return findings + find_fed_duplicates(results, world_size)
 
 
 def _records(results: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, dict]]:
     out: dict[str, dict[int, dict]] = defaultdict(dict)
     for rank, res in sorted(results.items()):
-        for rec in res.get("samples", ()):
+        for rec in _drawn(res):
             out[rec["dataset"]][rank] = rec
     return out
+
+
+def _drawn(res: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A rank's passes whose indices were recorded (an IterableDataset's pass is only a start time)."""
+    return [rec for rec in res.get("samples", ()) if not rec.get("iterable")]
 
 
 def _sampler_of(recs: Mapping[int, Mapping[str, Any]]) -> str | None:
@@ -92,7 +98,7 @@ def _passes(results: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict[str, i
     sizes: dict[str, int] = {}
     records: dict[str, dict[int, dict]] = defaultdict(dict)
     for rank, res in sorted(results.items()):
-        for rec in res.get("samples", ()):
+        for rec in _drawn(res):
             per_dataset[rec["dataset"]][rank].extend(rec["ids"])
             sizes[rec["dataset"]] = rec["dataset_size"]
             records[rec["dataset"]][rank] = rec
@@ -258,3 +264,143 @@ def _how_counted(duplicated: Mapping[int, list[int]], missing: Sequence[int]) ->
         n = len(missing)
         parts.append(f"{plural(n, 'sample')} ({_ids(missing)}) {'was' if n == 1 else 'were'} never seen")
     return " and ".join(parts)
+
+
+# -- duplicates seen in the data: what the ranks fed a synced metric ------------------------------------------
+#
+# Where no sampler tells which samples a rank drew (an IterableDataset), the rows each rank fed a torchmetrics
+# metric (``rank.row_digests``: one digest per row of an update's preds, target and other batch tensors) say it.
+# Real data repeats rows (all-zero inputs, a label space of three classes), so only rows that occur once in a
+# rank's own stream are evidence: seen on another rank too, they are the same sample. An error needs a strong
+# signal: most of the distinctive rows of two or more ranks fed elsewhere too. Streams identical on every rank
+# but made of repeating rows are a warning (the data may be so); a smaller share of distinctive rows, an info.
+
+MIN_DISTINCT_ROWS = 16      # distinctive rows a rank needs before its share says anything
+STRONG_SHARE = 0.5          # of a rank's distinctive rows, fed on another rank too: an error
+WEAK_SHARE = 0.1            # ...: an info line
+_SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
+
+
+def find_fed_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Finding]:
+    """One finding per synced metric whose ranks were fed the same rows, where no sampler says what they drew."""
+    from distcheck.files.metric_records import chains, entries_by_rank, joint_computes
+
+    recorded = entries_by_rank(results)
+    if not recorded or any("t_start" not in rec for res in results.values() for rec in res.get("samples", ())):
+        return []   # nothing fed, or a scenario recorded its own samples: they tell
+    findings = []
+    for chain in chains(joint_computes({r: list(ms.values()) for r, ms in recorded.items()})):
+        members = [(r, recorded[r][key]) for r, key in chain["members"]]
+        f = _fed_finding(members, _fed_verdicts(chain, members, results), world_size)
+        if f is not None:
+            findings.append(f)
+    return findings
+
+
+def _fed_verdicts(chain: Mapping[str, Any], members: Sequence[tuple[int, Mapping[str, Any]]],
+                  results: Mapping[int, Mapping[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """(the overlap found in each distinct set of epochs the chain's computes covered, how many sets were checked)."""
+    verdicts, seen = [], set()
+    for joint in chain["joints"]:
+        epochs = tuple(m["computes"][k]["epoch"] for (_, m), k in zip(members, joint["computes"]))
+        if epochs in seen:
+            continue
+        seen.add(epochs)
+        streams = {grank: m.get("rows", {}).get(str(e)) for grank, (_, m), e in zip(joint["ranks"], members, epochs)}
+        if any(s is None for s in streams.values()) or any(
+                _sampler_tells(results.get(r, {}), s) for (r, _), s in zip(members, streams.values())):
+            continue
+        verdict = fed_overlap(streams)
+        if verdict is not None:
+            verdicts.append({**verdict, "compute": joint["computes"][0]})
+    return verdicts, len(seen)
+
+
+def _sampler_tells(res: Mapping[str, Any], stream: Mapping[str, Any]) -> bool:
+    """Whether the pass feeding this stream (the rank's last one started before its first update) was drawn
+    through a sampler: then the sampler's indices are the evidence (``find_duplicates``), not the rows."""
+    before = [rec for rec in res.get("samples", ()) if rec["t_start"] <= stream["t0"]]
+    last = max(before, key=lambda rec: rec["t_start"], default=None)
+    return last is not None and not last.get("iterable")
+
+
+def fed_overlap(streams: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """How much of what each rank fed was fed on another rank too, and how sure that is (``severity``).
+
+    ``streams``: rank -> {"digests", "rows", "level"}; digests kept at a lower level are brought to the
+    highest, so every rank's kept rows are the same sample of the data."""
+    mask = (1 << max(int(s.get("level", 0)) for s in streams.values())) - 1
+    seqs = {r: [d for d in s["digests"] if not d & mask] for r, s in streams.items()}
+    counts = {r: Counter(seq) for r, seq in seqs.items()}
+    distinct = {r: [d for d, n in c.items() if n == 1] for r, c in counts.items()}
+    share = {r: (sum(1 for d in distinct[r] if any(d in counts[o] for o in counts if o != r)) / len(distinct[r])
+                 if distinct[r] else 0.0) for r in seqs}
+    evidence = {r for r in seqs if len(distinct[r]) >= MIN_DISTINCT_ROWS}
+    first = next(iter(seqs.values()))
+    identical = len(seqs) > 1 and all(seq == first for seq in seqs.values()) and \
+        len({s["rows"] for s in streams.values()}) == 1
+    strong = sorted(r for r in evidence if share[r] >= STRONG_SHARE)
+    if len(strong) >= 2:
+        severity, ranks = "error", strong
+    elif identical and len(first) >= MIN_DISTINCT_ROWS and _changes(first) >= MIN_DISTINCT_ROWS:
+        severity, ranks = "warning", sorted(seqs)
+    elif any(share[r] >= WEAK_SHARE for r in evidence):
+        severity, ranks = "info", sorted(r for r in evidence if share[r] >= WEAK_SHARE)
+    else:
+        return None
+    return {"severity": severity, "ranks": ranks, "identical": identical,
+            "share": {r: round(share[r], 3) for r in sorted(seqs)}, "rows": {r: s["rows"] for r, s in streams.items()},
+            "distinct_rows": {r: len(distinct[r]) for r in sorted(seqs)}, "sampled": bool(mask)}
+
+
+def _changes(seq: Sequence[int]) -> int:
+    """How often consecutive rows differ: sorted data (a run of each class) changes rarely."""
+    return sum(1 for a, b in zip(seq, seq[1:]) if a != b)
+
+
+def _fed_finding(members: Sequence[tuple[int, Mapping[str, Any]]], found: tuple[list[dict[str, Any]], int],
+                 world_size: int) -> Finding | None:
+    verdicts, checked = found
+    if not verdicts:
+        return None
+    worst = min(verdicts, key=lambda v: (_SEVERITY_RANK[v["severity"]], -max(v["share"].values())))
+    m = members[0][1]
+    site = m["computes"][worst["compute"]].get("callsite")
+    where = f"{m['class']} at {_site_line(site)}"
+    fed = sum(worst["rows"].values())
+    often = f", in {len(verdicts)} of the {checked} evaluations checked" if checked > 1 else ""
+    ranks = worst["ranks"]
+    n = next(iter(worst["rows"].values()))
+    if worst["identical"] and worst["severity"] == "error":
+        counted, cause = f"{fed:,} rows were counted for {n:,} samples", "every rank fed the metric the same rows"
+        what = (f"each of its {len(worst['rows'])} ranks fed its update() the same {plural(n, 'row')}{often}: the "
+                f"data is not split across the ranks, so its synced compute() counted {fed:,} rows for {n:,} samples")
+    elif worst["severity"] == "warning":
+        counted, cause = f"{fed:,} rows were counted", "every rank may have fed the metric the same rows"
+        what = (f"every rank fed it the same {plural(n, 'row')} in the same order{often}, but its rows repeat within "
+                f"a rank too (few distinct values), so this may be the data itself")
+    else:
+        pct = ", ".join(f"rank {r}: {worst['share'][r]:.0%}" for r in ranks)
+        counted, cause = "some rows were counted more than once", "several ranks fed the metric the same rows"
+        what = (f"of the rows that occur once on a rank, {pct} were fed on another rank too{often}: samples reach "
+                f"its synced compute() from several ranks")
+    fix = ("give every rank its own shard: an IterableDataset must split its stream itself (each rank takes "
+           "every world_size-th item from its rank, or datasets' split_dataset_by_node), or use a map-style dataset "
+           "with a DistributedSampler")
+    tail = (f"Fix: {fix}." if worst["severity"] == "error" else
+            f"If each rank should see different samples, {fix}." if worst["severity"] == "warning" else
+            "Real data can repeat rows, so this is only a note.")
+    return Finding(
+        kind="duplicates", severity=worst["severity"], odd_ranks=tuple(ranks), callsite=site,
+        summary=f"{where}: {what}. {tail}",
+        data={"metric": m["class"], "callsite": site, "fed": True, "same_on_every_rank": worst["identical"],
+              "counted": counted, "cause": cause,
+              "share": {str(r): v for r, v in worst["share"].items()},
+              "rows": {str(r): v for r, v in worst["rows"].items()},
+              "distinct_rows": {str(r): v for r, v in worst["distinct_rows"].items()}, "sampled": worst["sampled"],
+              "evaluations": len(verdicts), "evaluations_checked": checked, "world_size": world_size})
+
+
+def _site_line(site: str | None) -> str:
+    """'eval.py:41': the file's name and the compute() line."""
+    return ":".join(site.rsplit("/", 1)[-1].split(":")[:2]) if site else "an unknown line"

@@ -74,19 +74,49 @@ def out_of_step_ranks(traces: Mapping[int, Sequence[Event]]) -> dict[int, tuple[
 def find_out_of_step(traces: Mapping[int, Sequence[Event]], hangs: Sequence[Finding]) -> list[Finding]:
     """An ``order`` finding for each rank out of step with its groups, when a cycle of waits goes
     through it (the cycle is its consequence)."""
-    cycles = [h for h in hangs if h.kind == "hang" and h.data.get("cycle")]
-    if not cycles:
+    in_cycle = ranks_in_a_cycle(hangs)
+    if not in_cycle:
         return []
-    in_cycle = {r for h in cycles for r in h.waiting_ranks}
     return [_finding(r, at, ps, traces) for r, (at, ps) in sorted(out_of_step_ranks(traces).items()) if r in in_cycle]
+
+
+def ranks_in_a_cycle(hangs: Sequence[Finding]) -> set[int]:
+    """The ranks whose waits lead back to themselves, across every hang finding (waiting → absent): a merged
+    cycle finding, or, on a larger mesh, separate hangs (3 ranks waiting for 1 in one group, 1 for 3 in
+    another) that ``hang.merge_cycles`` leaves apart because one side of a part is outnumbered."""
+    edges: dict[int, set[int]] = {}
+    for h in hangs:
+        if h.kind != "hang":
+            continue
+        for part in h.data.get("cycle") or ():
+            for r in part.get("ranks", ()):
+                edges.setdefault(r, set()).update(x for x in h.waiting_ranks if x != r)
+        for r in h.waiting_ranks:
+            edges.setdefault(r, set()).update(h.absent_ranks)
+    return {r for r in edges if _reaches(r, r, edges)}
+
+
+def _reaches(start: int, goal: int, edges: Mapping[int, set[int]]) -> bool:
+    seen: set[int] = set()
+    todo = list(edges.get(start, ()))
+    while todo:
+        r = todo.pop()
+        if r == goal:
+            return True
+        if r not in seen:
+            seen.add(r)
+            todo.extend(edges.get(r, ()))
+    return False
 
 
 def caused_by_out_of_step(hangs: Sequence[Finding], culprits: Sequence[Finding]) -> list[Finding]:
     """The cycles through a rank out of step, marked as its consequence (shown after it)."""
     odd = {r: f for f in culprits for r in f.odd_ranks}
+    in_cycle = ranks_in_a_cycle(hangs) if odd else set()
     out = []
     for h in hangs:
-        cause = next((odd[r] for r in h.waiting_ranks if r in odd), None) if h.data.get("cycle") else None
+        cause = next((odd[r] for r in sorted(in_cycle) if r in odd), None) \
+            if set(h.waiting_ranks) & in_cycle else None
         if cause is None:
             out.append(h)
             continue

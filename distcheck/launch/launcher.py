@@ -25,6 +25,7 @@ from distcheck.launch import forkserver
 from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.launch import rendezvous
+from distcheck.launch.rank_output import RankOutput
 from distcheck.launch.cluster import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
@@ -364,8 +365,10 @@ def _wait_for_synced_records(files: LaunchFiles, since: float, timeout_s: float)
         time.sleep(0.02)
 
 
-def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None) -> LaunchOutcome:
-    """Run one job to its end under the watchdog. Never leaves a process behind."""
+def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
+           on_output: Callable[[int, str], None] | None = None) -> LaunchOutcome:
+    """Run one job to its end under the watchdog. Never leaves a process behind. ``on_output``: each line
+    the ranks write, as they write it (``rank_output``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import elastic_launch
 
@@ -386,6 +389,9 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
           _survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
         entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it
         watchdog.start()
+        output = RankOutput(files.root / "logs", on_output) if on_output is not None else None
+        if output is not None:
+            output.start()
         try:
             elastic_launch(config, entry)(*args)
         except (SignalException, KeyboardInterrupt):
@@ -399,6 +405,8 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         finally:
             watchdog.stop()
             watchdog.join(timeout=15)
+            if output is not None:
+                output.stop()
             procs.kill_descendants()
             files.trim_traces()
     if spec.forked:   # torch's agent reports the first forked rank it saw fail; the others' ends are in their files

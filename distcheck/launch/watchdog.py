@@ -65,6 +65,12 @@ class Decision(enum.Enum):
 _END_REASONS = {Decision.STALL: EndReason.STALL, Decision.DEADLOCK: EndReason.CERTAIN_HANG,
                 Decision.BUSY_TIMEOUT: EndReason.BUSY_TIMEOUT, Decision.TIMEOUT: EndReason.TIMEOUT,
                 Decision.MAX_DURATION: EndReason.MAX_DURATION, Decision.INTERRUPTED: EndReason.INTERRUPTED}
+def _done_with_current(status: RankStatus | None) -> bool:
+    """A shared launch's rank whose status has the scenario it runs among those it finished (the worker
+    writes both before it waits for its peers at that scenario's end)."""
+    return bool(status and status.current and status.scenarios and status.current in status.scenarios)
+
+
 # Bounds on the evidence an interrupted launch takes before its teardown (the whole run ends within 2 s).
 INTERRUPT_STACKS_S = 0.6
 INTERRUPT_FLIGHT_RECORDER_S = 0.8
@@ -93,6 +99,9 @@ class RankProgress:
     # it was seen; None: none seen lately.
     evidence: str | None = None
     evidence_age: float = 0.0
+    # A shared launch: its part of the scenario running now is over (it waits for the others at the scenario's
+    # end, through the store); it enters none of that scenario's collectives again.
+    done_with_scenario: bool = False
 
     @property
     def dead(self) -> bool:
@@ -100,7 +109,10 @@ class RankProgress:
 
     @property
     def finished(self) -> bool:
-        return self.alive and self.phase == Phase.FINISHED
+        """It will enter no collective the others wait in: its work ended, or (a shared launch) its part of the
+        scenario they are in (the second of two pytest tests: a rank past it does not make rank 0's barrier
+        an uncertain wait until the stall timeout)."""
+        return self.alive and (self.phase == Phase.FINISHED or self.done_with_scenario)
 
     @property
     def outside(self) -> bool:
@@ -274,7 +286,7 @@ class RankMonitor:
                 rss_bytes=rss, peak_rss_bytes=peak, cpu=cpu, busy_at=self.busy_at.get(rank),
                 waits=tuple((c.group, c.seq, c.members, c.signature) for c in opened),
                 entered=dict(tail.entered), settled=tail.settled,
-                left=tail.left_calls,
+                left=tail.left_calls, done_with_scenario=not opened and _done_with_current(status),
                 **self._evidence(rank, pid, tail.stack_digest, now, outside=not opened),
             )
         return out

@@ -14,6 +14,8 @@ import pytest
 
 from distcheck.errors import DistcheckError
 from distcheck.pytest.plan import Outcome, Planned, PluginState
+from distcheck.report.frames import without_own_frames
+from distcheck.report.words import headline
 
 if TYPE_CHECKING:
     from distcheck.models import ScenarioResult
@@ -133,8 +135,8 @@ def _from_test(traceback: str) -> str:
     test = next((i for i, line in enumerate(lines) if shim is not None and i > shim and line.startswith("  File ")),
                 None)
     if test is None:
-        return traceback
-    return "Traceback (most recent call last, on the rank):\n" + "\n".join(lines[test:])
+        return without_own_frames(traceback)
+    return "Traceback (most recent call last, on the rank):\n" + without_own_frames("\n".join(lines[test:]))
 
 
 def judge(item: pytest.Item, outcome: Outcome) -> None:
@@ -150,4 +152,6 @@ def judge(item: pytest.Item, outcome: Outcome) -> None:
     text = diagnosis(result)
     assertion = rank_assertion(result)
     where = f"\nrun dir: {outcome.run_dir}"
-    pytest.fail((f"{assertion}\n\n" if assertion else "") + text + where, pytrace=False)
+    # the first line is what pytest's short summary shows: "FAILED test_x.py::t - hang: rank 0 in barrier ..."
+    # (a rank's assert: its "rank 1: AssertionError: ..." line)
+    pytest.fail(f"{assertion or headline(result)}\n\n" + text + where, pytrace=False)

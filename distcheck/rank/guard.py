@@ -36,6 +36,16 @@ def failed(hook: Hook, exc: BaseException) -> None:
         pass
 
 
+class CapReached(Exception):
+    """A recorder reached the cap on what it keeps in the user's process: said once, as a coverage note."""
+
+
+def capped(hook: Hook, why: str) -> None:
+    """Say (once per hook) that a recorder stopped keeping something at its memory cap; never raises."""
+    if hook.value not in _FAILURES:
+        failed(hook, CapReached(why))
+
+
 def set_publisher(publish: Callable[[dict[str, dict[str, Any]]], None] | None) -> None:
     """Where counts go (the rank's status file); failures counted before it was set are sent now."""
     global _publish

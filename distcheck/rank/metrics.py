@@ -24,6 +24,13 @@ The metric itself is never touched: inputs are copied, the original call runs
 unchanged. Recorded inputs and states are capped per rank
 (``DISTCHECK_METRIC_MEMORY_MB``, default 256); past the cap they are dropped with
 a note and only the cross-rank comparison of results remains.
+
+Bounded memory in the rank (rule 0): a recorded object is held by a weak reference
+(a metric the user drops is freed); inputs go to disk every ``FLUSH_BYTES`` rather
+than waiting for ``compute()``; at most ``MAX_ENTRIES`` objects, ``MAX_COMPUTES``
+compute records and ``MAX_VALUE_ELEMENTS_KEPT`` result elements are kept, and the
+per-row digests of what each update was fed (``rank.row_digests``, for the
+duplicates check) have a cap of their own. Reaching a cap is one ``coverage`` note.
 """
 
 from __future__ import annotations
@@ -34,15 +41,24 @@ import pickle
 import sys
 import threading
 import time
+import weakref
+from array import array
 from pathlib import Path
 from typing import Any, Callable
 
 from distcheck.files.metric_records import pack
-from distcheck.rank.guard import Hook, failed
+from distcheck.rank.guard import Hook, capped, failed
+from distcheck.rank.row_digests import RowDigests, packed_tensors, digest_rows, rows_cap
 
 MEMORY_ENV = "DISTCHECK_METRIC_MEMORY_MB"
 DEFAULT_MEMORY_MB = 256
 MAX_VALUE_ELEMENTS = 65_536    # larger compute() results are compared by shape only
+FLUSH_BYTES = 4 * 2**20        # recorded inputs held in memory before they are written out
+MAX_ENTRIES = 4_096            # recorded objects per rank (a metric made per evaluation pass)
+MAX_COMPUTES = 20_000          # compute() records per rank
+MAX_VALUE_ELEMENTS_KEPT = 2**21   # elements of compute() results kept per rank
+MAX_STREAMS = 20_000           # (metric, epoch) streams of row digests per rank
+DIGESTED_EPOCHS = 16           # per metric: the first epochs' rows digested, then every power of two
 _LIBRARY_METRICS = ("lightning", "pytorch_lightning")   # Lightning's own self.log accumulators
 
 
@@ -51,7 +67,11 @@ class _Entry:
 
     def __init__(self, key: str, obj: Any, collection: bool) -> None:
         cls = type(obj)
-        self.key, self.obj, self.collection = key, obj, collection
+        self.key, self.collection = key, collection
+        try:   # weak: a metric the user drops is freed, its record stays
+            self.ref: Callable[[], Any] = weakref.ref(obj)
+        except TypeError:
+            self.ref = lambda: obj
         self.info: dict[str, Any] = {
             "id": key, "class": cls.__name__, "module": cls.__module__, "qualname": cls.__qualname__,
             "collection": collection, "sync_on_compute": _sync_on_compute(obj), "fresh": None, "chunks": [],
@@ -60,14 +80,28 @@ class _Entry:
         self.epoch = 0            # resets so far
         self.in_epoch = 0         # updates since the last reset
         self.pending: list[tuple] = []   # ("u", epoch, args, kwargs) and ("s", compute index, local state)
+        self.pending_bytes = 0
+        self.rows: dict[int, dict[str, Any]] = {}   # epoch -> its row digests (rank.row_digests)
+        self.computes: list[tuple] = []   # (epoch, updates, callsite, value, sync tuple or None): _compute_record
+        self.chunks = array("q")          # numbers of the files its inputs went to
+
+    @property
+    def obj(self) -> Any:
+        """The recorded object, or None once the user's code let it go."""
+        return self.ref()
 
 
 class MetricRecorder:
     def __init__(self, directory: Path, cap_bytes: int) -> None:
         self.dir, self.cap = directory, cap_bytes
         self.entries: dict[int, _Entry] = {}
+        self.retired: list[_Entry] = []   # objects freed whose id a newer object took: still to be drained
         self.bytes = 0
         self.over_cap: str | None = None
+        self.rows = RowDigests(rows_cap())
+        self.computes = 0          # compute records kept (MAX_COMPUTES)
+        self.value_elements = 0    # elements of their values (MAX_VALUE_ELEMENTS_KEPT)
+        self._shared: dict[Any, Any] = {}   # one copy of each callsite and group's ranks, however many computes
         self._local = threading.local()
         self._chunks = 0
         self._drains = 0     # file names stay unique across the scenarios of a batched launch
@@ -97,7 +131,7 @@ class MetricRecorder:
         Rule 0: an error in the recording is counted (rank.guard), never raised into the user's call."""
         try:
             skip = (type(obj).__module__.split(".")[0] in _LIBRARY_METRICS or not _judged(obj)
-                    or self._credited_elsewhere(obj, kind))
+                    or self._credited_elsewhere(obj, kind) or self._full(obj))
             stack = self._stack()
         except Exception as exc:
             self._unrecorded(obj, exc)
@@ -116,25 +150,62 @@ class MetricRecorder:
                 return self._compute(entry, call)
             result = call()
             try:
-                self._after(entry, kind, copied)
+                self._after(entry, kind, copied, args, kwargs)
             except Exception as exc:
                 self._unrecorded(obj, exc)
             return result
         finally:
             stack.pop()
 
-    def _after(self, entry: _Entry, kind: str, copied: Any) -> None:
+    def _full(self, obj: Any) -> bool:
+        """Whether ``obj`` is a new object past the cap on recorded objects (then it is not recorded)."""
+        entry = self.entries.get(id(obj))
+        if len(self.entries) + len(self.retired) < MAX_ENTRIES or (entry is not None and entry.obj is obj):
+            return False
+        capped(Hook.METRICS_CAP, f"more than {MAX_ENTRIES:,} torchmetrics objects; later ones were not recorded")
+        return True
+
+    def _after(self, entry: _Entry, kind: str, copied: Any, args: tuple = (), kwargs: dict | None = None) -> None:
         if kind == "update":
             entry.info["updates"] += 1
             entry.in_epoch += 1
+            self._digest(entry, copied if copied is not None else (args, kwargs or {}))
             if copied is not None and self.over_cap is None:
                 entry.pending.append(("u", entry.epoch, *copied))
+                entry.pending_bytes += sum(len(p.data) for p in packed_tensors(copied))
+                if entry.pending_bytes > FLUSH_BYTES:
+                    self._flush(entry)
         elif kind == "reset":
             entry.epoch, entry.in_epoch = entry.epoch + 1, 0
 
+    def _digest(self, entry: _Entry, inputs: Any) -> None:
+        """The rows this update was fed, as digests in the stream of the entry's epoch (rank.row_digests)."""
+        stream = entry.rows.get(entry.epoch)
+        if stream is None:
+            if not _digested_epoch(entry.epoch):
+                return
+            if len(self.rows.streams) >= MAX_STREAMS:
+                capped(Hook.METRICS_CAP, f"more than {MAX_STREAMS:,} metric epochs; later ones' rows were not digested")
+                return
+            stream = entry.rows[entry.epoch] = self.rows.stream()
+        digests, rows = digest_rows(inputs, _TENSOR)
+        self.rows.add(stream, digests, rows)
+
+    def _keeps_compute(self, entry: _Entry, result: Any) -> bool:
+        """Whether one more compute record (and its value) fits the rank's caps; past them, say so once."""
+        size = _elements(result)
+        if self.computes < MAX_COMPUTES and self.value_elements + size <= MAX_VALUE_ELEMENTS_KEPT:
+            self.computes += 1
+            self.value_elements += size
+            return True
+        capped(Hook.METRICS_CAP, f"more than {MAX_COMPUTES:,} compute() records or {MAX_VALUE_ELEMENTS_KEPT:,} result "
+                                 f"elements; later compute() calls were not recorded")
+        entry.info["note"] = entry.info["note"] or "distcheck's cap on compute() records was reached"
+        return False
+
     def _compute(self, entry: _Entry, call: Callable[[], Any]) -> Any:
         try:
-            k = len(entry.info["computes"])
+            k = len(entry.computes)
             state = self._copy_state(entry.obj)
             point = _sync_point(entry.obj)
             t0 = time.time()
@@ -164,23 +235,28 @@ class MetricRecorder:
     def _computed(self, entry: _Entry, k: int, state: dict | None, point: tuple | None, t0: float,
                   result: Any) -> None:
         """Record compute() number ``k`` of ``entry`` once it returned ``result``."""
+        if not self._keeps_compute(entry, result):
+            return
         value = jsonable(result)   # reading the value waits for an asynchronous backend's sync (NCCL)
         t1 = time.time()
         sync = None
-        if point is not None:
+        if point is not None:   # kept as a tuple (a dict per compute() costs more than the rest of the record)
             pg, ranks, seq, group_rank, rank = point
-            sync = {"ranks": ranks, "seq": seq, "after": _seq(pg, seq), "group_rank": group_rank, "rank": rank,
-                    "t0": t0, "t1": t1}
+            ranks = self._shared.setdefault(tuple(ranks), tuple(ranks))
+            sync = (ranks, seq, _seq(pg, seq), group_rank, rank, t0, t1)
         if state is not None and self.over_cap is None:
             entry.pending.append(("s", k, state))
         self._flush(entry)
-        entry.info["computes"].append({"epoch": entry.epoch, "updates": entry.in_epoch, "callsite": user_callsite(),
-                                       "value": value, "sync": sync})
+        site = user_callsite()
+        entry.computes.append((entry.epoch, entry.in_epoch, self._shared.setdefault(site, site), value, sync))
 
     def _entry(self, obj: Any, collection: bool) -> _Entry:
         entry = self.entries.get(id(obj))
-        if entry is None or entry.obj is not obj:   # an id reused after the first object was freed
-            entry = self.entries[id(obj)] = _Entry(f"m{self._drains}-{len(self.entries)}", obj, collection)
+        if entry is None or entry.obj is not obj:   # new, or an id reused after the first object was freed
+            if entry is not None:
+                self.retired.append(entry)
+            number = len(self.entries) + len(self.retired)
+            entry = self.entries[id(obj)] = _Entry(f"m{self._drains}-{number}", obj, collection)
             # Files are named relative to the launch's metrics folder (another node's arrive there); where
             # they were written is kept too (a batched scenario's launch dir is not the one they were written in).
             entry.info["written_in"] = str(self.dir.parent)
@@ -232,8 +308,10 @@ class MetricRecorder:
         mb = self.cap / 2**20
         self.over_cap = (f"the recorded update() inputs passed this rank's {mb:g} MiB cap (--metric-memory-mb, "
                          f"{MEMORY_ENV}), so they were dropped")
-        for entry in self.entries.values():
+        capped(Hook.METRICS_CAP, self.over_cap)
+        for entry in [*self.retired, *self.entries.values()]:
             entry.pending.clear()
+            entry.pending_bytes = 0
             entry.info["note"] = entry.info["note"] or self.over_cap
 
     def _flush(self, entry: _Entry) -> None:
@@ -244,23 +322,59 @@ class MetricRecorder:
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / name, "wb") as f:
             _pickler(f).dump(entry.pending)
-        entry.info["chunks"].append(f"{self.dir.name}/{name}")
-        entry.pending = []
+        entry.chunks.append(self._chunks - 1)
+        entry.pending, entry.pending_bytes = [], 0
 
     def drain(self) -> list[dict[str, Any]]:
         """Every recorded object so far, forgotten afterwards (one scenario's, or the script's)."""
         out = []
-        for entry in self.entries.values():
+        for entry in [*self.retired, *self.entries.values()]:
             try:
                 self._flush(entry)
             except Exception as exc:   # an input that cannot be pickled: this object goes unchecked
                 entry.info["note"] = entry.info["note"] or f"could not save its inputs ({type(exc).__name__}: {exc})"
             if self.over_cap:
                 entry.info["note"] = entry.info["note"] or self.over_cap
+            entry.info["rows"] = {str(epoch): self.rows.saved(s) for epoch, s in entry.rows.items()}
+            entry.info["computes"] = [_compute_record(c) for c in entry.computes]
+            entry.info["chunks"] = [f"{self.dir.name}/{entry.key}-records-{n}.pkl" for n in entry.chunks]
             out.append(entry.info)
-        self.entries = {}
+        self.entries, self.retired = {}, []
+        self.rows.clear()
+        self.computes = self.value_elements = 0
+        self._shared = {}
         self._drains += 1
         return out
+
+
+def _compute_record(c: tuple) -> dict[str, Any]:
+    """A kept compute() as ``files.metric_records`` reads it."""
+    epoch, updates, callsite, value, sync = c
+    if sync is not None:
+        ranks, seq, after, group_rank, rank, t0, t1 = sync
+        sync = {"ranks": list(ranks), "seq": seq, "after": after, "group_rank": group_rank, "rank": rank,
+                "t0": t0, "t1": t1}
+    return {"epoch": epoch, "updates": updates, "callsite": callsite, "value": value, "sync": sync}
+
+
+def _digested_epoch(epoch: int) -> bool:
+    """Whether the rows of this epoch (updates between two resets) are digested: the first ``DIGESTED_EPOCHS``
+    and then every power of two, the same on every rank, so a metric reset after each of thousands of
+    evaluation passes keeps a few dozen streams."""
+    return epoch < DIGESTED_EPOCHS or epoch & (epoch - 1) == 0
+
+
+def _elements(value: Any) -> int:
+    """How many numbers a compute() result holds, as ``jsonable`` keeps it (a large tensor: its shape only)."""
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        n = numel()
+        return n if n <= MAX_VALUE_ELEMENTS else 1
+    if isinstance(value, dict):
+        return sum(_elements(v) for v in value.values()) + 1
+    if isinstance(value, (list, tuple)):
+        return sum(_elements(v) for v in value) + 1
+    return 1
 
 
 def _is_collection(obj: Any) -> bool:

@@ -17,14 +17,16 @@ finishes (``flush``), whichever comes first.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 import weakref
+from array import array
 from pathlib import Path
 from typing import Any
 
 from distcheck.files.samples import append_pass
-from distcheck.rank.guard import Hook, failed
+from distcheck.rank.guard import Hook, capped, failed
 
 # Lightning's stage -> the Trainer setting that caps the batches of a pass in that stage
 _LIGHTNING_LIMITS = {
@@ -78,20 +80,50 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, type(None))) else str(value)
 
 
+MAX_IDS_ENV = "DISTCHECK_SAMPLES_MAX_IDS"
+DEFAULT_MAX_IDS = 1_000_000     # per pass: 8 MB of indices while the pass is open
+
+
+def max_ids() -> int:
+    try:
+        return max(1, int(os.environ.get(MAX_IDS_ENV, DEFAULT_MAX_IDS)))
+    except ValueError:
+        return DEFAULT_MAX_IDS
+
+
 class SampleRecorder:
-    """``path``: where a script's passes go (JSON lines). None (scenarios): kept for ``drain``."""
+    """``path``: where a script's passes go (JSON lines). None (scenarios): kept for ``drain``.
+
+    Bounded memory (rule 0): loaders are held by weak references (a loader the user dropped is freed,
+    its number never reused); a pass's indices are a compact array while the pass is open, capped at
+    ``max_ids`` (``DISTCHECK_SAMPLES_MAX_IDS``); with a file, a pass is written when it ends and not
+    kept. Reaching the cap is said once, as a ``coverage`` note (``guard.capped``).
+    """
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._loaders: dict[int, tuple[int, int]] = {}   # id(loader) -> (loader number, passes so far)
-        self._loader_refs: list[Any] = []                # keep ids unique while recording
+        self.max_ids = max_ids()
+        self._loaders: dict[int, tuple[int, int, Any]] = {}   # id(loader) -> (number, passes so far, weak ref)
+        self._numbers = 0                                     # loaders seen so far (numbers are never reused)
         self._open: dict[int, dict[str, Any]] = {}       # id(loader) -> its pass not yet written
-        self._done: list[dict[str, Any]] = []            # written passes, for drain()
+        self._done: list[dict[str, Any]] = []            # written passes, for drain() (scenarios only)
+
+    def _loader_number(self, loader: Any) -> tuple[int, int]:
+        """(the loader's number, its passes so far), counting this one; forgotten when the loader is freed."""
+        key = id(loader)
+        held = self._loaders.get(key)
+        if held is None or held[2]() is not loader:   # new, or an id reused after its loader was freed
+            held = (self._numbers, 0, weakref.ref(loader, functools.partial(_forget, self._loaders, key)))
+            self._numbers += 1
+        number, passes, ref = held
+        self._loaders[key] = (number, passes + 1, ref)
+        return number, passes
 
     def _new_pass(self, loader: Any) -> dict[str, Any] | None:
         from torch.utils.data.dataloader import _DatasetKind
 
         if getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
+            self._iterable_pass(loader)
             return None
         try:
             size = len(loader.dataset)
@@ -100,33 +132,56 @@ class SampleRecorder:
         previous = self._open.pop(id(loader), None)
         if previous is not None:     # the loader's last pass was abandoned: a new one starts
             self._finish(previous)
-        number, passes = self._loaders.get(id(loader), (len(self._loaders), 0))
-        if id(loader) not in self._loaders:
-            self._loader_refs.append(loader)
-        self._loaders[id(loader)] = (number, passes + 1)
+        number, passes = self._loader_number(loader)
         name = f"{type(loader.dataset).__name__} (loader {number}, pass {passes})"
         try:
             expected = len(loader.sampler)   # what a full pass draws (DistributedSampler: padded share)
         except TypeError:
             expected = None
         stage, limits = lightning_context()
-        record = {"dataset": name, "dataset_size": size, "ids": [], "expected": expected, "complete": False,
+        record = {"dataset": name, "dataset_size": size, "ids": array("q"), "expected": expected, "complete": False,
                   "batches": 0, "batch_size": getattr(loader, "batch_size", None), "stage": stage, "limits": limits,
-                  "sampler": index_source(loader), "t_start": time.time()}
+                  "sampler": index_source(loader), "t_start": time.time(), "drawn": 0}
         self._open[id(loader)] = record
         return record
 
+    def _iterable_pass(self, loader: Any) -> None:
+        """A pass over an ``IterableDataset``: no sampler tells its samples, so only that it started is written
+        (the duplicates check then reads what the ranks fed their metrics instead: ``rank.row_digests``)."""
+        number, passes = self._loader_number(loader)
+        stage, _ = lightning_context()
+        out = {"dataset": f"{type(loader.dataset).__name__} (loader {number}, pass {passes})", "iterable": True,
+               "stage": stage, "t_start": time.time()}
+        if self.path is None:
+            self._done.append(out)
+        else:
+            append_pass(self.path, out)
+
     def _record(self, record: dict[str, Any], index: Any) -> None:
         record["batches"] += 1
+        ids = record["ids"]
+        before = len(ids)
         if isinstance(index, (list, tuple)):
-            record["ids"].extend(int(i) for i in index)
+            record["drawn"] += len(index)
+            room = self.max_ids - before
+            ids.extend(int(i) for i in (index if len(index) <= room else index[:max(room, 0)]))
         elif isinstance(index, int):
-            record["ids"].append(index)
+            record["drawn"] += 1
+            if before < self.max_ids:
+                ids.append(index)
+        if record["drawn"] > len(ids):
+            self._capped(record)
         # Loops that count batches (Lightning) never ask past the last one: a pass is
         # complete as soon as it drew everything its sampler holds.
-        if record["expected"] is not None and len(record["ids"]) >= record["expected"]:
+        if record["expected"] is not None and record["drawn"] >= record["expected"]:
             record["complete"] = True
             self._finish(record)
+
+    def _capped(self, record: dict[str, Any]) -> None:
+        if not record.get("ids_capped"):
+            record["ids_capped"] = True
+            capped(Hook.SAMPLES_CAP, f"a DataLoader pass drew more than {self.max_ids:,} samples ({MAX_IDS_ENV}); "
+                                     f"only its first {self.max_ids:,} indices were kept")
 
     def _finish(self, record: dict[str, Any]) -> None:
         if record.get("written"):
@@ -136,8 +191,12 @@ class SampleRecorder:
             if open_record is record:
                 del self._open[key]
         out = {k: record[k] for k in _RECORD_KEYS}
-        self._done.append(out)
+        out["ids"] = record["ids"].tolist()
+        if record.get("ids_capped"):   # the pass drew more than it kept: its accounting is that of a cut pass
+            out["complete"], out["ids_capped"] = False, record["drawn"]
+        record["ids"] = array("q")     # the iterator may live on (its finalizer holds the record): free the ids
         if self.path is None:
+            self._done.append(out)
             return
         append_pass(self.path, out)
 
@@ -199,6 +258,13 @@ class SampleRecorder:
 
         _BaseDataLoaderIter.__init__ = init
         _BaseDataLoaderIter._next_index = next_index
+
+
+def _forget(loaders: dict[int, tuple[int, int, Any]], key: int, ref: Any) -> None:
+    """A loader was freed: forget it (unless its id already names a newer loader)."""
+    held = loaders.get(key)
+    if held is not None and held[2] is ref:
+        del loaders[key]
 
 
 ACTIVE: SampleRecorder | None = None   # the rank's recorder, once installed

@@ -18,6 +18,7 @@ import re
 import xml.etree.ElementTree as ET
 
 from distcheck.models import EndReason, Finding, RankDetail, RankOutcome, Report, ScenarioResult
+from distcheck.report.frames import without_own_frames
 from distcheck.report.words import alike_ranks, verdict
 from distcheck.text import short_path
 from distcheck.torch_features import LABELS
@@ -123,7 +124,7 @@ def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None
     if result.ok and result.findings:
         out.append(f"{said}:\n\n{findings}")
     if result.log_tail:
-        out.append("log tail:\n" + result.log_tail)
+        out.append("log tail (distcheck's own frames left out):\n" + without_own_frames(result.log_tail))
     if out:
         ET.SubElement(case, "system-out").text = _x("\n\n".join(out))
 

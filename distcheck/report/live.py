@@ -22,9 +22,11 @@ from rich.table import Table
 from rich.text import Text
 
 from distcheck.report import terminal
+from distcheck.report.frames import OwnFrames
 from distcheck.text import rank_list, short_path
 
 MAX_ROWS = 12
+ANNOUNCE_AFTER_S = 5.0      # plain output: a later launch's RUN line once it has run this long
 
 
 class RankProgress(Protocol):
@@ -187,8 +189,9 @@ class LiveView:
 
     def __init__(self, console: Console, *, stall_timeout: float, verbose: bool = False,
                  clock: Callable[[], float] = time.time, interactive: bool | None = None,
-                 busy_timeout: float | None = None) -> None:
+                 busy_timeout: float | None = None, quiet: bool = False) -> None:
         self.console = console
+        self.quiet = quiet          # -q: nothing but the summary line the caller prints
         self.stall_timeout = stall_timeout
         self.busy_timeout = busy_timeout
         self.verbose = verbose
@@ -200,6 +203,9 @@ class LiveView:
         self._late_reported = False
         self._lock = threading.Lock()
         self._live: Live | None = None
+        self._open: dict[str, str] = {}     # started, no result yet (a shared launch's targets): "[i/n]"
+        self._announced: set[str] = set()   # whose RUN line is printed
+        self._frames: dict[int, OwnFrames] = {}   # per rank: inside a distcheck frame of a traceback
 
     # rich calls this on every refresh
     def __rich__(self) -> Group:
@@ -221,11 +227,32 @@ class LiveView:
         with self._lock:
             self.state = LiveState(name=spec.name, index=index, total=total, started=self.clock())
             self._stall_reported = self._late_reported = False
-        if not self.interactive:
-            self.console.print(f"  RUN  {spec.name}  [{index + 1}/{total}]", style="dim", markup=False,
-                               highlight=False, soft_wrap=True)
+            first = not self._open
+            self._open[spec.name] = f"[{index + 1}/{total}]"
+        # Plain output pairs a start with its result: a target's RUN line comes at once only for the run's
+        # first launch (the wait for the rendezvous); a later launch's once it has taken ANNOUNCE_AFTER_S
+        # (a quick one is just its result line). A shared launch's other targets get theirs (-v) right
+        # above their result, or with a stall line about them.
+        if first and not self._announced:
+            self._announce(spec.name)
+
+    def _announce(self, name: str | None) -> None:
+        if self.interactive or self.quiet or name is None or name in self._announced:
+            return
+        self._announced.add(name)
+        self.console.print(f"  RUN  {name}  {self._open.get(name, '')}".rstrip(), style="dim", markup=False,
+                           highlight=False, soft_wrap=True)
+
+    def rank_line(self, rank: int, line: str) -> None:
+        """A line a script's rank wrote, as torchrun shows it ("[rank0]:loss 0.25"), through the view's own
+        console (a live display stays below it); distcheck's traceback frames left out (the log keeps them)."""
+        frames = self._frames.setdefault(rank, OwnFrames())
+        if frames.keep(line):
+            self.console.print(f"[rank{rank}]:{line}", markup=False, highlight=False, soft_wrap=True, style="")
 
     def note(self, text: str) -> None:
+        if self.quiet:
+            return
         self.console.print(f"  {text}", style="dim", markup=False, highlight=False, soft_wrap=True)
 
     def on_poll(self, progress: Mapping[int, RankProgress], idle_s: float) -> None:
@@ -242,8 +269,12 @@ class LiveView:
             if (idle_s >= self.stall_timeout and not self._late_reported and _late(state)
                     and all(state.progress[r].busy_at for r in _late(state))):
                 self._late_reported = late = True
-        if self.interactive:
+        if self.interactive or self.quiet:
             return
+        if len(self._open) == 1 and state.started is not None and self.clock() - state.started >= ANNOUNCE_AFTER_S:
+            self._announce(state.name)    # a launch of its own that takes a while: say what runs
+        if report or late:
+            self._announce(state.name)    # the line says which target the ranks are in
         if report:
             self.console.print(stall_line(state, self.clock()), style="yellow", markup=False, highlight=False,
                                soft_wrap=True)
@@ -253,5 +284,13 @@ class LiveView:
 
     def scenario_finished(self, result) -> None:
         with self._lock:
-            self.state = LiveState(name=None, index=self.state.index, total=self.state.total)
-        self.console.print(terminal.scenario_block(result, self.verbose))
+            total = self.state.total
+            self.state = LiveState(name=None, index=self.state.index, total=total)
+        if self.verbose:
+            self._announce(result.name)
+        with self._lock:
+            self._open.pop(result.name, None)
+        if self.quiet:
+            return
+        # a run of one target: all there is to say about it (a demonstration's diagnosis, a node check's table)
+        self.console.print(terminal.scenario_block(result, self.verbose or total == 1))

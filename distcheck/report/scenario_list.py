@@ -25,6 +25,8 @@ def _entry(spec: ScenarioSpec, missing: Sequence[str], name_w: int, expect_w: in
         line.append(f"  {'/'.join(spec.backends)} only", style="cyan")
     if spec.min_world_size != 2:
         line.append(f"  ≥{spec.min_world_size} ranks", style="cyan")
+    for n, other in spec.expect_by_world_size:
+        line.append(f"  {'+'.join(other)} at {n} ranks", style="cyan")
     if not spec.builtin:
         line.append(f"  {short_path(spec.file)}", style="dim")
     parts = [line]

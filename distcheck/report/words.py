@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable
 
-from distcheck.models import EndReason, ScenarioResult
-from distcheck.text import id_list
+from distcheck.models import EndReason, Finding, ScenarioResult
+from distcheck.text import id_list, rank_list, site
 
 
 def script_name(result: ScenarioResult) -> str:
@@ -42,6 +42,25 @@ def verdict(result: ScenarioResult) -> str:
         return f"{result.test or script_name(result)}: {script_observed(result)}{ending(result)}"
     observed = "+".join(result.observed) or "pass"
     return f"expected {'+'.join(result.expected) or 'pass'}, observed {observed}{ending(result)}"
+
+
+def headline(result: ScenarioResult) -> str:
+    """The diagnosis in one line, for a place that shows one (pytest's FAILED line): "hang: rank 0 in barrier
+    at test_x.py:19; rank 1 never entered"; the verdict where no finding says more."""
+    errors = [f for f in result.findings if f.severity == "error"] or list(result.findings)
+    return finding_headline(errors[0]) if errors else verdict(result)
+
+
+def finding_headline(finding: Finding) -> str:
+    """One finding in one line: who, in which call, where."""
+    call = f"{finding.op or 'a collective'} at {site(finding.callsite)}"
+    if finding.kind == "hang" and finding.waiting_ranks:
+        absent = f"; {rank_list(finding.absent_ranks)} never entered" if finding.absent_ranks else ""
+        return f"hang: {rank_list(finding.waiting_ranks)} in {call}{absent}"
+    if finding.odd_ranks:
+        return f"{finding.kind}: {rank_list(finding.odd_ranks)} out of line in {call}"
+    first = finding.summary.split(". ")[0].rstrip(".")
+    return f"{finding.kind}: {first}"
 
 
 EACH_RANK_UP_TO = 48    # past this many ranks, ranks whose lines read alike share one line

@@ -25,6 +25,7 @@ class RunContext:
     run_id: str                       # what launches are named after (every node names them alike)
     cluster: ClusterStore | None = None
     on_poll: Callable | None = None
+    on_output: Callable[[int, str], None] | None = None     # a script's ranks' lines, as they write them
     announce: Callable[[Target], None] = lambda target: None   # a target's ranks start now
 
 
@@ -58,6 +59,8 @@ class Target(Protocol):
     def headline(self, ranks: str) -> str: ...   # what the run's first line says when it runs alone
 
     def renamed(self, name: str) -> Target: ...
+
+    def at_world_size(self, world_size: int) -> Target: ...   # what it expects at this rank count
 
     def named_files(self) -> list[str]: ...   # the user's files it names (their code wherever they live)
 

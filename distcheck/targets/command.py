@@ -49,6 +49,9 @@ class CommandTarget:
     def renamed(self, name: str) -> CommandTarget:
         return CommandTarget(dataclasses.replace(self.spec, name=name))
 
+    def at_world_size(self, world_size: int) -> CommandTarget:
+        return self
+
     def named_files(self) -> list[str]:
         return user_code.named_paths(self.spec.argv)
 

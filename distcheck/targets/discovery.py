@@ -14,7 +14,7 @@ from pathlib import Path
 from distcheck.errors import UsageError
 from distcheck.launch.command import command_spec, refuse_self_spawning
 from distcheck.options import NodeConfig, RunFlags, check_command_flags
-from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec
+from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec, expectations_by_world_size
 from distcheck.targets import Target
 from distcheck.targets.scenario import ScenarioTarget
 from distcheck.targets.command import CommandTarget
@@ -95,8 +95,22 @@ def scenarios_in_file(path: Path, builtin: bool = False) -> list[ScenarioSpec]:
             if "min_world_size" in kwargs else 2,
             description=" ".join(doc.strip().split("\n\n")[0].split()),
             builtin=builtin,
+            expect_by_world_size=_by_world_size(kwargs, path, node),
         ))
     return specs
+
+
+def _by_world_size(kwargs: dict[str, ast.expr], path: Path, node: ast.FunctionDef
+                   ) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    if "expect_by_world_size" not in kwargs:
+        return ()
+    value = _literal(kwargs["expect_by_world_size"], "expect_by_world_size", path)
+    try:
+        return expectations_by_world_size(value if isinstance(value, dict) else {None: value},  # type: ignore[dict-item]
+                                          f"{path}:{node.lineno}")
+    except ValueError as exc:
+        raise UsageError(str(exc), "write it as {2: \"hang\"}: a rank count and what the scenario expects there") \
+            from None
 
 
 def builtin_scenarios() -> list[ScenarioSpec]:

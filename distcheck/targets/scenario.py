@@ -66,6 +66,9 @@ class ScenarioTarget:
     def renamed(self, name: str) -> ScenarioTarget:
         return ScenarioTarget(dataclasses.replace(self.spec, name=name))
 
+    def at_world_size(self, world_size: int) -> ScenarioTarget:
+        return ScenarioTarget(self.spec.at_world_size(world_size))
+
     def named_files(self) -> list[str]:
         return []
 

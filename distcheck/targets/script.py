@@ -39,6 +39,9 @@ class ScriptTarget:
     def renamed(self, name: str) -> ScriptTarget:
         return replace(self, name=name)
 
+    def at_world_size(self, world_size: int) -> ScriptTarget:
+        return self
+
     def named_files(self) -> list[str]:
         return ([self.file] if self.file else []) + user_code.named_paths(self.args)
 
@@ -69,5 +72,5 @@ class ScriptTarget:
         rundir.prepare_launch_dir(launch_dir)   # a re-used --run-dir: nothing stale mixes into this launch
         channel = ctx.cluster.launch(launch_dir.name, ctx.options.world_size) if ctx.cluster is not None else None
         outcome = launch(launch_spec(ctx.options, launch_dir, self.worker_args(ctx.options, launch_dir), ctx.run_id,
-                                     channel), on_poll=ctx.on_poll)
+                                     channel), on_poll=ctx.on_poll, on_output=ctx.on_output)
         return Ran([judged_across_nodes(self, ctx.options, launch_dir, outcome, channel)])

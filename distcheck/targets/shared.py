@@ -51,6 +51,9 @@ class SharedLaunch:
     def renamed(self, name: str) -> SharedLaunch:
         return self
 
+    def at_world_size(self, world_size: int) -> SharedLaunch:
+        return self
+
     def named_files(self) -> list[str]:
         return []
 

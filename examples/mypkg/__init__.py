@@ -1,0 +1,1 @@
+"""An installable package's evaluation entry point: distcheck run -m mypkg.evaluate."""

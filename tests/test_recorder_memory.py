@@ -1,0 +1,157 @@
+"""Issue 41 item 5: every recorder in the user's process keeps bounded memory and says when a cap was reached.
+
+The recorders patch torch's DataLoader and torchmetrics process-wide, so each case runs in a fresh
+interpreter (``python -c``), on real DataLoaders and real torchmetrics metrics. The last test runs the
+benchmark's tiny configuration: real 2-rank gloo scripts with and without distcheck.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import zlib
+from array import array
+from pathlib import Path
+
+import pytest
+
+from distcheck.rank.row_digests import RowDigests, digest_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _python(code: str, tmp_path: Path, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+LOADERS = """
+import gc, json, sys, weakref, torch
+from pathlib import Path
+from torch.utils.data import DataLoader, TensorDataset
+from distcheck.rank import guard
+from distcheck.rank.samples import SampleRecorder
+path = Path(sys.argv[1]) / "samples.jsonl"
+recorder = SampleRecorder(path)
+recorder.install()
+data = TensorDataset(torch.arange(100))
+first = None
+for i in range(300):          # a new loader for every evaluation pass, as many training loops make them
+    loader = DataLoader(data, batch_size=10)
+    first = first or weakref.ref(loader)
+    for _ in loader:
+        pass
+gc.collect()
+lines = [json.loads(l) for l in path.read_text().splitlines()]
+print(json.dumps({"loaders": len(recorder._loaders), "open": len(recorder._open), "kept": len(recorder._done),
+                  "first_freed": first() is None, "lines": len(lines), "names": [l["dataset"] for l in lines[-2:]],
+                  "last": {k: lines[-1][k] for k in ("complete", "ids_capped")}, "kept_ids": len(lines[-1]["ids"]),
+                  "failures": guard.failures()}))
+"""
+
+
+def test_the_sample_recorder_keeps_no_loader_and_no_written_pass(tmp_path):
+    out = _python(LOADERS, tmp_path, {"DISTCHECK_SAMPLES_MAX_IDS": "50"})
+    assert out["first_freed"] and out["loaders"] <= 2 and out["open"] == 0 and out["kept"] == 0
+    assert out["lines"] == 300   # every pass written as it ended, none held
+    assert out["names"] == ["TensorDataset (loader 298, pass 0)", "TensorDataset (loader 299, pass 0)"]
+    # past the cap the pass keeps 50 of its 100 indices and is accounted like a cut pass, said once
+    assert out["last"] == {"complete": False, "ids_capped": 100} and out["kept_ids"] == 50
+    assert list(out["failures"]) == ["samples_cap"] and out["failures"]["samples_cap"]["count"] == 1
+    assert "DISTCHECK_SAMPLES_MAX_IDS" in out["failures"]["samples_cap"]["error"]
+
+
+METRICS = """
+import gc, json, sys, weakref, torch
+from pathlib import Path
+from distcheck.rank import guard, metrics
+metrics.install(Path(sys.argv[1]) / "metrics")
+import torchmetrics.metric
+metrics._patch_metric(torchmetrics.metric)
+from torchmetrics.classification import MulticlassAccuracy
+metrics.MAX_ENTRIES, metrics.FLUSH_BYTES = 200, 1024
+g = torch.Generator().manual_seed(0)
+refs = []
+for i in range(300):          # a new metric for every evaluation pass, dropped after it
+    metric = MulticlassAccuracy(num_classes=3)
+    refs.append(weakref.ref(metric))
+    for _ in range(4):
+        metric.update(torch.randn(64, 3, generator=g), torch.randint(0, 3, (64,), generator=g))
+    metric.compute()
+del metric
+gc.collect()
+recorder = metrics.RECORDER
+pending = max(e.pending_bytes for e in [*recorder.retired, *recorder.entries.values()])
+drained = metrics.results()["metrics"]
+print(json.dumps({"alive": sum(r() is not None for r in refs), "recorded": len(drained), "pending": pending,
+                  "chunks": len(drained[0]["chunks"]), "rows": drained[0]["rows"]["0"]["rows"],
+                  "digests": len(drained[0]["rows"]["0"]["digests"]), "failures": guard.failures()}))
+"""
+
+
+def test_the_metric_recorder_frees_metrics_flushes_inputs_and_caps_objects(tmp_path):
+    out = _python(METRICS, tmp_path)
+    assert out["alive"] == 0   # recording kept none of the user's metrics alive
+    assert out["recorded"] == 200 and list(out["failures"]) == ["metrics_cap"]
+    assert "more than 200 torchmetrics objects" in out["failures"]["metrics_cap"]["error"]
+    # 4 updates of 64 rows: inputs written out as they passed 1 KiB, not held until compute()
+    assert out["chunks"] >= 4 and out["pending"] == 0
+    assert out["rows"] == out["digests"] == 256
+
+
+def test_row_digests_of_the_same_rows_agree_whatever_the_batch_layout_or_copy():
+    import torch
+
+    from distcheck.files.metric_records import pack
+
+    g = torch.Generator().manual_seed(0)
+    preds, target = torch.randn(10, 3, generator=g), torch.randint(0, 3, (10,), generator=g)
+    before = preds.clone()
+    whole, rows = digest_rows(((preds, target), {}), torch.Tensor)
+    assert rows == 10 and len(set(whole)) == 10
+    halves = digest_rows(((preds[:4], target[:4]), {}), torch.Tensor)[0] + \
+        digest_rows(((preds[4:], target[4:]), {}), torch.Tensor)[0]
+    assert halves == whole
+    assert digest_rows(((pack(preds), pack(target)), {}))[0] == whole   # the recorder's copies give the same
+    transposed = preds.t().contiguous().t()   # the same values, strided
+    assert digest_rows(((transposed, target), {}), torch.Tensor)[0] == whole
+    # a keyword and a per-update constant (no batch dimension) change nothing
+    assert digest_rows(((preds,), {"target": target, "threshold": torch.tensor(0.5)}), torch.Tensor)[0] == whole
+    assert torch.equal(preds, before)
+
+
+def test_past_the_digest_cap_every_rank_keeps_the_same_sample_of_rows():
+    rnd = random.Random(0)
+    digests = array("I", (zlib.crc32(rnd.randbytes(8)) for _ in range(5000)))
+    small, large = RowDigests(64), RowDigests(100_000)
+    s, l = small.stream(), large.stream()
+    for i in range(0, 5000, 100):
+        small.add(s, digests[i:i + 100], 100)
+        large.add(l, digests[i:i + 100], 100)
+    assert small.level > 0 and small.kept <= 64 and s["rows"] == 5000
+    mask = (1 << small.level) - 1
+    assert s["digests"] == array("I", (d for d in l["digests"] if not d & mask))
+    saved = small.saved(s)
+    assert saved["level"] == small.level and saved["rows"] == 5000
+
+
+@pytest.mark.timeout(240)
+def test_the_benchmarks_tiny_configuration_runs_and_stays_flat(tmp_path):
+    """benchmarks/recorder_memory.py --tiny: real 2-rank gloo runs, with and without distcheck, in seconds."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "recorder_memory.py"), "--tiny", "--json",
+                          str(tmp_path / "memory.json")], capture_output=True, text=True, timeout=220, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "memory.json").read_text())
+    assert set(result["runs"]) == {"plain", "distcheck"}
+    for run in result["runs"].values():
+        assert len(run["samples"]) >= 3 and all(s["rss_mb"] > 0 for s in run["samples"])
+    traced = result["runs"]["distcheck"]
+    assert traced["tracemalloc_distcheck_mb"] is not None
+    assert result["verdict"] in ("flat", "growing")
+    assert "verdict" in out.stdout
