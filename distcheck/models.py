@@ -111,6 +111,7 @@ class Hook(_Named):
     STACK_DUMPS = "stack_dumps"
     RANK_SETUP = "rank_setup"
     RANK_END = "rank_end"
+    NUMBERING = "numbering"
 
 
 # What a failing hook leaves unrecorded, as its coverage note says it (diagnose.coverage).
@@ -123,6 +124,8 @@ HOOK_LOST = {
     Hook.STACK_DUMPS: "no stack dumps could be installed, so a hang there is named without its stack",
     Hook.RANK_SETUP: "part of the rank's tracing could not be set up",
     Hook.RANK_END: "how the rank ended (its failure or its finish) may not be recorded",
+    Hook.NUMBERING: "some calls' collective numbers could not be reconciled, so later calls may be compared "
+                    "with their peers' under shifted numbers",
 }
 
 

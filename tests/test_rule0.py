@@ -142,6 +142,26 @@ def test_a_failing_post_import_hook_leaves_the_users_import_as_it_was():
     assert guard.failures()["metrics"] == {"count": 1, "error": "Planted: planted"}
 
 
+def test_a_failing_group_counter_in_the_numbering_is_counted_and_noted(tmp_path):
+    """Each place the numbering reads a group's counter and gives up (the call keeps its number, later ones
+    may shift) is a counted failure, so the report's coverage note says the comparison may be off."""
+    tracer = Tracer(tmp_path / "rank0.trace", 0)
+    entry = ("g", None, None, planted, 0, [], None, None, [0])   # the group's counter raises
+    tracer._skew_after(entry, 0, 1)
+    tracer._claim_rest(entry, 0)
+    tracer._claim_batch([(entry, 0)])
+    tracer._multi = ("g", planted, 0)
+    tracer._resync()
+    tracer._group = planted
+    tracer._claim_p2p_number(object(), None)
+    tracer._groups = None                                         # .get fails in _mark
+    assert tracer._mark(object()) is None
+    assert guard.failures()["numbering"] == {"count": 6, "error": "Planted: planted"}
+    (note,) = find_coverage_gaps({0: _outcome(0, guard.failures())})
+    assert note.kind == "coverage" and HOOK_LOST[Hook.NUMBERING] in note.summary
+    tracer.close()
+
+
 def test_counts_reach_the_status_at_the_first_second_fourth_failure():
     sent = []
     guard.set_publisher(sent.append)
