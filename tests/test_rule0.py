@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -354,6 +355,32 @@ def test_failing_init_hooks_of_distchecks_own_rank_and_its_store_wait_leave_the_
     assert injected.generation_on(store, launch, world=2, wait_s=0.2) == 0   # a generation of its own
     assert guard.failures()["rank_setup"]["count"] == 2
     assert "never named it within 0.2 s" in capfd.readouterr().err
+
+
+def test_a_first_rank_that_cannot_name_its_generation_costs_the_others_no_more_than_the_stall_timeout(
+        tmp_path, monkeypatch, capfd):
+    """Rank 0's store.set of the generation key fails (planted): it keeps its generation and says so; a peer
+    then waits for the key no longer than the launch's stall timeout (passed to ranks in the environment)."""
+    from distcheck.files.launch_dir import LaunchFiles
+
+    class UnwritableStore(dist.HashStore):   # a real store whose set of distcheck's key fails
+        def set(self, key, value):
+            raise Planted("planted")
+
+    store = UnwritableStore()
+    launch = LaunchFiles(tmp_path / "launch")
+    assert injected.generation_on(store, launch, world=2) == 0
+    assert guard.failures()["rank_setup"]["count"] == 1
+    assert "could not name this rank's generation" in capfd.readouterr().err
+
+    monkeypatch.setenv(injected.STALL_TIMEOUT_ENV, "0.5")
+    assert injected._start_up_wait() == 0.5
+    started = time.monotonic()
+    assert injected.generation_on(store, launch, world=2, wait_s=injected._start_up_wait()) == 1
+    assert time.monotonic() - started < 5
+    assert "never named it within 0.5 s" in capfd.readouterr().err
+    monkeypatch.setenv(injected.STALL_TIMEOUT_ENV, "600")
+    assert injected._start_up_wait() == injected.GENERATION_WAIT_S
 
 
 def test_a_failing_status_publisher_is_not_the_hooks_failure():

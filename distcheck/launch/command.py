@@ -27,6 +27,7 @@ from distcheck.launch import launcher, memory, procs
 from distcheck.launch.launcher import LaunchOutcome, RankFailure, rank_failures
 from distcheck.launch.watchdog import BUSY_CPU, Decision, Limits, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
+from distcheck.rank.injected import STALL_TIMEOUT_ENV
 
 INJECT_DIR = Path(__file__).resolve().parent.parent / "rank" / "inject"
 COMMAND_LOG = "command.log"   # in logs/: what the command printed before its ranks had their own logs
@@ -117,7 +118,7 @@ def refuse_self_spawning(path: Path, script_args: tuple[str, ...]) -> None:
 # -- the launch --
 
 
-def command_env(files: LaunchFiles, flight_recorder: bool) -> dict[str, str]:
+def command_env(files: LaunchFiles, flight_recorder: bool, stall_timeout: float | None = None) -> dict[str, str]:
     """What the injection adds to the command's environment (the README lists it)."""
     env = dict(os.environ)
     # The test a pytest around distcheck runs is not the command's: a pytest the command runs sets its own.
@@ -133,10 +134,13 @@ def command_env(files: LaunchFiles, flight_recorder: bool) -> dict[str, str]:
     if flight_recorder:
         env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", str(launcher.FLIGHT_RECORDER_ENTRIES))
         env["DISTCHECK_FLIGHT_RECORDER"] = "1"
+    if stall_timeout is not None:   # a rank waits no longer than this for distcheck's own start-up keys
+        env[STALL_TIMEOUT_ENV] = f"{stall_timeout:g}"
     return env
 
 
-def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool) -> subprocess.Popen:
+def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool,
+                stall_timeout: float | None = None) -> subprocess.Popen:
     """The command below ``launch.guard``, in a session of its own (the terminal's Ctrl-C is
     distcheck's to handle), its output in ``logs/command.log``."""
     log_path = files.root / "logs" / COMMAND_LOG
@@ -144,7 +148,7 @@ def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool) ->
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "distcheck.launch.guard", *spec.argv], stdin=subprocess.PIPE,
-            stdout=log, stderr=log, env=command_env(files, flight_recorder), start_new_session=True,
+            stdout=log, stderr=log, env=command_env(files, flight_recorder, stall_timeout), start_new_session=True,
         )
 
 
@@ -270,7 +274,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     files.make()
     memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
-    guard = start_guard(spec, files, flight_recorder)
+    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout)
     watchdog, interrupted, world, channel = None, False, None, None
     try:
         world = _wait_for_first_rank(files, guard, limits, clock)
@@ -434,7 +438,7 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
     files.make()
     memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
-    guard = start_guard(spec, files, flight_recorder)
+    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout)
     watch = Generations(files, guard, limits, on_poll, clock)
     interrupted = False
     try:
