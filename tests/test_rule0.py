@@ -238,17 +238,36 @@ print(json.dumps({"value": value, "note": info["note"], "computes": len(info["co
 
 def test_a_broken_distcheck_import_leaves_the_users_process_as_it_was(tmp_path):
     """The injected sitecustomize runs in every Python process of ``distcheck run -- CMD``: a distcheck
-    that cannot even be imported there (here: a broken one first on the path) changes nothing."""
+    that cannot even be imported there (here: a broken one first on the path) changes nothing. It is imported
+    once the program imports torch.distributed."""
     broken = tmp_path / "broken" / "distcheck"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('a broken distcheck install')\n")
-    program = "import sys; print('the user', sys.argv[1:]); sys.exit(3)"
-    plain = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60)
+    program = "import sys, torch.distributed; print('the user', sys.argv[1:]); sys.exit(3)"
+    plain = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{INJECT}{os.pathsep}{broken.parent}",
            "DISTCHECK_LAUNCH_DIR": str(tmp_path / "launch")}
-    under = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60, env=env)
+    # from tmp_path: `-c` puts the working directory first on the path, and this checkout's is a working distcheck
+    under = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60, env=env,
+                           cwd=tmp_path)
     assert (under.returncode, under.stdout) == (plain.returncode, plain.stdout) == (3, "the user ['a']\n")
     assert "distcheck: not tracing process" in under.stderr
+
+
+def test_the_injected_start_up_imports_nothing_of_distcheck_until_torch_distributed_is_imported(tmp_path):
+    """pytest loads distcheck's pytest11 plugin itself and rewrites its asserts: a distcheck package already
+    imported at start-up would make it warn (and fail under -W error). The injection arms at the import of
+    torch.distributed, and the user's init_process_group is then distcheck's."""
+    program = ("import sys\n"
+               "def ours(): return sorted(m for m in sys.modules if m == 'distcheck' or m.startswith('distcheck.'))\n"
+               "print(ours())\n"
+               "import torch.distributed as dist\n"
+               "print('distcheck.rank.injected' in ours(), getattr(dist.init_process_group, '__distcheck__', False))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]),
+           "DISTCHECK_LAUNCH_DIR": str(tmp_path / "launch")}
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "[]\nTrue True\n", "")
 
 
 @pytest.mark.e2e   # importing Lightning takes seconds

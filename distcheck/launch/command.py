@@ -220,16 +220,41 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
 
 
 def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, timed_out: bool) -> Exception:
+    """The error of a command none of whose processes became a rank; the run dir keeps a report that says it."""
     log = files.root / "logs" / COMMAND_LOG
     last = next((line for line in reversed(_read(log).splitlines()) if line.strip()), "")
+    error: LaunchError | UsageError
     if timed_out:
-        return LaunchError(f"--timeout ended {spec.source!r} before any process it started called "
-                           f"init_process_group", f"its output is in {log}")
-    if code == 0:
-        return UsageError(f"{spec.source!r} ran to the end and no process it started called init_process_group: "
-                          "there was nothing to check", f"its output is in {log}")
-    return LaunchError(f"{spec.source!r} exited with code {code} before any process it started called "
-                       f"init_process_group" + (f": {last.strip()[:200]}" if last else ""), f"its output is in {log}")
+        error = LaunchError(f"--timeout ended {spec.source!r} before any process it started called "
+                            f"init_process_group", f"its output is in {log}")
+    elif code == 0:
+        error = UsageError(f"{spec.source!r} ran to the end and no process it started called init_process_group: "
+                           "there was nothing to check", f"its output is in {log}")
+    else:
+        error = LaunchError(f"{spec.source!r} exited with code {code} before any process it started called "
+                            f"init_process_group" + (f": {last.strip()[:200]}" if last else ""),
+                            f"its output is in {log}")
+    _save_no_rank_report(spec, files, error, EndReason.TIMEOUT if timed_out else EndReason.CRASH)
+    return error
+
+
+def _save_no_rank_report(spec: CommandSpec, files: LaunchFiles, error: Exception, end: EndReason) -> None:
+    """A report for ``distcheck report``: the command's one scenario, not run (a crash finding saying why,
+    or skipped when it ran clean without a process group), its output's last lines, the log kept beside it."""
+    from distcheck.files.saved_runs import write_early_report
+    from distcheck.models import Finding, ScenarioResult
+
+    why = f"{error} ({error.hint})" if getattr(error, "hint", None) else str(error)
+    clean = isinstance(error, UsageError)
+    result = ScenarioResult(
+        name=spec.name, source=spec.source, expected=("pass",), observed=() if clean else (end.value,), ok=False,
+        duration_s=0.0, findings=() if clean else (Finding(kind="crash", severity="error", summary=why),),
+        skipped=why if clean else None, end_reason=EndReason.NOTHING_RAN if clean else end,
+        launch_dir=str(files.root), log_tail=command_output_tail(files) or None, script=True)
+    try:
+        write_early_report(files.root.parent, (result,))
+    except OSError:   # the error itself is what the user must see; the report is a courtesy
+        pass
 
 
 def _read(path: Path) -> str:
