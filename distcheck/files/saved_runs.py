@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.models import Event, Report, RunInfo, RunSummary, ScenarioResult
+from distcheck.models import EndReason, Event, Finding, Report, RunInfo, RunSummary, ScenarioResult
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_reader import read_trace_dir
 
@@ -50,6 +50,18 @@ def write_early_report(run_dir: Path, scenarios: tuple[ScenarioResult, ...] = ()
                    command=shlex.join(sys.argv), run_dir=str(run_dir), seed=0, duration_s=0.0, started_at=now,
                    hostname=platform.node(), python_version=platform.python_version(), command_output=note)
     write_json_atomic(run_dir / REPORT_FILE, Report(run=info, scenarios=scenarios, interrupted=interrupted).to_dict())
+
+
+def write_no_rank_report(launch_dir: Path, name: str, source: str, why: str, end: EndReason | None,
+                         log_tail: str | None) -> None:
+    """A ``run -- CMD`` none of whose processes became a rank: its one scenario, not run (a crash finding saying
+    why, ended as ``end``; or, with no ``end``, skipped: it ran clean without a process group)."""
+    result = ScenarioResult(
+        name=name, source=source, expected=("pass",), observed=(end.value,) if end else (), ok=False, duration_s=0.0,
+        findings=(Finding(kind="crash", severity="error", summary=why),) if end else (),
+        skipped=None if end else why, end_reason=end or EndReason.NOTHING_RAN, launch_dir=str(launch_dir),
+        log_tail=log_tail, script=True)
+    write_early_report(launch_dir.parent, (result,))
 
 
 def write_interrupted_before_start(run_dir: Path, signal_name: str) -> None:

@@ -239,20 +239,12 @@ def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, time
 
 
 def _save_no_rank_report(spec: CommandSpec, files: LaunchFiles, error: Exception, end: EndReason) -> None:
-    """A report for ``distcheck report``: the command's one scenario, not run (a crash finding saying why,
-    or skipped when it ran clean without a process group), its output's last lines, the log kept beside it."""
-    from distcheck.files.saved_runs import write_early_report
-    from distcheck.models import Finding, ScenarioResult
+    from distcheck.files.saved_runs import write_no_rank_report
 
     why = f"{error} ({error.hint})" if getattr(error, "hint", None) else str(error)
-    clean = isinstance(error, UsageError)
-    result = ScenarioResult(
-        name=spec.name, source=spec.source, expected=("pass",), observed=() if clean else (end.value,), ok=False,
-        duration_s=0.0, findings=() if clean else (Finding(kind="crash", severity="error", summary=why),),
-        skipped=why if clean else None, end_reason=EndReason.NOTHING_RAN if clean else end,
-        launch_dir=str(files.root), log_tail=command_output_tail(files) or None, script=True)
     try:
-        write_early_report(files.root.parent, (result,))
+        write_no_rank_report(files.root, spec.name, spec.source, why, None if isinstance(error, UsageError) else end,
+                             command_output_tail(files) or None)
     except OSError:   # the error itself is what the user must see; the report is a courtesy
         pass
 
