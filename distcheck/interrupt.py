@@ -37,6 +37,8 @@ class _State:
     requested_at: float | None = None
     signal_name: str | None = None
     stop_everything: Callable[[], None] = lambda: None   # kills what distcheck started (``begin_run``)
+    # What an interrupt before the run began leaves in the run dir already made (its report); none: no run dir yet.
+    before_start: Callable[[str], None] | None = None
 
 
 _state = _State()
@@ -56,6 +58,9 @@ def handler(signum: int, frame: Any) -> None:
     _state.requested_at, _state.signal_name = time.time(), name
     if _state.installed and not _state.running:
         _say(f"distcheck: interrupted ({name}) before any rank started: nothing ran\n")
+        if _state.before_start is not None:
+            with contextlib.suppress(Exception):   # the exit is what was asked; the report is a courtesy
+                _state.before_start(name)
         os._exit(EXIT_CODE)
     if _state.watched == 0:
         raise KeyboardInterrupt
@@ -69,6 +74,12 @@ def begin_run(stop_everything: Callable[[], None] = lambda: None) -> None:
         _state.requested_at = _state.signal_name = None
     _state.running = True
     _state.stop_everything = stop_everything
+
+
+def on_interrupt_before_start(write: Callable[[str], None]) -> None:
+    """A run dir now exists before the run begins (a --run-dir checked with the flags): an interrupt from here
+    to ``begin_run`` calls ``write(signal name)`` so the run dir holds a report saying so."""
+    _state.before_start = write
 
 
 def requested() -> bool:

@@ -113,6 +113,7 @@ class Hook(_Named):
     STACK_DUMPS = "stack_dumps"
     RANK_SETUP = "rank_setup"
     RANK_END = "rank_end"
+    NUMBERING = "numbering"
     # Not failures: a recorder reached the cap on the memory it keeps in the user's process (rank.guard.capped)
     SAMPLES_CAP = "samples_cap"
     METRICS_CAP = "metrics_cap"
@@ -128,6 +129,8 @@ HOOK_LOST = {
     Hook.STACK_DUMPS: "no stack dumps could be installed, so a hang there is named without its stack",
     Hook.RANK_SETUP: "part of the rank's tracing could not be set up",
     Hook.RANK_END: "how the rank ended (its failure or its finish) may not be recorded",
+    Hook.NUMBERING: "some calls' collective numbers could not be reconciled, so later calls may be compared "
+                    "with their peers' under shifted numbers",
     Hook.SAMPLES_CAP: "past it, some DataLoader draws were not recorded, so the sample accounting is incomplete",
     Hook.METRICS_CAP: "past it, part of the torchmetrics record was not kept, so some checks of it were not made",
 }

@@ -189,6 +189,52 @@ def test_sigterm_before_any_rank_initialized_is_still_an_interrupted_run(tmp_pat
         proc.communicate()
 
 
+def _report_of(distcheck, run_dir: Path, tmp_path: Path) -> tuple[int, dict]:
+    """`distcheck report DIR --json`: its exit code and the report it read back."""
+    out = tmp_path / "again.json"
+    r = distcheck("report", str(run_dir), "--json", str(out), json=False, timeout=60)
+    assert "Traceback" not in r.stderr and out.exists(), (r.returncode, r.stdout, r.stderr)
+    return r.returncode, json.loads(out.read_text())
+
+
+def test_ctrl_c_before_any_rank_started_leaves_a_report_that_says_nothing_ran(distcheck, tmp_path, no_survivors):
+    """--run-dir is made with the flags, before torch is imported: an interrupt then ends at once, and the
+    run dir it made holds a report `distcheck report` reads (interrupted, no scenario)."""
+    run_dir = tmp_path / "early"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distcheck", "run", "--run-dir", str(run_dir),
+         "--", sys.executable, "-c", "import time; time.sleep(120)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert wait_for(run_dir.exists, timeout=120, poll=0.01), proc.stderr
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "nothing ran" in err and "Traceback" not in err, err
+    finally:
+        kill_tree(proc)
+        proc.communicate()
+    code, report = _report_of(distcheck, run_dir, tmp_path)
+    assert code == 130 and report["interrupted"] is True and report["scenarios"] == []
+    assert "nothing ran" in report["run"]["command_output"]
+    runs = distcheck("runs", "--dir", str(tmp_path), "--json", json=False, timeout=60)
+    assert runs.returncode == 0 and "interrupted" in runs.stdout and "incomplete" not in runs.stdout
+
+
+def test_a_command_that_could_not_start_keeps_its_log_and_a_report_saying_why(distcheck, tmp_path):
+    missing = tmp_path / "no-such-program"
+    r = distcheck("run", "--", str(missing), "--flag", json=False, timeout=120)
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    [launch] = [p for p in r.run_dir.iterdir() if p.is_dir()]
+    assert "No such file or directory" in (launch / "logs" / "command.log").read_text()
+    code, report = _report_of(distcheck, r.run_dir, tmp_path)
+    [crash] = _only(report)["findings"]
+    assert code == 1 and report["verdict"] == "fail" and crash["kind"] == "crash"
+    assert "exited with code 127 before any process it started called init_process_group" in crash["summary"]
+    assert "No such file or directory" in _only(report)["log_tail"]
+    runs = distcheck("runs", "--dir", str(tmp_path), "--json", json=False, timeout=60)
+    assert runs.returncode == 0 and "incomplete" not in runs.stdout, runs.stdout
+
+
 def _command_node(rank: int, port: int, master_port: int, tmp_path: Path, *script_args: str) -> subprocess.Popen:
     """One "node": distcheck with torchrun's multi-node flags, running torchrun for that node."""
     args = [sys.executable, "-m", "distcheck", "run", "--nnodes", "2", "--node-rank", str(rank),

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -144,6 +145,26 @@ def test_a_failing_post_import_hook_leaves_the_users_import_as_it_was():
     assert guard.failures()["metrics"] == {"count": 1, "error": "Planted: planted"}
 
 
+def test_a_failing_group_counter_in_the_numbering_is_counted_and_noted(tmp_path):
+    """Each place the numbering reads a group's counter and gives up (the call keeps its number, later ones
+    may shift) is a counted failure, so the report's coverage note says the comparison may be off."""
+    tracer = Tracer(tmp_path / "rank0.trace", 0)
+    entry = ("g", None, None, planted, 0, [], None, None, [0])   # the group's counter raises
+    tracer._skew_after(entry, 0, 1)
+    tracer._claim_rest(entry, 0)
+    tracer._claim_batch([(entry, 0)])
+    tracer._multi = ("g", planted, 0)
+    tracer._resync()
+    tracer._group = planted
+    tracer._claim_p2p_number(object(), None)
+    tracer._groups = None                                         # .get fails in _mark
+    assert tracer._mark(object()) is None
+    assert guard.failures()["numbering"] == {"count": 6, "error": "Planted: planted"}
+    (note,) = find_coverage_gaps({0: _outcome(0, guard.failures())})
+    assert note.kind == "coverage" and HOOK_LOST[Hook.NUMBERING] in note.summary
+    tracer.close()
+
+
 def test_counts_reach_the_status_at_the_first_second_fourth_failure():
     sent = []
     guard.set_publisher(sent.append)
@@ -219,17 +240,36 @@ print(json.dumps({"value": value, "note": info["note"], "computes": len(info["co
 
 def test_a_broken_distcheck_import_leaves_the_users_process_as_it_was(tmp_path):
     """The injected sitecustomize runs in every Python process of ``distcheck run -- CMD``: a distcheck
-    that cannot even be imported there (here: a broken one first on the path) changes nothing."""
+    that cannot even be imported there (here: a broken one first on the path) changes nothing. It is imported
+    once the program imports torch.distributed."""
     broken = tmp_path / "broken" / "distcheck"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('a broken distcheck install')\n")
-    program = "import sys; print('the user', sys.argv[1:]); sys.exit(3)"
-    plain = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60)
+    program = "import sys, torch.distributed; print('the user', sys.argv[1:]); sys.exit(3)"
+    plain = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path)
     env = {**os.environ, "PYTHONPATH": f"{INJECT}{os.pathsep}{broken.parent}",
            "DISTCHECK_LAUNCH_DIR": str(tmp_path / "launch")}
-    under = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60, env=env)
+    # from tmp_path: `-c` puts the working directory first on the path, and this checkout's is a working distcheck
+    under = subprocess.run([sys.executable, "-c", program, "a"], capture_output=True, text=True, timeout=60, env=env,
+                           cwd=tmp_path)
     assert (under.returncode, under.stdout) == (plain.returncode, plain.stdout) == (3, "the user ['a']\n")
     assert "distcheck: not tracing process" in under.stderr
+
+
+def test_the_injected_start_up_imports_nothing_of_distcheck_until_torch_distributed_is_imported(tmp_path):
+    """pytest loads distcheck's pytest11 plugin itself and rewrites its asserts: a distcheck package already
+    imported at start-up would make it warn (and fail under -W error). The injection arms at the import of
+    torch.distributed, and the user's init_process_group is then distcheck's."""
+    program = ("import sys\n"
+               "def ours(): return sorted(m for m in sys.modules if m == 'distcheck' or m.startswith('distcheck.'))\n"
+               "print(ours())\n"
+               "import torch.distributed as dist\n"
+               "print('distcheck.rank.injected' in ours(), getattr(dist.init_process_group, '__distcheck__', False))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(INJECT), os.environ.get("PYTHONPATH", "")]),
+           "DISTCHECK_LAUNCH_DIR": str(tmp_path / "launch")}
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "[]\nTrue True\n", "")
 
 
 @pytest.mark.e2e   # importing Lightning takes seconds
@@ -341,6 +381,32 @@ def test_failing_init_hooks_of_distchecks_own_rank_and_its_store_wait_leave_the_
     assert injected.generation_on(store, launch, world=2, wait_s=0.2) == 0   # a generation of its own
     assert guard.failures()["rank_setup"]["count"] == 2
     assert "never named it within 0.2 s" in capfd.readouterr().err
+
+
+def test_a_first_rank_that_cannot_name_its_generation_costs_the_others_no_more_than_the_stall_timeout(
+        tmp_path, monkeypatch, capfd):
+    """Rank 0's store.set of the generation key fails (planted): it keeps its generation and says so; a peer
+    then waits for the key no longer than the launch's stall timeout (passed to ranks in the environment)."""
+    from distcheck.files.launch_dir import LaunchFiles
+
+    class UnwritableStore(dist.HashStore):   # a real store whose set of distcheck's key fails
+        def set(self, key, value):
+            raise Planted("planted")
+
+    store = UnwritableStore()
+    launch = LaunchFiles(tmp_path / "launch")
+    assert injected.generation_on(store, launch, world=2) == 0
+    assert guard.failures()["rank_setup"]["count"] == 1
+    assert "could not name this rank's generation" in capfd.readouterr().err
+
+    monkeypatch.setenv(injected.STALL_TIMEOUT_ENV, "0.5")
+    assert injected._start_up_wait() == 0.5
+    started = time.monotonic()
+    assert injected.generation_on(store, launch, world=2, wait_s=injected._start_up_wait()) == 1
+    assert time.monotonic() - started < 5
+    assert "never named it within 0.5 s" in capfd.readouterr().err
+    monkeypatch.setenv(injected.STALL_TIMEOUT_ENV, "600")
+    assert injected._start_up_wait() == injected.GENERATION_WAIT_S
 
 
 def test_a_failing_status_publisher_is_not_the_hooks_failure():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.models import Event, Report, RunSummary
+from distcheck.models import EndReason, Event, Finding, Report, RunInfo, RunSummary, ScenarioResult
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_reader import read_trace_dir
 
@@ -29,6 +29,45 @@ class SavedRun:
     path: Path
     report: Report
     events: Events            # scenario name -> rank -> events, as read from the traces
+
+
+def write_early_report(run_dir: Path, scenarios: tuple[ScenarioResult, ...] = (), interrupted: bool = False,
+                       note: str | None = None) -> None:
+    """The report of a run that ended before any rank started (interrupted, or its command could not start),
+    so ``distcheck report`` and ``distcheck runs`` read it like any other; ``note`` stands for the command's output."""
+    import datetime
+    import platform
+    import shlex
+    import sys
+
+    from distcheck import __version__
+    from distcheck.files.launch_dir import write_json_atomic
+
+    torch = sys.modules.get("torch")   # never imported here: an interrupt may come before it is
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    info = RunInfo(backend="", world_size=0, nnodes=0, nproc_per_node=0,
+                   torch_version=getattr(torch, "__version__", ""), distcheck_version=__version__,
+                   command=shlex.join(sys.argv), run_dir=str(run_dir), seed=0, duration_s=0.0, started_at=now,
+                   hostname=platform.node(), python_version=platform.python_version(), command_output=note)
+    write_json_atomic(run_dir / REPORT_FILE, Report(run=info, scenarios=scenarios, interrupted=interrupted).to_dict())
+
+
+def write_no_rank_report(launch_dir: Path, name: str, source: str, why: str, end: EndReason | None,
+                         log_tail: str | None) -> None:
+    """A ``run -- CMD`` none of whose processes became a rank: its one scenario, not run (a crash finding saying
+    why, ended as ``end``; or, with no ``end``, skipped: it ran clean without a process group)."""
+    result = ScenarioResult(
+        name=name, source=source, expected=("pass",), observed=(end.value,) if end else (), ok=False, duration_s=0.0,
+        findings=(Finding(kind="crash", severity="error", summary=why),) if end else (),
+        skipped=None if end else why, end_reason=end or EndReason.NOTHING_RAN, launch_dir=str(launch_dir),
+        log_tail=log_tail, script=True)
+    write_early_report(launch_dir.parent, (result,))
+
+
+def write_interrupted_before_start(run_dir: Path, signal_name: str) -> None:
+    """The report of a run interrupted before it began (no rank started): it ran nothing, and says so."""
+    write_early_report(run_dir, interrupted=True,
+                       note=f"distcheck was interrupted ({signal_name}) before any rank started: nothing ran")
 
 
 def resolve_run_dir(target: str | Path, root: Path = RUNS_ROOT) -> Path:

@@ -26,7 +26,8 @@ from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import launcher, memory, procs
 from distcheck.launch.launcher import LaunchOutcome, RankFailure, rank_failures
 from distcheck.launch.watchdog import BUSY_CPU, Decision, Limits, Watchdog, WatchdogResult
-from distcheck.models import EndReason, Phase
+from distcheck.models import EndReason
+from distcheck.rank.injected import STALL_TIMEOUT_ENV
 
 INJECT_DIR = Path(__file__).resolve().parent.parent / "rank" / "inject"
 COMMAND_LOG = "command.log"   # in logs/: what the command printed before its ranks had their own logs
@@ -117,7 +118,7 @@ def refuse_self_spawning(path: Path, script_args: tuple[str, ...]) -> None:
 # -- the launch --
 
 
-def command_env(files: LaunchFiles, flight_recorder: bool) -> dict[str, str]:
+def command_env(files: LaunchFiles, flight_recorder: bool, stall_timeout: float | None = None) -> dict[str, str]:
     """What the injection adds to the command's environment (the README lists it)."""
     env = dict(os.environ)
     # The test a pytest around distcheck runs is not the command's: a pytest the command runs sets its own.
@@ -133,10 +134,13 @@ def command_env(files: LaunchFiles, flight_recorder: bool) -> dict[str, str]:
     if flight_recorder:
         env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", str(launcher.FLIGHT_RECORDER_ENTRIES))
         env["DISTCHECK_FLIGHT_RECORDER"] = "1"
+    if stall_timeout is not None:   # a rank waits no longer than this for distcheck's own start-up keys
+        env[STALL_TIMEOUT_ENV] = f"{stall_timeout:g}"
     return env
 
 
-def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool) -> subprocess.Popen:
+def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool,
+                stall_timeout: float | None = None) -> subprocess.Popen:
     """The command below ``launch.subreaper``, in a session of its own (the terminal's Ctrl-C is
     distcheck's to handle), its output in ``logs/command.log``."""
     log_path = files.root / "logs" / COMMAND_LOG
@@ -144,7 +148,7 @@ def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool) ->
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "distcheck.launch.subreaper", *spec.argv], stdin=subprocess.PIPE,
-            stdout=log, stderr=log, env=command_env(files, flight_recorder), start_new_session=True,
+            stdout=log, stderr=log, env=command_env(files, flight_recorder, stall_timeout), start_new_session=True,
         )
 
 
@@ -216,16 +220,33 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
 
 
 def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, timed_out: bool) -> Exception:
+    """The error of a command none of whose processes became a rank; the run dir keeps a report that says it."""
     log = files.root / "logs" / COMMAND_LOG
     last = next((line for line in reversed(_read(log).splitlines()) if line.strip()), "")
+    error: LaunchError | UsageError
     if timed_out:
-        return LaunchError(f"--timeout ended {spec.source!r} before any process it started called "
-                           f"init_process_group", f"its output is in {log}")
-    if code == 0:
-        return UsageError(f"{spec.source!r} ran to the end and no process it started called init_process_group: "
-                          "there was nothing to check", f"its output is in {log}")
-    return LaunchError(f"{spec.source!r} exited with code {code} before any process it started called "
-                       f"init_process_group" + (f": {last.strip()[:200]}" if last else ""), f"its output is in {log}")
+        error = LaunchError(f"--timeout ended {spec.source!r} before any process it started called "
+                            f"init_process_group", f"its output is in {log}")
+    elif code == 0:
+        error = UsageError(f"{spec.source!r} ran to the end and no process it started called init_process_group: "
+                           "there was nothing to check", f"its output is in {log}")
+    else:
+        error = LaunchError(f"{spec.source!r} exited with code {code} before any process it started called "
+                            f"init_process_group" + (f": {last.strip()[:200]}" if last else ""),
+                            f"its output is in {log}")
+    _save_no_rank_report(spec, files, error, EndReason.TIMEOUT if timed_out else EndReason.CRASH)
+    return error
+
+
+def _save_no_rank_report(spec: CommandSpec, files: LaunchFiles, error: Exception, end: EndReason) -> None:
+    from distcheck.files.saved_runs import write_no_rank_report
+
+    why = f"{error} ({error.hint})" if getattr(error, "hint", None) else str(error)
+    try:
+        write_no_rank_report(files.root, spec.name, spec.source, why, None if isinstance(error, UsageError) else end,
+                             command_output_tail(files) or None)
+    except OSError:   # the error itself is what the user must see; the report is a courtesy
+        pass
 
 
 def _read(path: Path) -> str:
@@ -270,7 +291,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     files.make()
     memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
-    guard = start_guard(spec, files, flight_recorder)
+    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout)
     watchdog, interrupted, world, channel = None, False, None, None
     try:
         world = _wait_for_first_rank(files, guard, limits, clock)
@@ -434,7 +455,7 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
     files.make()
     memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
-    guard = start_guard(spec, files, flight_recorder)
+    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout)
     watch = Generations(files, guard, limits, on_poll, clock)
     interrupted = False
     try:

@@ -37,6 +37,7 @@ from distcheck.rank.runtime import PROCESS
 
 LAUNCH_DIR_ENV = "DISTCHECK_LAUNCH_DIR"
 LAUNCHER_PID_ENV = "DISTCHECK_LAUNCHER_PID"
+STALL_TIMEOUT_ENV = "DISTCHECK_STALL_TIMEOUT"   # the launch's --stall-timeout: no start-up wait of ours is longer
 
 # Keys in the job's own store (under torch's "default_pg/" prefix): arrivals count the ranks that
 # initialized on this store, the generation key names the files their generation writes.
@@ -150,7 +151,16 @@ def _generation(launch: Any, world: int) -> int:
         sys.stderr.write(f"distcheck: no store to agree on this rank's generation ({type(exc).__name__}: {exc}); "
                          "it is traced alone\n")
         return launch.claim_generation()
-    return generation_on(store, launch, world)
+    return generation_on(store, launch, world, _start_up_wait())
+
+
+def _start_up_wait() -> float:
+    """How long a rank waits for its generation's first rank: never longer than the launch's stall timeout, so
+    a first rank that could not name the generation costs the others no more than a stall would."""
+    try:
+        return min(GENERATION_WAIT_S, float(os.environ[STALL_TIMEOUT_ENV]))
+    except (KeyError, ValueError):   # a launch that passed none: the default
+        return GENERATION_WAIT_S
 
 
 def generation_on(store: Any, launch: Any, world: int, wait_s: float = GENERATION_WAIT_S) -> int:
@@ -167,7 +177,12 @@ def generation_on(store: Any, launch: Any, world: int, wait_s: float = GENERATIO
     key = f"{GENERATION_KEY}/{arrived // world}"
     if arrived % world == 0:
         index = launch.claim_generation()
-        store.set(key, str(index))
+        try:
+            store.set(key, str(index))
+        except Exception as exc:   # the others wait for the key no longer than the stall timeout, then trace alone
+            failed(Hook.RANK_SETUP, exc)
+            sys.stderr.write(f"distcheck: could not name this rank's generation to the others "
+                             f"({type(exc).__name__}: {exc})\n")
         return index
     try:
         store.wait([key], timedelta(seconds=wait_s))

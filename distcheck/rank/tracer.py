@@ -163,7 +163,8 @@ class Tracer:
         the collective numbering's, so later calls' numbers stay aligned with their peers'."""
         try:
             taken = entry[3]() - before
-        except Exception:
+        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+            failed(Hook.NUMBERING, exc)
             return
         if taken == width:
             return
@@ -303,7 +304,8 @@ class Tracer:
         recv_object_list send the size, then the data) are a Python call's too, not C++-issued collectives."""
         try:
             after = entry[3]()
-        except Exception:
+        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+            failed(Hook.NUMBERING, exc)
             return
         if after > before + 1:
             entry[5].extend(range(before - entry[4] + 2, after - entry[4] + 1))
@@ -313,7 +315,8 @@ class Tracer:
         try:
             entry = self._groups.get(id(pg if pg is not None else self._default_group()))
             return None if entry is None or entry[3] is None else (entry, entry[3]())
-        except Exception:
+        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+            failed(Hook.NUMBERING, exc)
             return None
 
     def _resync(self) -> None:
@@ -323,7 +326,8 @@ class Tracer:
             self._multi = None
             try:
                 last = counter() - base
-            except Exception:
+            except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+                failed(Hook.NUMBERING, exc)
                 return
             written = self._written.setdefault(group, deque())
             written.extend(range(self._seq.get(group, 0) + 1, last + 1))
@@ -440,7 +444,8 @@ class Tracer:
                     if entry[3] is not None:
                         claims.append((entry, entry[3]()))
                         self.busy_group = entry[0]
-                except Exception:
+                except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+                    failed(Hook.NUMBERING, exc)
                     continue
             if defs:
                 self.writer.write(defs.data())
@@ -451,7 +456,8 @@ class Tracer:
         for entry, before in claims:
             try:
                 after = entry[3]()
-            except Exception:
+            except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+                failed(Hook.NUMBERING, exc)
                 continue
             entry[5].extend(range(before - entry[4] + 1, after - entry[4] + 1))
             self._skew_after(entry, before, 0)   # a batch is P2P: none of its numbers are collectives'
@@ -575,7 +581,8 @@ class Tracer:
         number is a Python call's, or it would record it as an unknown C++-issued collective."""
         try:
             entry = self._group(pg, defs)
-        except Exception:
+        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
+            failed(Hook.NUMBERING, exc)
             return
         if entry[3] is not None:
             entry[5].append(entry[3]() - entry[4] + 1)
