@@ -177,6 +177,7 @@ class RankProcess:
                                                                            self._wrapped_destroy)):
             original = getattr(c10d, name)
             wrapped = functools.wraps(original)(wrapper(original, c10d))
+            wrapped.__distcheck__ = True   # type: ignore[attr-defined]
             self.patches.set(c10d, name, wrapped)
             if dist is not None and getattr(dist, name, None) is original:   # torch.distributed re-exports it
                 self.patches.set(dist, name, wrapped)
