@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from distcheck.diagnose.coverage import find_coverage_gaps
 from distcheck.models import HOOK_LOST, RankOutcome
 from distcheck.rank import guard, injected
 from distcheck.rank.guard import Hook
+from distcheck.rank.numbering import GroupEntry, Mark
 from distcheck.rank.tracer import Tracer
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -80,7 +82,7 @@ def test_a_failing_tracer_returns_the_users_result_and_raises_the_users_own_exce
 
 
 def test_a_failing_p2p_wait_record_returns_torchs_own_wait_result(tmp_path, process_group, monkeypatch):
-    from distcheck.rank import tracer as tracer_module
+    from distcheck.rank import handles as handles_module
     from distcheck.rank.ops import OPS
 
     tracer = Tracer(tmp_path / "rank0.trace", 0)
@@ -91,7 +93,7 @@ def test_a_failing_p2p_wait_record_returns_torchs_own_wait_result(tmp_path, proc
         isend = tracer.wrap("isend", lambda tensor, dst=None, group=None, tag=0, group_dst=None:
                             dist.all_reduce(tensor, async_op=True), OPS["isend"], signature_of=dist.isend)
         handle = isend(torch.ones(4), 0)
-        monkeypatch.setattr(tracer_module, "wait_slots", planted)
+        monkeypatch.setattr(handles_module, "wait_slots", planted)
         assert handle.wait() is True                      # torch's own result, through the failing wrapper
         assert guard.failures()["tracer"] == {"count": 2, "error": "Planted: planted"}   # the wait's in and out
     finally:
@@ -149,10 +151,10 @@ def test_a_failing_group_counter_in_the_numbering_is_counted_and_noted(tmp_path)
     """Each place the numbering reads a group's counter and gives up (the call keeps its number, later ones
     may shift) is a counted failure, so the report's coverage note says the comparison may be off."""
     tracer = Tracer(tmp_path / "rank0.trace", 0)
-    entry = ("g", None, None, planted, 0, [], None, None, [0])   # the group's counter raises
+    entry = GroupEntry("g", None, 0, planted, 0, deque(), 0, 0, 0)   # the group's counter raises
     tracer._skew_after(entry, 0, 1)
     tracer._claim_rest(entry, 0)
-    tracer._claim_batch([(entry, 0)])
+    tracer._claim_batch([Mark(entry, 0)])
     tracer._multi = ("g", planted, 0)
     tracer._resync()
     tracer._group = planted

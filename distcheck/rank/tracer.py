@@ -24,9 +24,7 @@ What a call costs on top of the collective (see benchmarks/tracer_overhead.py):
 
 from __future__ import annotations
 
-import bisect
 import functools
-import inspect
 import os
 import sys
 import threading
@@ -35,16 +33,17 @@ from collections import deque
 from time import time_ns
 from typing import Any, Callable
 
-from distcheck.files.trace import (CHECK, FP_SHIFT, NONE, SEQ_BITS, SLOT_STRUCT, TAG_E, X_OK, RecordBatch, clean,
-                                   encode_shapes, enter_slot, error_record, exit_slot, fingerprint_record,
-                                   group_record, segment_record, site_record, text_slots, wait_slots)
+from distcheck.files.trace import (FP_SHIFT, NONE, SEQ_BITS, TAG_E, RecordBatch, encode_shapes, enter_slot,
+                                   error_record, exit_slot, fingerprint_record, segment_record, site_record,
+                                   text_slots)
 from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.callsite import CallsiteResolver
+from distcheck.rank.groups import c10d_default_group, c10d_group, group_counters
 from distcheck.rank.guard import Hook, failed
-from distcheck.rank.groups import c10d_default_group, c10d_group, counter_of, group_counters, members_of
-from distcheck.knowledge.library_shapes import NUMBERED_APART
-from distcheck.rank.ops import (ASYNC_BY_NATURE, MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, extra_fields,
-                                make_extractor, new_group_sequence, reduce_op_name)
+from distcheck.rank.handles import Handles, HeldHandle
+from distcheck.rank.hot_path import traced_call
+from distcheck.rank.numbering import GroupEntry, Mark, Numbering
+from distcheck.rank.ops import ASYNC_BY_NATURE, OPS, OpSpec, extra_fields, reduce_op_name
 
 
 # Reduce op objects the fast path knows by identity; others (one made per call) take the slow path.
@@ -56,8 +55,9 @@ class _Local(threading.local):
     last_fp = 0             # the fingerprint this thread's last slow-path call wrote
 
 
-class Tracer:
-    """Records collectives of one rank into its trace file.
+class Tracer(Numbering, Handles):
+    """Records collectives of one rank into its trace file: what is installed and the slow path here, the hot
+    path in ``rank.hot_path``, the numbering in ``rank.numbering``, P2P handles in ``rank.handles``.
 
     ``group_resolver(pg) -> (key, ranks)`` names a process group and
     ``default_group()`` returns the group a call without ``group=`` uses; both
@@ -77,16 +77,12 @@ class Tracer:
         self._default_group = default_group or c10d_default_group()
         # group -> the newest number this tracer wrote (the group's own counter where it has one)
         self._seq: dict[str, int] = {}
-        # id(pg) -> (key, pg, group id, the group's collective counter or None, its value at the
-        # segment's start, the numbers written for it not yet taken by the sidecar, group id << SEQ_BITS
-        # (a call key is that + seq), group id << 8 (its part of an E record's first word), [the numbers
-        # calls outside the collective numbering took so far]); pg kept alive so its id stays valid
-        self._groups: dict[int, tuple[str, Any, int, Callable[[], int] | None, int, deque, int, int, list]] = {}
+        self._groups: dict[int, GroupEntry] = {}   # id(pg) -> the group as the numbering knows it
         self._gids: dict[str, int] = {}     # group (or p2p pair) -> its id in the trace
         self._written: dict[str, deque] = {}
         # Numbers count from each group's counter when tracing started (0 for groups made later).
         self._bases: dict[str, int] = {key: counter() for key, counter in group_counters()}
-        self._multi: tuple[str, Callable[[], int], int] | None = None
+        self._multi: tuple[str, Callable[[], int], int] | None = None   # (group, counter, base) of a MULTI_SEQ call
         # group -> counter numbers taken by calls outside the collective numbering (P2P, gloo's
         # monitored_barrier: distcheck.knowledge.library_shapes), as ([from offset, ...], [skew from there, ...])
         self._skews: dict[str, tuple[list[int], list[int]]] = {}
@@ -110,7 +106,7 @@ class Tracer:
         self._originals: dict[str, Callable] = {}
         # id(work) -> (a weak reference to it, the call keys it completes): the handles of P2P calls, whose
         # ``wait()`` is written as W records (the rank is blocked in those calls while it waits)
-        self._handles: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+        self._handles: dict[int, HeldHandle] = {}
         self._work_wait: tuple[Any, Callable] | None = None   # (torch's Work class, its own wait)
         self.count = 0
         self.slow_calls = 0   # calls that took ``_enter`` (first of their kind, p2p, lists...): a cost to watch
@@ -139,44 +135,6 @@ class Tracer:
             self.writer.write(segment_record(name))
             for listener in self.segment_listeners:
                 listener.reset()
-
-    def take_written(self, group: str) -> list[int]:
-        """The numbers written for ``group`` since the last call (the sidecar's; thread-safe)."""
-        written = self._written.get(group)
-        out = []
-        while written:
-            out.append(written.popleft())
-        return out
-
-    def trace_seq(self, group: str, offset: int) -> int:
-        """The trace's number for the group counter's ``offset`` (counter minus ``seq_base``): less the
-        numbers that P2P calls and gloo's monitored_barrier took before it, which a rank's peers do not
-        count alike (``distcheck.knowledge.library_shapes``). Thread-safe (the sidecar's)."""
-        skews = self._skews.get(group)
-        if not skews:
-            return offset
-        i = bisect.bisect_right(skews[0], offset)
-        return offset - (skews[1][i - 1] if i else 0)
-
-    def _skew_after(self, entry: tuple, before: int, width: int) -> None:
-        """A call numbered apart has returned: the counter numbers it took beyond ``width`` are not
-        the collective numbering's, so later calls' numbers stay aligned with their peers'."""
-        try:
-            taken = entry[3]() - before
-        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-            failed(Hook.NUMBERING, exc)
-            return
-        if taken == width:
-            return
-        current = entry[8]
-        current[0] += taken - width
-        offsets, skews = self._skews.setdefault(entry[0], ([], []))
-        offsets.append(before - entry[4] + taken + 1)
-        skews.append(current[0])
-
-    def seq_base(self, group: str) -> int:
-        """The group's counter when this segment started (numbers in the trace count from it)."""
-        return self._bases.get(group, 0)
 
     # -- installation -------------------------------------------------------
 
@@ -225,113 +183,9 @@ class Tracer:
 
     def wrap(self, name: str, original: Callable, spec: OpSpec | None = None,
              signature_of: Callable | None = None) -> Callable:
-        """``original`` traced as collective ``name`` (the code path ``install`` uses).
-
-        ``signature_of``: read argument positions from this function instead
-        (a stand-in collective with the real one's signature).
-        """
-        spec = spec or OPS[name]
-        extract = make_extractor(name, spec, list(inspect.signature(signature_of or original).parameters.values()))
-        local = self._local
-        enter = self._make_enter(name, spec)
-        writer = self.writer
-        append = writer.append
-        pack = SLOT_STRUCT.pack
-        exit_check = X_OK ^ CHECK
-        getframe = sys._getframe
-        multi = name in MULTI_SEQ
-        apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
-        waited = name in WAITED_HANDLES    # isend, irecv: their handle's wait() is where the rank blocks
-        p2p = spec.p2p is not None
-        tracer = self
-
-        # Rule 0 (rank.guard): an error of distcheck's own below is caught and counted, never raised into
-        # the user's call, which returns its own result or raises its own exception unchanged. (A try costs
-        # nothing in CPython 3.11 until something raises.)
-        @functools.wraps(original)
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            if local.active:
-                return original(*args, **kwargs)   # a collective inside a traced one
-            local.active = True
-            mark = unrecorded = None
-            try:
-                try:
-                    values = extract(args, kwargs)
-                    key = enter(values, getframe(1))
-                    if apart is not None:
-                        mark = tracer._mark(values[0])
-                except Exception as exc:
-                    key, unrecorded = None, exc
-                try:
-                    result = original(*args, **kwargs)
-                except BaseException as exc:
-                    if key is not None:
-                        tracer._exit_guarded(key, exc)
-                    raise   # the user's exception, as it was
-                if key is not None:
-                    try:
-                        t = time_ns()
-                        record = pack(X_OK, key, t, exit_check ^ key ^ t)
-                        try:
-                            append(record)
-                        except ValueError:    # the mapping is full: grow it
-                            writer.write(record)
-                        if waited:
-                            tracer._hold((result,), (key,))
-                    except Exception as exc:
-                        failed(Hook.TRACER, exc)
-                elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
-                    failed(Hook.TRACER, unrecorded)
-                return result
-            finally:
-                try:
-                    if multi:
-                        tracer._resync()
-                    if mark is not None:
-                        tracer._skew_after(mark[0], mark[1], apart)
-                        if p2p:
-                            tracer._claim_rest(mark[0], mark[1])
-                    tracer.busy_group = None   # after the numbers: the sidecar reads it first
-                except Exception as exc:
-                    failed(Hook.TRACER, exc)
-                local.active = False
-
-        traced.__distcheck_original__ = original  # type: ignore[attr-defined]
-        return traced
-
-    def _claim_rest(self, entry: tuple, before: int) -> None:
-        """After a P2P call: the counter numbers it took past the one claimed when it started (send_object_list and
-        recv_object_list send the size, then the data) are a Python call's too, not C++-issued collectives."""
-        try:
-            after = entry[3]()
-        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-            failed(Hook.NUMBERING, exc)
-            return
-        if after > before + 1:
-            entry[5].extend(range(before - entry[4] + 2, after - entry[4] + 1))
-
-    def _mark(self, pg: Any) -> tuple[tuple, int] | None:
-        """(the group's entry, its counter now) before a call numbered apart starts."""
-        try:
-            entry = self._groups.get(id(pg if pg is not None else self._default_group()))
-            return None if entry is None or entry[3] is None else (entry, entry[3]())
-        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-            failed(Hook.NUMBERING, exc)
-            return None
-
-    def _resync(self) -> None:
-        """After a call that ran several collectives: its numbers up to the counter are its own."""
-        if self._multi is not None:
-            group, counter, base = self._multi
-            self._multi = None
-            try:
-                last = counter() - base
-            except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-                failed(Hook.NUMBERING, exc)
-                return
-            written = self._written.setdefault(group, deque())
-            written.extend(range(self._seq.get(group, 0) + 1, last + 1))
-            self._seq[group] = max(self._seq.get(group, 0), last)
+        """``original`` traced as collective ``name`` (the code path ``install`` uses); ``signature_of``: read
+        argument positions from this function instead (a stand-in collective with the real one's signature)."""
+        return traced_call(self, name, original, spec, signature_of)
 
     def _wrap_batch(self, original: Callable) -> Callable:
         local = self._local
@@ -341,7 +195,7 @@ class Tracer:
             if local.active:
                 return original(p2p_op_list, *args, **kwargs)
             local.active = True
-            claims: list[tuple[tuple, int]] = []
+            claims: list[Mark] = []
             keys: list[int] = []
             try:
                 try:   # rule 0, as in wrap()
@@ -377,216 +231,7 @@ class Tracer:
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
 
-    def _hold(self, works: Any, keys: list[int] | tuple[int, ...]) -> None:
-        """Remember the handles a P2P call returned, so a ``wait()`` on one is written as a wait in its calls:
-        one handle per call (gloo's batch), or handles that each complete the whole batch (a coalesced one)."""
-        works = [w for w in (works or ()) if w is not None]
-        if not works or not keys:
-            return
-        keys = tuple(keys)
-        per_call = len(works) == len(keys)
-        handles = self._handles
-        for i, work in enumerate(works):
-            wid = id(work)
-            ref = weakref.ref(work, lambda _, wid=wid: handles.pop(wid, None))
-            handles[wid] = (ref, keys[i:i + 1] if per_call else keys)
-
-    def _wrap_wait(self, original: Callable) -> Callable:
-        """torch's ``Work.wait``, which writes W records around the wait on a P2P call's handle (any other
-        handle's wait is torch's own, untouched)."""
-        handles = self._handles
-        writer = self.writer
-
-        def record(keys: tuple[int, ...], out: bool) -> None:
-            data = wait_slots(keys, time_ns(), out)
-            try:
-                writer.append(data)
-            except ValueError:    # the mapping is full: grow it
-                writer.write(data)
-
-        @functools.wraps(original)
-        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            held = handles.get(id(work))
-            if held is None:
-                return original(work, *args, **kwargs)
-            keys = None
-            try:   # rule 0, as in wrap()
-                if held[0]() is work:
-                    keys = held[1]
-                    record(keys, False)
-            except Exception as exc:
-                failed(Hook.TRACER, exc)
-            result = original(work, *args, **kwargs)
-            # Only a wait that returned ends the rank's wait in the record. One that raised is, nearly always, a
-            # peer that died or was ended while this rank waited (distcheck's teardown after a hang): the rank
-            # was stuck in that call, and its record must say so, not that the wait completed.
-            if keys is not None:
-                try:
-                    record(keys, True)
-                except Exception as exc:
-                    failed(Hook.TRACER, exc)
-            return result
-
-        wait.__distcheck_original__ = original  # type: ignore[attr-defined]
-        return wait
-
-    def _batch_counters(self, p2p_op_list: list) -> list[tuple[tuple, int]]:
-        """(group entry, its counter now) for each group a batch of P2P ops runs on, the group marked busy.
-
-        A batch advances its groups' collective counters by a number the backend decides (gloo: one per
-        op), and the sidecar must not take those numbers for C++-issued collectives."""
-        claims = []
-        defs = RecordBatch()
-        with self._defining:
-            for pg in {id(p.group): p.group for p in p2p_op_list}.values():
-                try:
-                    entry = self._group(pg, defs)
-                    if entry[3] is not None:
-                        claims.append((entry, entry[3]()))
-                        self.busy_group = entry[0]
-                except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-                    failed(Hook.NUMBERING, exc)
-                    continue
-            if defs:
-                self.writer.write(defs.data())
-        return claims
-
-    def _claim_batch(self, claims: list[tuple[tuple, int]]) -> None:
-        """After the batch: every number its groups counted meanwhile is the batch's (written by Python)."""
-        for entry, before in claims:
-            try:
-                after = entry[3]()
-            except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-                failed(Hook.NUMBERING, exc)
-                continue
-            entry[5].extend(range(before - entry[4] + 1, after - entry[4] + 1))
-            self._skew_after(entry, before, 0)   # a batch is P2P: none of its numbers are collectives'
-        self.busy_group = None   # after the numbers: the sidecar reads it first
-
     # -- records ------------------------------------------------------------
-
-    def _make_enter(self, name: str, spec: OpSpec) -> Callable[[tuple, Any], int]:
-        """The enter step for one op: a fast path for a call like one seen before
-        (known group and fingerprint: one dict lookup, one slot), and ``_enter``
-        for everything else (first calls, p2p, tensor lists, group ranks).
-
-        The fast path keeps its own cache, keyed by a flat tuple of what the call
-        shows (cheaper to build and hash than ``_enter``'s fingerprint key): a key
-        not seen yet takes ``_enter``, and the fingerprint it wrote is cached under it.
-        """
-        slow = functools.partial(self._enter, name, spec)
-        if (spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED
-                or spec.extra):
-            return slow
-        groups, seqs, op_ids, local = self._groups, self._seq, self._op_ids, self._local
-        fast = self._fast.setdefault(name, {})
-        site_key = self.resolver.key
-        default_group = self._default_group
-        writer = self.writer
-        append = writer.append
-        pack = SLOT_STRUCT.pack
-        tracer = self
-
-        def learn(values: tuple, frame: Any) -> int:
-            """A reduce op not seen yet: ``_enter`` names it, then the call is cached like any other."""
-            key = slow(values, frame)
-            named = op_ids.get(id(values[3]))
-            if named is not None:
-                _, tensors, _, _, root, _, async_op, shape_unless, _, _ = values
-                fast[_seen(site_key(frame), named[1], root, async_op, shape_unless, tensors)] = local.last_fp
-            return key
-
-        def enter(values: tuple, frame: Any) -> int:
-            pg, tensors, _, op, root, group_root, async_op, shape_unless, _, _ = values
-            if group_root is not None:
-                return slow(values, frame)
-            entry = groups.get(id(default_group() if pg is None else pg))
-            if op is not None:   # by identity: hashing a ReduceOp costs 0.1 µs
-                named = op_ids.get(id(op))
-                op = named[1] if named is not None and named[0] is op else None
-                if op is None:
-                    return learn(values, frame)
-            t = tensors[0] if tensors else None
-            site = site_key(frame)
-            # _seen's key, inline (a call costs 0.07 µs)
-            seen = ((site, op, root, async_op, shape_unless is None) if t is None else
-                    (site, op, root, async_op, shape_unless is None, t.shape, t.dtype, t.device))
-            fp = fast.get(seen)
-            if fp is None or entry is None or (pg is not None and entry[1] is not pg):
-                key = slow(values, frame)
-                fast[seen] = local.last_fp
-                return key
-            group, counter = entry[0], entry[3]
-            seq = (seqs[group] if counter is None else counter() - entry[4]) + 1
-            seqs[group] = seq
-            entry[5].append(seq)
-            tracer.busy_group = group
-            tracer.count += 1
-            key = entry[6] + seq - entry[8][0]
-            w0 = fp | entry[7]
-            t = time_ns()
-            record = pack(w0, key, t, w0 ^ key ^ t ^ CHECK)
-            try:
-                append(record)
-            except ValueError:    # the mapping is full: grow it
-                writer.write(record)
-            return key
-
-        return enter
-
-    def _group(self, pg: Any, out: RecordBatch) -> tuple:
-        """The group's entry (key, pg, id, counter, base, ...), defined on first use."""
-        if pg is None:
-            pg = self._default_group()
-            if pg is None:
-                raise RuntimeError("no default process group")   # the call itself will say so
-        entry = self._groups.get(id(pg))
-        if entry is not None and entry[1] is pg:
-            return entry
-        key, ranks = self._resolve_group(pg)
-        key = clean(key or str(len(self._groups)))
-        written = self._written.setdefault(key, deque())
-        gid = self._gid(key, ranks, out)
-        skews = self._skews.get(key)
-        entry = self._groups[id(pg)] = (key, pg, gid, counter_of(pg), self._bases.get(key, 0), written,
-                                        gid << SEQ_BITS, gid << 8, [skews[1][-1] if skews else 0])
-        self._seq.setdefault(key, 0)
-        return entry
-
-    def _gid(self, key: str, ranks: Any, out: RecordBatch) -> int:
-        """The trace's id for a group (or p2p pair), defined on first use."""
-        gid = self._gids.get(key)
-        if gid is None:
-            gid = self._gids[key] = len(self._gids)
-            out.define(group_record(gid, key, ranks))
-        return gid
-
-    def _number(self, name: str, entry: tuple, out: RecordBatch, extra: tuple | None = None) -> tuple[str, int]:
-        """(group, seq) for a call on a group: the group's own counter + 1, where it has one."""
-        key, _, _, counter, base, written, _, _, _ = entry
-        if name in UNCOUNTED:   # new_group: its own sequence (ops.new_group_sequence)
-            key, ranks = new_group_sequence(extra, self.rank, members_of(entry[1]))
-            self._gid(key, ranks, out)
-            counter = None
-        seq = (self._seq.get(key, 0) if counter is None else counter() - base) + 1
-        if counter is not None:
-            written.append(seq)
-            self.busy_group = key
-        if name in MULTI_SEQ and counter is not None:
-            self._multi = (key, counter, base)
-        return key, seq
-
-    def _claim_p2p_number(self, pg: Any, defs: RecordBatch) -> None:
-        """A send/recv advances its group's collective counter by one (gloo): tell the sidecar that
-        number is a Python call's, or it would record it as an unknown C++-issued collective."""
-        try:
-            entry = self._group(pg, defs)
-        except Exception as exc:   # the numbers stay as they were: counted (coverage note)
-            failed(Hook.NUMBERING, exc)
-            return
-        if entry[3] is not None:
-            entry[5].append(entry[3]() - entry[4] + 1)
-            self.busy_group = entry[0]
 
     def _after_fork(self) -> None:
         self._defining = threading.Lock()   # another thread of the parent may have held it
@@ -620,7 +265,7 @@ class Tracer:
         else:
             entry = self._group(pg, defs)
             group, seq = self._number(name, entry, defs, extra)
-            local_seq = seq - entry[8][0] if group == entry[0] else seq
+            local_seq = seq - entry.skew if group == entry.key else seq
         if op is not None:
             reduce_op = op
             try:
@@ -705,13 +350,6 @@ def _in_forked_child(tracer: Callable[[], Tracer | None]) -> None:
             t._after_fork()
     except Exception as exc:
         failed(Hook.TRACER, exc)
-
-
-def _seen(site: tuple, op: str | None, root: Any, async_op: Any, shape_unless: Any, tensors: tuple) -> tuple:
-    """The fast path's key for a call: what it shows, flat (cheaper to build and hash than a fingerprint)."""
-    t = tensors[0] if tensors else None
-    return ((site, op, root, async_op, shape_unless is None) if t is None else
-            (site, op, root, async_op, shape_unless is None, t.shape, t.dtype, t.device))
 
 
 def install(path: Any, rank: int) -> Tracer:
