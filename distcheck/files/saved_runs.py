@@ -40,13 +40,13 @@ def write_early_report(run_dir: Path, scenarios: tuple[ScenarioResult, ...] = ()
     import shlex
     import sys
 
-    from distcheck import __version__
+    from distcheck.models import VERSION
     from distcheck.files.launch_dir import write_json_atomic
 
     torch = sys.modules.get("torch")   # never imported here: an interrupt may come before it is
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     info = RunInfo(backend="", world_size=0, nnodes=0, nproc_per_node=0,
-                   torch_version=getattr(torch, "__version__", ""), distcheck_version=__version__,
+                   torch_version=getattr(torch, "__version__", ""), distcheck_version=VERSION,
                    command=shlex.join(sys.argv), run_dir=str(run_dir), seed=0, duration_s=0.0, started_at=now,
                    hostname=platform.node(), python_version=platform.python_version(), command_output=note)
     write_json_atomic(run_dir / REPORT_FILE, Report(run=info, scenarios=scenarios, interrupted=interrupted).to_dict())
