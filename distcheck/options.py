@@ -9,12 +9,15 @@ backend availability) comes after (``run_options``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from distcheck.errors import UsageError
+from distcheck import interrupt
 from distcheck.files.run_dir import make_run_dir
+from distcheck.files.saved_runs import write_interrupted_before_start
 from distcheck.launch.cluster import NodeConfig, node_config
 
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
@@ -106,7 +109,7 @@ def check_flags(flags: RunFlags) -> NodeConfig:
     nodes = node_config(flags.nnodes, flags.node_rank, flags.rdzv_endpoint, flags.rdzv_id, flags.rdzv_backend,
                         flags.rdzv_timeout, flags.master_addr, flags.master_port, flags.store_port, flags.local_addr)
     if flags.run_dir is not None:
-        make_run_dir(flags.run_dir)   # a bad --run-dir is refused now, before torch is imported
+        claim_run_dir(flags.run_dir)   # a bad --run-dir is refused now, before torch is imported
     return nodes
 
 
@@ -175,6 +178,13 @@ def resolve_backend(backend: str, nproc_per_node: int) -> str:
             raise UsageError(f"--backend nccl needs one GPU per rank: {nproc_per_node} ranks, {gpus} GPUs",
                              f"use --nproc-per-node {gpus}, or --backend gloo")
     return backend
+
+
+def claim_run_dir(path: Path) -> Path:
+    """The run dir, made (``files.run_dir.make_run_dir``); an interrupt from the moment it exists until the run
+    begins leaves a report in it (before it exists: nothing to write into)."""
+    interrupt.on_interrupt_before_start(functools.partial(write_interrupted_before_start, path.absolute()))
+    return make_run_dir(path)
 
 
 def pg_timeout(options: RunOptions) -> float:

@@ -23,7 +23,6 @@ from typing import Callable
 from distcheck import interrupt
 from distcheck.diagnose.verdict import run_info as build_run_info
 from distcheck.errors import LaunchError, UsageError
-from distcheck.files import run_dir as rundir
 from distcheck.files import user_code
 from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.saved_runs import REPORT_FILE
@@ -31,7 +30,7 @@ from distcheck.launch import forkserver, procs
 from distcheck.launch.cluster import ClusterStore, check_endpoint_address
 from distcheck.launch.launcher import quiet_native_warnings, workers_torch_environment
 from distcheck.models import EndReason, Report, RunInfo, ScenarioResult
-from distcheck.options import RunOptions
+from distcheck.options import RunOptions, claim_run_dir
 from distcheck.rank import metrics as metric_recording
 from distcheck.scenario import OPTIONAL_LIBRARIES
 from distcheck.targets import RunContext, Target
@@ -74,7 +73,7 @@ def new_run_id() -> str:
 
 def make_run_dir(run_dir: Path | None, run_id: str) -> Path:
     """Writable (a real write), private (0700) when created; LaunchError before any launch otherwise."""
-    return rundir.make_run_dir(run_dir or Path(".distcheck") / "runs" / run_id)
+    return claim_run_dir(run_dir or Path(".distcheck") / "runs" / run_id)
 
 
 def library_versions() -> dict[str, str]:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import shutil
 from pathlib import Path
@@ -44,12 +43,7 @@ def _probe(path: Path) -> None:
 
 
 def make_run_dir(path: Path) -> Path:
-    """Create (0700) or re-use ``path``; raise LaunchError when it cannot hold a run. An interrupt from the moment
-    it exists until the run begins leaves a report in it (before it exists: nothing to write into)."""
-    from distcheck import interrupt
-    from distcheck.files.saved_runs import write_interrupted_before_start
-
-    interrupt.on_interrupt_before_start(functools.partial(write_interrupted_before_start, path.absolute()))
+    """Create (0700) or re-use ``path``; raise LaunchError when it cannot hold a run."""
     try:
         if path.exists() and not path.is_dir():
             raise LaunchError(f"the run directory {path} exists and is not a directory",
