@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from distcheck.files.metric_records import unpack
-from distcheck.rank.metrics import jsonable, metrics_of
+from distcheck.rank.metric_copies import jsonable
+from distcheck.rank.metric_sync import metrics_of
 
 RTOL, ATOL = 1e-4, 1e-6
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import sys
 import threading
 import time
@@ -48,11 +47,13 @@ from typing import Any, Callable
 
 from distcheck.files.metric_records import pack
 from distcheck.rank.guard import Hook, capped, failed
+from distcheck.rank.metric_copies import compute_record, dumps_by_value, elements as _elements, jsonable, pickler
+from distcheck.rank.metric_sync import (_is_collection, _judged, _seq, _sync_on_compute, _sync_point, metrics_of,
+                                        user_callsite)
 from distcheck.rank.row_digests import RowDigests, packed_tensors, digest_rows, rows_cap
 
 MEMORY_ENV = "DISTCHECK_METRIC_MEMORY_MB"
 DEFAULT_MEMORY_MB = 256
-MAX_VALUE_ELEMENTS = 65_536    # larger compute() results are compared by shape only
 FLUSH_BYTES = 4 * 2**20        # recorded inputs held in memory before they are written out
 MAX_ENTRIES = 4_096            # recorded objects per rank (a metric made per evaluation pass)
 MAX_COMPUTES = 20_000          # compute() records per rank
@@ -321,7 +322,7 @@ class MetricRecorder:
         self._chunks += 1
         self.dir.mkdir(parents=True, exist_ok=True)
         with open(self.dir / name, "wb") as f:
-            _pickler(f).dump(entry.pending)
+            pickler(f).dump(entry.pending)
         entry.chunks.append(self._chunks - 1)
         entry.pending, entry.pending_bytes = [], 0
 
@@ -336,7 +337,7 @@ class MetricRecorder:
             if self.over_cap:
                 entry.info["note"] = entry.info["note"] or self.over_cap
             entry.info["rows"] = {str(epoch): self.rows.saved(s) for epoch, s in entry.rows.items()}
-            entry.info["computes"] = [_compute_record(c) for c in entry.computes]
+            entry.info["computes"] = [compute_record(c) for c in entry.computes]
             entry.info["chunks"] = [f"{self.dir.name}/{entry.key}-records-{n}.pkl" for n in entry.chunks]
             out.append(entry.info)
         self.entries, self.retired = {}, []
@@ -347,174 +348,11 @@ class MetricRecorder:
         return out
 
 
-def _compute_record(c: tuple) -> dict[str, Any]:
-    """A kept compute() as ``files.metric_records`` reads it."""
-    epoch, updates, callsite, value, sync = c
-    if sync is not None:
-        ranks, seq, after, group_rank, rank, t0, t1 = sync
-        sync = {"ranks": list(ranks), "seq": seq, "after": after, "group_rank": group_rank, "rank": rank,
-                "t0": t0, "t1": t1}
-    return {"epoch": epoch, "updates": updates, "callsite": callsite, "value": value, "sync": sync}
-
-
 def _digested_epoch(epoch: int) -> bool:
     """Whether the rows of this epoch (updates between two resets) are digested: the first ``DIGESTED_EPOCHS``
     and then every power of two, the same on every rank, so a metric reset after each of thousands of
     evaluation passes keeps a few dozen streams."""
     return epoch < DIGESTED_EPOCHS or epoch & (epoch - 1) == 0
-
-
-def _elements(value: Any) -> int:
-    """How many numbers a compute() result holds, as ``jsonable`` keeps it (a large tensor: its shape only)."""
-    numel = getattr(value, "numel", None)
-    if callable(numel):
-        n = numel()
-        return n if n <= MAX_VALUE_ELEMENTS else 1
-    if isinstance(value, dict):
-        return sum(_elements(v) for v in value.values()) + 1
-    if isinstance(value, (list, tuple)):
-        return sum(_elements(v) for v in value) + 1
-    return 1
-
-
-def _is_collection(obj: Any) -> bool:
-    return type(obj).__name__ == "MetricCollection" or any(c.__name__ == "MetricCollection"
-                                                           for c in type(obj).__mro__)
-
-
-@functools.lru_cache(maxsize=None)
-def _judged_class(cls: type) -> bool:
-    """Whether compute() of this class syncs through ``Metric._wrap_compute`` (a composite's or a
-    wrapper's does not: their inner metrics sync, and are recorded themselves)."""
-    if any(c.__name__ == "MetricCollection" for c in cls.__mro__):
-        return True
-    return getattr(getattr(cls, "_wrap_compute", None), "__distcheck__", False)
-
-
-def _judged(obj: Any) -> bool:
-    """A collection is judged as a whole only when each member is: a collection of wrappers (a
-    ``Running`` window) has no single-process equivalent as a whole, its members' metrics have."""
-    if not _judged_class(type(obj)):
-        return False
-    return not _is_collection(obj) or all(_judged(m) for m in obj._modules.values())
-
-
-def metrics_of(obj: Any) -> dict[str, Any]:
-    """name -> Metric: the object itself, or a collection's members as it holds them (no state copies)."""
-    if _is_collection(obj):
-        return dict(obj._modules.items())
-    return {"": obj}
-
-
-def _sync_on_compute(obj: Any) -> bool | None:
-    if _is_collection(obj):
-        flags = {getattr(m, "sync_on_compute", None) for m in obj._modules.values()}
-        return flags.pop() if len(flags) == 1 else None
-    return getattr(obj, "sync_on_compute", None)
-
-
-def _sync_point(obj: Any) -> tuple[Any, list[int], int, int, int] | None:
-    """(group, its global ranks, its sequence number, this rank's rank in it, global rank), or None
-    without a process group."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return None
-        pg = next((getattr(m, "process_group", None) for m in metrics_of(obj).values()
-                   if getattr(m, "process_group", None) is not None), None) or dist.group.WORLD
-        ranks = dist.get_process_group_ranks(pg)
-        return pg, list(ranks), pg._get_sequence_number_for_group(), dist.get_rank(pg), dist.get_rank()
-    except Exception:   # a group this torch cannot count: the compute is not paired
-        return None
-
-
-def _seq(pg: Any, default: int) -> int:
-    try:
-        return pg._get_sequence_number_for_group()
-    except Exception:   # the group was destroyed inside compute()
-        return default
-
-
-# -- pickling by value -------------------------------------------------------------------------
-
-
-def _user_modules(obj: Any) -> list[Any]:
-    """Modules of the user's own code that define the classes ``obj`` is made of."""
-    from distcheck.files.stacks import USER, classify_file, torch_dir
-
-    tdir = torch_dir()
-    found = {}
-    parts = list(obj.modules()) if hasattr(obj, "modules") else [obj]
-    for part in parts:
-        for cls in type(part).__mro__:
-            mod = sys.modules.get(cls.__module__)
-            file = getattr(mod, "__file__", None)
-            if mod is not None and mod.__name__ not in found and file and classify_file(file, tdir) == USER:
-                found[mod.__name__] = mod
-    return list(found.values())
-
-
-def _pickler(f: Any) -> pickle.Pickler:
-    """A pickler that takes the user's classes by value (cloudpickle), and drops process groups."""
-    try:
-        import cloudpickle
-    except ImportError:
-        base: type = pickle.Pickler
-    else:
-        base = cloudpickle.CloudPickler
-    group = _process_group_type()
-
-    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
-
-    class Pickler(base):   # type: ignore[misc, valid-type]
-        def reducer_override(self, obj: Any) -> Any:
-            if group is not None and isinstance(obj, group):
-                return type(None), ()   # a process group means nothing in the replay
-            if tensor is not None and isinstance(obj, tensor) and obj.device.type not in ("cpu", "meta"):
-                # The replay runs on the CPU, with the CPU copies of the inputs.
-                return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            parent = getattr(super(), "reducer_override", None)
-            return parent(obj) if parent is not None else NotImplemented
-
-    return Pickler(f, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _process_group_type() -> type | None:
-    c10d = sys.modules.get("torch._C._distributed_c10d")
-    return getattr(c10d, "ProcessGroup", None)
-
-
-def dumps_by_value(obj: Any) -> bytes:
-    """``obj`` pickled with the classes of the user's own code by value, so that loading it runs
-    none of that code: a script's top level (no main guard, ``init_process_group`` there), a class
-    defined inside a function, a module loaded from a path all load in a bare process."""
-    import io
-
-    try:
-        import cloudpickle
-    except ImportError:
-        cloudpickle = None
-    modules = _user_modules(obj)
-    if cloudpickle is None:
-        if modules:
-            raise RuntimeError(f"its class comes from {modules[0].__name__} (the user's code), and pickling it by "
-                               f"value needs cloudpickle: pip install cloudpickle")
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    registered = []
-    for mod in modules:
-        if sys.modules.get(mod.__name__) is mod and mod.__name__ not in ("__main__",):
-            try:
-                cloudpickle.register_pickle_by_value(mod)
-                registered.append(mod)
-            except (ValueError, TypeError):
-                pass   # already registered, or not importable by name: cloudpickle takes it by value anyway
-    try:
-        buf = io.BytesIO()
-        _pickler(buf).dump(obj)
-        return buf.getvalue()
-    finally:
-        for mod in registered:
-            cloudpickle.unregister_pickle_by_value(mod)
 
 
 def _detached(x: Any, size: list[int]) -> Any:
@@ -536,36 +374,6 @@ def _detached(x: Any, size: list[int]) -> Any:
 
 
 _TENSOR: type | None = None   # torch.Tensor, once torchmetrics (hence torch) is imported
-
-
-def jsonable(value: Any) -> Any:
-    """A compute() result as JSON: tensors as nested lists (large ones by shape only)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        if value.numel() > MAX_VALUE_ELEMENTS:
-            return {"shape": list(value.shape), "too_large": True}
-        return value.detach().cpu().double().tolist() if value.is_floating_point() else value.detach().cpu().tolist()
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (int, float, bool)) or value is None:
-        return value
-    return repr(value)[:200]
-
-
-def user_callsite() -> str | None:
-    """file:line:function of the innermost frame of the user's own code."""
-    from distcheck.files.stacks import USER, classify_file, torch_dir
-
-    tdir = torch_dir()
-    frame = sys._getframe(1)
-    while frame is not None:
-        if classify_file(frame.f_code.co_filename, tdir) == USER:
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}"
-        frame = frame.f_back
-    return None
 
 
 RECORDER: MetricRecorder | None = None
