@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch.distributed import HashStore, PrefixStore
 
 from distcheck.launch.cluster import LaunchChannel, NodeLiveness, node_config
-from distcheck.launch.watchdog import Decision, Limits, RankProgress, StallDetector
+from distcheck.launch.progress import RankProgress
+from distcheck.launch.watchdog import Decision, Limits, StallDetector
 from distcheck.models import Phase
 
 

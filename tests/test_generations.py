@@ -21,7 +21,8 @@ from distcheck.diagnose.verdict import Scenario, command_ended, ended_by_distche
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import IDLE_IN_POOL, StackFrame, idle_in_pool
 from distcheck.launch.command import CommandQuiet
-from distcheck.launch.watchdog import RankProgress, generation_over
+from distcheck.launch.progress import RankProgress
+from distcheck.launch.watchdog import generation_over
 from distcheck.models import EndReason, Finding, Phase, RankOutcome, Report, RunInfo, ScenarioResult
 from distcheck.rank import injected
 from distcheck.report import junit, terminal

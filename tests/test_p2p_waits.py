@@ -14,7 +14,8 @@ from distcheck.files.trace import (call_key, enter_slot, exit_slot, fingerprint_
 from distcheck.files.trace_reader import parse_trace
 from distcheck.files.trace_tail import TraceTail
 from distcheck.files.trace_writer import TraceWriter
-from distcheck.launch.watchdog import Decision, Limits, RankProgress, StallDetector
+from distcheck.launch.progress import RankProgress
+from distcheck.launch.watchdog import Decision, Limits, StallDetector
 from distcheck.rank.ops import OPS
 from distcheck.rank.tracer import Tracer
 

@@ -29,7 +29,7 @@ from distcheck.files.saved_runs import list_runs, load_report, load_run, resolve
 from distcheck.report.outputs import write_outputs
 from distcheck.scenario import ScenarioSpec
 from distcheck.report.timeline import build
-from distcheck.launch.watchdog import RankProgress
+from distcheck.launch.progress import RankProgress
 
 T0 = 1_800_000_000.0
 SITE = "/home/u/eval.py:24:main"

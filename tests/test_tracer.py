@@ -18,7 +18,7 @@ import torch.distributed as dist
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_reader import parse_trace
 from distcheck.rank.tracer import Tracer
-from distcheck.launch.watchdog import RankMonitor
+from distcheck.launch.progress import RankMonitor
 
 THIS = os.path.abspath(__file__)
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from distcheck.launch.watchdog import Decision, Limits, RankProgress, StallDetector
+from distcheck.launch.progress import RankProgress
+from distcheck.launch.watchdog import Decision, Limits, StallDetector
 from distcheck.models import EndReason
 
 

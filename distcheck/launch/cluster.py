@@ -30,7 +30,7 @@ from distcheck.launch.rendezvous import bound_listener, listen_fd_backend
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_window import window
 from distcheck.torch_features import quiet_native_stderr
-from distcheck.launch.watchdog import RankProgress
+from distcheck.launch.progress import RankProgress
 from distcheck.models import bounded, rank_runs, ranks_from_json
 
 DEFAULT_RDZV_PORT = 29500

@@ -25,7 +25,8 @@ from distcheck.errors import LaunchError, UsageError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import launcher, memory, procs
 from distcheck.launch.launcher import LaunchOutcome, RankFailure, rank_failures
-from distcheck.launch.watchdog import BUSY_CPU, Decision, Limits, Watchdog, WatchdogResult
+from distcheck.launch.progress import BUSY_CPU
+from distcheck.launch.watchdog import Decision, Limits, Watchdog, WatchdogResult
 from distcheck.models import EndReason
 from distcheck.rank.injected import STALL_TIMEOUT_ENV
 

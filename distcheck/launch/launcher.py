@@ -31,7 +31,8 @@ from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import FATAL_SIGNALS, fatal_dump, read_dumps, signal_of
 from distcheck.files.trace_tail import synced_at
-from distcheck.launch.watchdog import Decision, Limits, NodeChannel, RankProgress, Watchdog, WatchdogResult
+from distcheck.launch.progress import RankProgress
+from distcheck.launch.watchdog import Decision, Limits, NodeChannel, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
 
 

@@ -4,7 +4,7 @@ during a stall, what every rank is doing (grouped, so 1000 ranks stay readable).
 On a terminal it is a rich ``Live`` display; elsewhere (CI logs, pipes) it is
 plain lines: one when a scenario starts, one when a stall is suspected, and the
 scenario's result block. It renders what the watchdog observed
-(``launch.watchdog.RankProgress``, read through the ``RankProgress`` protocol below,
+(``launch.progress.RankProgress``, read through the ``RankProgress`` protocol below,
 so the report package does not depend on the launcher); it decides nothing.
 """
 
