@@ -39,6 +39,7 @@ frames of module methods.
 from __future__ import annotations
 
 from types import CodeType, FrameType
+from typing import Any
 
 from distcheck.files.stacks import LIBRARY, SKIP, USER, classify_file, torch_dir
 from distcheck.models import JOIN_LABEL
@@ -144,6 +145,14 @@ class CallsiteResolver:
             depth -= 1
         if user is None:   # no user frame: the whole stack (up to MAX_DEPTH) was the inner part
             target, known = _target(on_modules)
+        label, log_site = self._site_label(target, on_modules, known, joined)
+        # ids, not code objects: a code object's hash is computed from its contents on every lookup.
+        return (None if user is None else id(user), user_line, None if lib is None else id(lib), lib_line, label,
+                log_site)
+
+    def _site_label(self, target: Any, on_modules: list[FrameType], known: int, joined: bool
+                    ) -> tuple[str | None, Any]:
+        """(the label, Lightning's self.log line where the call is its deferred reduction) of a call site."""
         label = log_site = None
         if target is not None:
             label = self._label(target, _outermost_on(target, on_modules, known))
@@ -153,9 +162,7 @@ class CallsiteResolver:
                 label = f"{label} (self.log {logged!r})"
         if joined:   # a shadow call: it stands in for whatever the ranks still working call here
             label = f"{JOIN_LABEL} ({label})" if label else JOIN_LABEL
-        # ids, not code objects: a code object's hash is computed from its contents on every lookup.
-        return (None if user is None else id(user), user_line, None if lib is None else id(lib), lib_line, label,
-                log_site)
+        return label, log_site
 
     def _learn_self(self, info: list, frame: FrameType) -> bool:
         """Whether a frame's code, which has a ``self`` of unknown type, is a module method (decided once:

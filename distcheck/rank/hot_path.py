@@ -23,28 +23,16 @@ if TYPE_CHECKING:
 
 def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | None = None,
                 signature_of: Callable | None = None) -> Callable:
-    """``original`` traced as collective ``name`` (the code path ``install`` uses).
-
-    ``signature_of``: read argument positions from this function instead
-    (a stand-in collective with the real one's signature).
-    """
+    """``original`` traced as collective ``name``; ``signature_of``: read argument positions from this function
+    instead (a stand-in collective with the real one's signature)."""
     spec = spec or OPS[name]
     extract = make_extractor(name, spec, list(inspect.signature(signature_of or original).parameters.values()))
-    local = tracer._local
-    enter = fast_enter(tracer, name, spec)
-    writer = tracer.writer
-    append = writer.append
-    pack = SLOT_STRUCT.pack
-    exit_check = X_OK ^ CHECK
-    getframe = sys._getframe
-    multi = name in MULTI_SEQ
+    local, enter, writer = tracer._local, fast_enter(tracer, name, spec), tracer.writer
+    append, pack, exit_check, getframe = writer.append, SLOT_STRUCT.pack, X_OK ^ CHECK, sys._getframe
+    multi, waited, p2p = name in MULTI_SEQ, name in WAITED_HANDLES, spec.p2p is not None   # waited: isend, irecv
     apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
-    waited = name in WAITED_HANDLES    # isend, irecv: their handle's wait() is where the rank blocks
-    p2p = spec.p2p is not None
 
-    # Rule 0 (rank.guard): an error of distcheck's own below is caught and counted, never raised into
-    # the user's call, which returns its own result or raises its own exception unchanged. (A try costs
-    # nothing in CPython 3.11 until something raises.)
+    # Rule 0: distcheck's own error is counted, never raised into the user's call (a try is free until it raises).
     @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
         if local.active:
@@ -85,9 +73,7 @@ def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | No
                 if multi:
                     tracer._resync()
                 if mark is not None:
-                    tracer._skew_after(mark.entry, mark.before, apart)
-                    if p2p:
-                        tracer._claim_rest(mark.entry, mark.before)
+                    tracer._settle(mark, apart, p2p)
                 tracer.busy_group = None   # after the numbers: the sidecar reads it first
             except Exception as exc:
                 failed(Hook.TRACER, exc)
@@ -98,34 +84,19 @@ def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | No
 
 
 def fast_enter(tracer: Tracer, name: str, spec: OpSpec) -> Callable[[tuple, Any], int]:
-    """The enter step for one op (what ``Tracer`` runs before the backend sees a call): a fast path for a call like one seen before
-    (known group and fingerprint: one dict lookup, one slot), and ``_enter``
-    for everything else (first calls, p2p, tensor lists, group ranks).
-
-    The fast path keeps its own cache, keyed by a flat tuple of what the call
-    shows (cheaper to build and hash than ``_enter``'s fingerprint key): a key
-    not seen yet takes ``_enter``, and the fingerprint it wrote is cached under it.
-    """
+    """The enter step for one op: a fast path for a call like one seen before (known group and fingerprint: one
+    dict lookup, one slot), ``Tracer._enter`` for everything else (first calls, p2p, tensor lists, group ranks).
+    The fast path's cache is keyed by a flat tuple of what the call shows (cheaper to build and hash than the
+    fingerprint key): a key not seen yet takes ``_enter``, and the fingerprint it wrote is cached under it."""
     slow = functools.partial(tracer._enter, name, spec)
     if (spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED
             or spec.extra):
         return slow
     groups, seqs, op_ids, local = tracer._groups, tracer._seq, tracer._op_ids, tracer._local
-    fast = tracer._fast.setdefault(name, {})
-    site_key = tracer.resolver.key
-    default_group = tracer._default_group
+    fast, site_key, default_group = tracer._fast.setdefault(name, {}), tracer.resolver.key, tracer._default_group
     writer = tracer.writer
-    append = writer.append
-    pack = SLOT_STRUCT.pack
-
-    def learn(values: tuple, frame: Any) -> int:
-        """A reduce op not seen yet: ``_enter`` names it, then the call is cached like any other."""
-        key = slow(values, frame)
-        named = op_ids.get(id(values[3]))
-        if named is not None:
-            _, tensors, _, _, root, _, async_op, shape_unless, _, _ = values
-            fast[_seen(site_key(frame), named[1], root, async_op, shape_unless, tensors)] = local.last_fp
-        return key
+    append, pack = writer.append, SLOT_STRUCT.pack
+    learn = _learner(slow, fast, op_ids, site_key, local)
 
     def enter(values: tuple, frame: Any) -> int:
         pg, tensors, _, op, root, group_root, async_op, shape_unless, _, _ = values
@@ -164,6 +135,18 @@ def fast_enter(tracer: Tracer, name: str, spec: OpSpec) -> Callable[[tuple, Any]
         return key
 
     return enter
+
+
+def _learner(slow: Callable, fast: dict, op_ids: dict, site_key: Callable, local: Any) -> Callable[[tuple, Any], int]:
+    def learn(values: tuple, frame: Any) -> int:
+        """A reduce op not seen yet: ``_enter`` names it, then the call is cached like any other."""
+        key = slow(values, frame)
+        named = op_ids.get(id(values[3]))
+        if named is not None:
+            _, tensors, _, _, root, _, async_op, shape_unless, _, _ = values
+            fast[_seen(site_key(frame), named[1], root, async_op, shape_unless, tensors)] = local.last_fp
+        return key
+    return learn
 
 
 def _seen(site: tuple, op: str | None, root: Any, async_op: Any, shape_unless: Any, tensors: tuple) -> tuple:

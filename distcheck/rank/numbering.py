@@ -83,6 +83,12 @@ class Numbering:
         offsets.append(before - entry.base + taken + 1)
         skews.append(entry.skew)
 
+    def _settle(self, mark: Mark, width: int, p2p: bool) -> None:
+        """After a call numbered apart (``knowledge.library_shapes.NUMBERED_APART``): the numbers it took."""
+        self._skew_after(mark.entry, mark.before, width)
+        if p2p:
+            self._claim_rest(mark.entry, mark.before)
+
     def _claim_rest(self, entry: GroupEntry, before: int) -> None:
         """After a P2P call: the counter numbers it took past the one claimed when it started (send_object_list and
         recv_object_list send the size, then the data) are a Python call's too, not C++-issued collectives."""
