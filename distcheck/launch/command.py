@@ -9,7 +9,6 @@ those files: the world size from the first rank's status, then the ordinary watc
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import os
 import shlex
@@ -60,64 +59,6 @@ def command_spec(argv: tuple[str, ...]) -> CommandSpec:
 
 
 # -- `distcheck run script.py` on a script that starts its own ranks --
-
-SPAWNERS = {"spawn", "start_processes"}
-SPAWN_MODULES = ("torch.multiprocessing", "multiprocessing")
-
-
-def spawns_own_ranks(path: Path) -> int | None:
-    """The line where ``path`` starts ranks of its own (``mp.spawn``, ``start_processes``), if any.
-
-    Read with ``ast``: the script is not run. Only calls through a name bound to
-    ``torch.multiprocessing`` (or imported from it) count.
-    """
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    modules, functions = _spawn_names(tree)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        f = node.func
-        if isinstance(f, ast.Attribute) and f.attr in SPAWNERS and _dotted(f.value) in modules:
-            return node.lineno
-        if isinstance(f, ast.Name) and f.id in functions:
-            return node.lineno
-    return None
-
-
-def _spawn_names(tree: ast.AST) -> tuple[set[str], set[str]]:
-    """Names bound to torch.multiprocessing, and to its spawn functions."""
-    modules, functions = {"torch.multiprocessing"}, set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules |= {a.asname or a.name for a in node.names if a.name == "torch.multiprocessing"}
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch.multiprocessing":
-            functions |= {a.asname or a.name for a in node.names if a.name in SPAWNERS}
-        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
-            modules |= {a.asname or a.name for a in node.names if a.name == "multiprocessing"}
-    return modules, functions
-
-
-def _dotted(node: ast.expr) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
-    return ""
-
-
-def refuse_self_spawning(path: Path, script_args: tuple[str, ...]) -> None:
-    """Before launch: distcheck would run such a script on every rank, and each would spawn its own."""
-    line = spawns_own_ranks(path)
-    if line is not None:
-        form = shlex.join(["distcheck", "run", "--", "python", str(path), *script_args])
-        raise UsageError(f"{path}:{line} starts its own ranks (torch.multiprocessing); run it as a command: {form}")
-
-
-# -- the launch --
-
 
 def command_env(files: LaunchFiles, flight_recorder: bool, stall_timeout: float | None = None) -> dict[str, str]:
     """What the injection adds to the command's environment (the README lists it)."""

@@ -12,13 +12,13 @@ import os
 from pathlib import Path
 
 from distcheck.errors import UsageError
-from distcheck.launch.command import command_spec, refuse_self_spawning
+from distcheck.launch.command import command_spec
 from distcheck.options import NodeConfig, RunFlags, check_command_flags
 from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec, expectations_by_world_size
 from distcheck.targets import Target
 from distcheck.targets.scenario import ScenarioTarget
 from distcheck.targets.command import CommandTarget
-from distcheck.targets.script import ScriptTarget
+from distcheck.targets.script import ScriptTarget, refuse_self_spawning
 
 
 def builtin_dir() -> Path:
