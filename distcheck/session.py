@@ -328,7 +328,7 @@ def _run_all(specs: list[Target], options: RunOptions, run_dir: Path, launch_bas
 
 def _must_stop(results: list[ScenarioResult], state: RunState, cluster: ClusterStore | None) -> bool:
     """Ctrl-C, the global --timeout, or a lost node ends the whole run, not just one launch."""
-    if interrupt.requested() or any(r.end_reason == EndReason.INTERRUPTED for r in results):
+    if interrupt.requested() or any(EndReason.of(r.end_reason).interrupted for r in results):
         state.interrupted = True
         return True
     if any(r.end_reason == EndReason.TIMEOUT for r in results):

@@ -138,7 +138,7 @@ def summary_line(report: Report) -> Text:
         verdict = ("NOTHING RAN", "bold yellow")
     # How the whole run ended, where that is not each line's own story: a person or a limit cut it short.
     ended = report.end_reason
-    extra = f" ({ended.words})" if ended in (EndReason.INTERRUPTED, EndReason.TIMEOUT, EndReason.MAX_DURATION) else ""
+    extra = f" ({ended.words})" if ended.interrupted or ended in (EndReason.TIMEOUT, EndReason.MAX_DURATION) else ""
     tests = [s for s in ran if s.test]
     if tests:
         clean = sum(1 for s in tests if s.ok)
