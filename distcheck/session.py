@@ -397,6 +397,7 @@ def skipped_result(spec: ScenarioSpec, reason: str) -> ScenarioResult:
 def run_info(options: RunOptions, run_dir: Path, started: float, command_output: str | None = None) -> RunInfo:
     import torch
 
+    from distcheck.launch.slurm import slurm_job
     from distcheck.torch_features import features
 
     info = build_run_info(
@@ -405,4 +406,5 @@ def run_info(options: RunOptions, run_dir: Path, started: float, command_output:
         command=options.command or shlex.join(sys.argv), run_dir=str(run_dir), seed=options.seed,
         started=started, ended=time.time(), versions=library_versions(), command_output=command_output,
     )
-    return dataclasses.replace(info, torch_features=features().flags())
+    job = slurm_job()
+    return dataclasses.replace(info, torch_features=features().flags(), slurm=job.metadata() if job else {})
