@@ -39,6 +39,9 @@ class EndReason(_Named):
     a run's scenarios, ``Report.end_reason``): the most telling first. ``words`` is how every view says it."""
 
     INTERRUPTED = "interrupted"
+    SLURM_TIME_LIMIT = "slurm_time_limit"     # Slurm's time limit (its SIGTERM, or the command's step cancelled)
+    SLURM_CANCELLED = "slurm_cancelled"       # scancel
+    SLURM_PREEMPTED = "slurm_preempted"       # pre-empted or requeued by Slurm
     CERTAIN_HANG = "certain_hang"     # the wait-for graph: nothing can release the waiting ranks
     STALL = "stall"                   # no progress for --stall-timeout
     BUSY_TIMEOUT = "busy_timeout"     # a rank busy in its own code kept the others waiting past --busy-timeout
@@ -51,6 +54,12 @@ class EndReason(_Named):
     @property
     def abnormal(self) -> bool:
         return self not in (EndReason.COMPLETED, EndReason.NOTHING_RAN)
+
+    @property
+    def interrupted(self) -> bool:
+        """Someone asked the run to stop (Ctrl-C, SIGTERM, Slurm's own endings): never a pass, never a crash."""
+        return self in (EndReason.INTERRUPTED, EndReason.SLURM_TIME_LIMIT, EndReason.SLURM_CANCELLED,
+                        EndReason.SLURM_PREEMPTED)
 
     @property
     def hang_watchdog(self) -> bool:
@@ -82,7 +91,9 @@ class EndReason(_Named):
 
 
 _END_WORDS = {
-    EndReason.INTERRUPTED: "interrupted", EndReason.CERTAIN_HANG: "ended at a certain hang",
+    EndReason.INTERRUPTED: "interrupted", EndReason.SLURM_TIME_LIMIT: "interrupted: Slurm time limit",
+    EndReason.SLURM_CANCELLED: "interrupted: cancelled by Slurm",
+    EndReason.SLURM_PREEMPTED: "interrupted: pre-empted or requeued by Slurm", EndReason.CERTAIN_HANG: "ended at a certain hang",
     EndReason.STALL: "ended by --stall-timeout", EndReason.BUSY_TIMEOUT: "ended by --busy-timeout",
     EndReason.TIMEOUT: "ended by --timeout", EndReason.MAX_DURATION: "ended by --max-duration",
     EndReason.CRASH: "a rank crashed", EndReason.COMPLETED: "completed", EndReason.NOTHING_RAN: "nothing ran",
@@ -479,6 +490,7 @@ class RunInfo:
     versions: dict[str, str] = field(default_factory=dict)  # optional libraries seen
     torch_features: dict[str, bool] = field(default_factory=dict)  # distcheck.torch_features, by name
     command_output: str | None = None   # ``run -- CMD``: the last lines of the command's own output (pytest's summary)
+    slurm: dict[str, str] = field(default_factory=dict)   # the Slurm job it ran in: job_id, step, nodelist
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -514,11 +526,11 @@ class Report:
     def end_reason(self) -> EndReason:
         """How the run ended: interrupted, nothing ran, cut short by --timeout (it stops the run), else its one
         launch's end; a run of several launches that went through them all completed (each has its own)."""
-        if self.interrupted:
-            return EndReason.INTERRUPTED
+        ends = [EndReason.of(s.end_reason) for s in self.scenarios if not s.skipped]
+        if self.interrupted:   # Slurm's own ending, where a launch knew it
+            return next((e for e in ends if e.interrupted and e is not EndReason.INTERRUPTED), EndReason.INTERRUPTED)
         if self.nothing_ran:
             return EndReason.NOTHING_RAN
-        ends = [EndReason.of(s.end_reason) for s in self.scenarios if not s.skipped]
         if EndReason.TIMEOUT in ends:
             return EndReason.TIMEOUT
         return ends[0] if len(ends) == 1 else EndReason.COMPLETED

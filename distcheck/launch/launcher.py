@@ -292,7 +292,7 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     """The watchdog's decision first (it ended the job), then the ranks' failures; raises when
     the job could not run, or the watchdog itself failed."""
     if interrupted or interrupt.requested():
-        return EndReason.INTERRUPTED
+        return interrupt.end_reason()
     if result.decision.end_reason is not None:
         return result.decision.end_reason
     if result.decision is Decision.FAILED and result.lost_node_0:
