@@ -10,7 +10,11 @@ Three stages, one handler:
   while a launch is watched (``watched``) its watchdog ends it the way it ends a stall, each live
   rank's stack and Flight Recorder taken first, so the report says where every rank was; outside a
   launch, KeyboardInterrupt stops the session at the next unit.
-* a second signal: whatever distcheck started is killed and the process ends at once.
+* a second signal: whatever distcheck started is killed and the process ends at once. Not a SIGTERM
+  that follows the first within ``SAME_REQUEST_S``: at its time limit Slurm sends SIGTERM, SIGCONT and
+  SIGTERM again ~3 ms later, one request to stop, which must still end with a report.
+
+Under Slurm, ``end_reason`` tells which of Slurm's endings it was (``launch.slurm.ending``).
 
 Exit 130 on every path. The handler replaces an inherited SIG_IGN (a job started with ``&`` from a
 script ignores SIGINT), so Ctrl-C and ``kill -INT`` are honoured however distcheck was started.
@@ -27,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 EXIT_CODE = 130   # errors.ExitCode.INTERRUPTED (not imported: this module loads before anything else)
 SIGNALS = ("SIGINT", "SIGTERM")
+SAME_REQUEST_S = 1.0   # a SIGTERM this soon after the first is the same request (Slurm's time limit sends two)
 
 
 @dataclass
@@ -39,6 +44,7 @@ class _State:
     stop_everything: Callable[[], None] = lambda: None   # kills what distcheck started (``begin_run``)
     # What an interrupt before the run began leaves in the run dir already made (its report); none: no run dir yet.
     before_start: Callable[[str], None] | None = None
+    ending: Any = None           # the EndReason, once asked (``end_reason``)
 
 
 _state = _State()
@@ -53,6 +59,8 @@ def install() -> None:
 
 def handler(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
+    if _state.requested_at is not None and _same_request(name):
+        return
     if _state.requested_at is not None and _state.installed:
         _stop_at_once(name)
     _state.requested_at, _state.signal_name = time.time(), name
@@ -71,7 +79,7 @@ def begin_run(stop_everything: Callable[[], None] = lambda: None) -> None:
     (the pytest plugin), each run starts with no request: its own Ctrl-C reaches it as KeyboardInterrupt.
     ``stop_everything`` kills whatever distcheck started, should a second signal come."""
     if not _state.installed:
-        _state.requested_at = _state.signal_name = None
+        _state.requested_at = _state.signal_name = _state.ending = None
     _state.running = True
     _state.stop_everything = stop_everything
 
@@ -92,6 +100,18 @@ def requested_at() -> float | None:
 
 def signal_name() -> str | None:
     return _state.signal_name
+
+
+def ending_once(decide: Callable[[], Any]) -> Any:
+    """The request's ``EndReason``, decided once (``launch.slurm.requested_ending``), after the launch stopped."""
+    if _state.ending is None:
+        _state.ending = decide()
+    return _state.ending
+
+
+def _same_request(name: str) -> bool:
+    return (name == "SIGTERM" == _state.signal_name and _state.requested_at is not None
+            and time.time() - _state.requested_at < SAME_REQUEST_S)
 
 
 @contextlib.contextmanager

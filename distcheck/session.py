@@ -148,7 +148,7 @@ def _run_all(targets: list[Target], ctx: RunContext, hooks: RunHooks) -> RunStat
 
 def _must_stop(results: list[ScenarioResult], state: RunState, cluster: ClusterStore | None) -> bool:
     """Ctrl-C, the global --timeout, or a lost node ends the whole run, not just one launch."""
-    if interrupt.requested() or any(r.end_reason == EndReason.INTERRUPTED for r in results):
+    if interrupt.requested() or any(EndReason.of(r.end_reason).interrupted for r in results):
         state.interrupted = True
         return True
     if any(r.end_reason == EndReason.TIMEOUT for r in results):
@@ -180,6 +180,7 @@ def unique_names(targets: list[Target]) -> list[Target]:
 def run_info(options: RunOptions, run_dir: Path, started: float, command_output: str | None = None) -> RunInfo:
     import torch
 
+    from distcheck.launch.slurm import slurm_job
     from distcheck.torch_features import features
 
     info = build_run_info(
@@ -188,4 +189,5 @@ def run_info(options: RunOptions, run_dir: Path, started: float, command_output:
         command=options.command or shlex.join(sys.argv), run_dir=str(run_dir), seed=options.seed,
         started=started, ended=time.time(), versions=library_versions(), command_output=command_output,
     )
-    return dataclasses.replace(info, torch_features=features().flags())
+    job = slurm_job()
+    return dataclasses.replace(info, torch_features=features().flags(), slurm=job.metadata() if job else {})

@@ -30,7 +30,7 @@ HARD_TIMEOUT_S = 240
 # launches run together beside one set of hogs (``runs_beside_hogs``).
 SHARED_LAUNCH_MODULES = {"test_faults": "test_faults", "test_postmortem": "test_postmortem",
                          "test_records_e2e": "beside_hogs", "test_renderers": "test_renderers",
-                         "test_timeline_browser": "test_timeline_browser"}
+                         "test_timeline_browser": "test_timeline_browser", "test_slurm_e2e": "test_slurm_e2e"}
 MODULES_BESIDE_HOGS = ("test_records_e2e", "test_ecosystem_e2e")
 LOADED_TIMEOUT_S = 400
 

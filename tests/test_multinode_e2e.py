@@ -291,13 +291,6 @@ def test_a_node_waiting_for_node_0_stops_at_once_on_sigterm(tmp_path):
     assert not survivors(str(tmp_path))
 
 
-def test_slurm_environment_gives_the_node_layout():
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "MASTER_ADDR": "node-a"}
-    cfg = node_config(None, None, None, None, "c10d", 300, None, None, None, env=env)
-    assert (cfg.nnodes, cfg.node_rank, cfg.rdzv_id) == (4, 2, "slurm-4242")
-    assert cfg.rdzv_endpoint == "node-a:29500" and cfg.store_address == ("node-a", 29501)
-
-
 def test_node_address_is_local_addr_or_the_route_to_the_endpoint():
     def config(**kw):
         return node_config(2, 1, kw.pop("endpoint", "127.0.0.1:29500"), "job", "c10d", 300, None, None, None, env={}, **kw)

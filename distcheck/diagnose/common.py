@@ -19,7 +19,7 @@ from distcheck.text import site
 
 # Ends that stop a run before every rank is done: what was left open is a hang, not a count difference.
 ABNORMAL_ENDS = (EndReason.CERTAIN_HANG, EndReason.STALL, EndReason.BUSY_TIMEOUT, EndReason.TIMEOUT, EndReason.CRASH,
-                 EndReason.INTERRUPTED)
+                 EndReason.INTERRUPTED, EndReason.SLURM_TIME_LIMIT, EndReason.SLURM_CANCELLED, EndReason.SLURM_PREEMPTED)
 
 GroupKey = tuple[str, tuple[int, ...]]   # (group name, member ranks)
 Table = Mapping[GroupKey, Mapping[int, Mapping[int, Event]]]

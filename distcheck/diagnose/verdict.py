@@ -60,7 +60,7 @@ def scenario_result(scenario: Scenario, evidence: Evidence, duration_s: float,
     observed = observed_kinds(findings)
     # An interrupted live run never passes; a post-mortem judges only what the files say.
     ok = behaved_as_expected(scenario.expected, observed) and (
-        blame is not None or facts.end_reason != EndReason.INTERRUPTED)
+        blame is not None or not EndReason.of(facts.end_reason).interrupted)
     return ScenarioResult(
         name=scenario.name, source=scenario.source, expected=scenario.expected, observed=observed, ok=ok,
         duration_s=duration_s, findings=tuple(findings),
@@ -127,7 +127,7 @@ def command_ended(scenario: Scenario, end_reason: str, command_exit: int | None,
     distcheck ended it (a stall between generations, --timeout), or it exited non-zero while every
     test's ranks were clean (a test without ranks failed, or the runner did)."""
     ended_by_us = EndReason.of(end_reason).by_distcheck
-    if end_reason in (EndReason.INTERRUPTED, EndReason.MAX_DURATION):   # its exit code is distcheck's doing
+    if EndReason.of(end_reason).interrupted or end_reason == EndReason.MAX_DURATION:   # its exit code is distcheck's doing
         return None
     if not ended_by_us and (explained or command_exit in (None, 0)):
         return None

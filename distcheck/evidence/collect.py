@@ -163,7 +163,7 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
         if f.signal == "SIGABRT" and not status.exception:
             f.abort = _abort_in_log(files.log(rank))
         facts.append(f)
-    if launch.end_reason != EndReason.INTERRUPTED:
+    if not EndReason.of(launch.end_reason).interrupted:
         _mark_primary(facts, killed)
     outcomes = {f.rank: _outcome(f, launch, f.rank in killed) for f in facts}
     results = {f.rank: _results(f.status, files.samples(f.rank)) for f in facts}

@@ -27,6 +27,7 @@ import psutil
 
 from distcheck.errors import LaunchError, UsageError
 from distcheck.launch.rendezvous import bound_listener, listen_fd_backend
+from distcheck.launch.slurm import SlurmJob, endpoint_port, first_host_address, slurm_job, tasks_per_node
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_window import window
 from distcheck.torch_features import quiet_native_stderr
@@ -70,14 +71,21 @@ def node_config(
     rdzv_backend: str, rdzv_timeout: float, master_addr: str | None, master_port: int | None,
     store_port: int | None, local_addr: str | None = None, env: Mapping[str, str] | None = None,
 ) -> NodeConfig:
-    """Command-line flags first, then SLURM's environment (one distcheck per node under srun)."""
+    """Command-line flags first, then Slurm's environment (``launch.slurm``): one distcheck per node under
+    ``srun``, whatever of --nnodes/--node-rank was left out taken from the job step."""
     env = os.environ if env is None else env
-    slurm = "SLURM_JOB_ID" in env and nnodes is None
-    if slurm:
-        nnodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
-        node_rank = int(env.get("SLURM_NODEID", "0")) if node_rank is None else node_rank
-        rdzv_id = rdzv_id or f"slurm-{env['SLURM_JOB_ID']}"
-        master_addr = master_addr or env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+    job = slurm_job(env)
+    if job is not None and (nnodes is None or node_rank is None):
+        if not job.in_step and job.nnodes > 1 and nnodes is None:
+            raise _batch_step_refusal(job)
+        if job.in_step:
+            _refuse_several_per_node(env)
+            nnodes = job.nnodes if nnodes is None else nnodes
+            node_rank = job.node_id if node_rank is None else node_rank
+            rdzv_id = rdzv_id or f"slurm-{job.job_id}.{job.step_id}"
+            if nnodes > 1 and rdzv_endpoint is None and master_addr is None:
+                master_addr = env.get("MASTER_ADDR") or _first_host(job)
+                master_port = master_port or _int_or_none(env.get("MASTER_PORT")) or endpoint_port(job.job_id)
     nnodes = nnodes or 1
     node_rank = node_rank or 0
     if nnodes < 1:
@@ -100,6 +108,34 @@ def node_config(
     return NodeConfig(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                       rdzv_backend=rdzv_backend, rdzv_timeout=rdzv_timeout, store_port=store_port,
                       local_addr=local_addr)
+
+
+def _batch_step_refusal(job: SlurmJob) -> UsageError:
+    """The batch step of a multi-node job is one process on its first node: it would see only that node's ranks."""
+    return UsageError(
+        f"this is the batch step of Slurm job {job.job_id} on {job.nnodes} nodes ({job.nodelist}): "
+        "one distcheck here sees only the first node's ranks",
+        f"run one distcheck per node from the batch script: srun -N {job.nnodes} --ntasks-per-node=1 "
+        "distcheck run train.py --nproc-per-node N (or --nnodes 1 to watch this node only)")
+
+
+def _refuse_several_per_node(env: Mapping[str, str]) -> None:
+    per_node = tasks_per_node(env)
+    if per_node is not None and per_node > 1:
+        raise UsageError(f"srun started {per_node} distchecks per node: distcheck starts the ranks of its node itself",
+                         "srun --ntasks-per-node=1 distcheck run ... --nproc-per-node N, or distcheck run -- srun ...")
+
+
+def _first_host(job: SlurmJob) -> str:
+    try:
+        return first_host_address(job.nodelist)
+    except ValueError:
+        raise UsageError(f"Slurm job {job.job_id} has no node list (SLURM_JOB_NODELIST)",
+                         "give every node --rdzv-endpoint HOST:PORT") from None
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
 
 
 def node_address(config: NodeConfig) -> str:

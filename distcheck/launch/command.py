@@ -22,7 +22,7 @@ from typing import Any, Callable
 from distcheck import interrupt
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.launch import launcher, memory, procs
+from distcheck.launch import launcher, memory, procs, slurm
 from distcheck.launch.launcher import LaunchOutcome, RankFailure, rank_failures
 from distcheck.launch.progress import BUSY_CPU
 from distcheck.launch.watchdog import Decision, Limits, Watchdog, WatchdogResult
@@ -150,15 +150,20 @@ def _stop(guard: subprocess.Popen, watchdog: Watchdog | None) -> None:
     guard.wait()
 
 
-def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, RankFailure]) -> EndReason:
+def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, RankFailure],
+                files: LaunchFiles) -> EndReason:
     if interrupted:
-        return EndReason.INTERRUPTED
+        said = slurm.requested_ending()
+        return said if said is not EndReason.INTERRUPTED else slurm.ending_in_output(_command_log(files)) or said
     if result.decision.end_reason is not None:
         return result.decision.end_reason
     if result.decision is Decision.FAILED:
         raise LaunchError(f"the watchdog failed and ended the job: {result.error}",
                           "please report this as a distcheck bug")
-    return EndReason.CRASH if failures else EndReason.COMPLETED
+    # Slurm cancelled the command's step (scancel, srun --time) without a signal to distcheck: its ranks
+    # died of Slurm's SIGTERM, an interruption, not a crash; srun's output says which ending it was.
+    cancelled = slurm.ending_in_output(_command_log(files)) if failures else None
+    return cancelled or (EndReason.CRASH if failures else EndReason.COMPLETED)
 
 
 def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, timed_out: bool) -> Exception:
@@ -189,6 +194,10 @@ def _save_no_rank_report(spec: CommandSpec, files: LaunchFiles, error: Exception
                              command_output_tail(files) or None)
     except OSError:   # the error itself is what the user must see; the report is a courtesy
         pass
+
+
+def _command_log(files: LaunchFiles) -> str:
+    return _read(files.root / "logs" / COMMAND_LOG)
 
 
 def _read(path: Path) -> str:
@@ -254,7 +263,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
                              (limits.timeout is not None and time.monotonic() - clock >= limits.timeout))
     result = watchdog.result if watchdog is not None else WatchdogResult()
     failures = rank_failures(files, result.killed_ranks)
-    return LaunchOutcome(_end_reason(result, interrupted, failures), started, time.time(), result, failures,
+    return LaunchOutcome(_end_reason(result, interrupted, failures, files), started, time.time(), result, failures,
                          world_size=world or 0, command_exit=guard.returncode), channel
 
 
@@ -285,7 +294,7 @@ class Generations:
             now = time.monotonic()
             if interrupt.requested():   # each generation's watchdog takes its ranks' stacks, then ends them
                 self._wait_for_watchdogs(timeout_s=3.0)
-                self.end_reason = EndReason.INTERRUPTED
+                self.end_reason = slurm.requested_ending()
                 return
             reason = self._limit_reached(now - self.clock)
             if reason is None and self.active() == [] and self.ended_one():
@@ -408,7 +417,7 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
     finally:
         watch.stop()
         _stop(guard, None)
-    interrupted = interrupted or watch.end_reason == EndReason.INTERRUPTED
+    interrupted = interrupted or watch.end_reason.interrupted
     watch.discover(watch=False)
     ended = time.time()
     watched = sorted(watch.watchdogs.items())
@@ -420,7 +429,9 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
         raise KeyboardInterrupt   # before any rank: nothing to judge, but the run was still interrupted
     if not generations:
         raise _no_rank_error(spec, guard.returncode, files, watch.end_reason == EndReason.TIMEOUT)
-    end_reason = EndReason.INTERRUPTED if interrupted else watch.end_reason
+    end_reason = slurm.requested_ending() if interrupted else watch.end_reason
+    if end_reason is EndReason.COMPLETED and guard.returncode not in (0, None):   # Slurm cancelled the command
+        end_reason = slurm.ending_in_output(_command_log(files)) or end_reason
     return CommandOutcome(generations, end_reason, started, ended, command_exit=guard.returncode,
                           why_ended=watch.why_ended, output_tail=command_output_tail(files))
 
@@ -439,7 +450,7 @@ def _generation_outcome(files: LaunchFiles, index: int, watchdog: Watchdog, inte
     ends = [s.t_update for s in statuses.values() if s.t_update] or [time.time()]
     tests = [s.test for _, s in sorted(statuses.items()) if s.test]
     first, last = span if not tests else (None, None)
-    outcome = LaunchOutcome(_end_reason(result, interrupted, failures), first or min(times),
+    outcome = LaunchOutcome(_end_reason(result, interrupted, failures, files), first or min(times),
                             last or result.torn_down_at or max(ends), result, failures,
                             world_size=watchdog.monitor.world_size, command_exit=command_exit)
     return Generation(index, gen.root, outcome, test=tests[0] if tests else None)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from distcheck import interrupt
+from distcheck.launch import slurm
 from distcheck.launch import forkserver
 from distcheck.launch import memory
 from distcheck.launch import procs
@@ -278,7 +279,7 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     """The watchdog's decision first (it ended the job), then the ranks' failures; raises when
     the job could not run, or the watchdog itself failed."""
     if interrupted or interrupt.requested():
-        return EndReason.INTERRUPTED
+        return slurm.requested_ending()
     if result.decision.end_reason is not None:
         return result.decision.end_reason
     if result.decision is Decision.FAILED and result.lost_node_0:

@@ -36,6 +36,9 @@ class EndReason(_Named):
     a run's scenarios, ``Report.end_reason``): the most telling first. ``words`` is how every view says it."""
 
     INTERRUPTED = "interrupted"
+    SLURM_TIME_LIMIT = "slurm_time_limit"     # Slurm's time limit (its SIGTERM, or the command's step cancelled)
+    SLURM_CANCELLED = "slurm_cancelled"       # scancel
+    SLURM_PREEMPTED = "slurm_preempted"       # pre-empted or requeued by Slurm
     CERTAIN_HANG = "certain_hang"     # the wait-for graph: nothing can release the waiting ranks
     STALL = "stall"                   # no progress for --stall-timeout
     BUSY_TIMEOUT = "busy_timeout"     # a rank busy in its own code kept the others waiting past --busy-timeout
@@ -48,6 +51,12 @@ class EndReason(_Named):
     @property
     def abnormal(self) -> bool:
         return self not in (EndReason.COMPLETED, EndReason.NOTHING_RAN)
+
+    @property
+    def interrupted(self) -> bool:
+        """Someone asked the run to stop (Ctrl-C, SIGTERM, Slurm's own endings): never a pass, never a crash."""
+        return self in (EndReason.INTERRUPTED, EndReason.SLURM_TIME_LIMIT, EndReason.SLURM_CANCELLED,
+                        EndReason.SLURM_PREEMPTED)
 
     @property
     def hang_watchdog(self) -> bool:
@@ -79,7 +88,10 @@ class EndReason(_Named):
 
 
 _END_WORDS = {
-    EndReason.INTERRUPTED: "interrupted", EndReason.CERTAIN_HANG: "ended at a certain hang",
+    EndReason.INTERRUPTED: "interrupted", EndReason.SLURM_TIME_LIMIT: "interrupted: Slurm time limit",
+    EndReason.SLURM_CANCELLED: "interrupted: cancelled by Slurm",
+    EndReason.SLURM_PREEMPTED: "interrupted: pre-empted or requeued by Slurm",
+    EndReason.CERTAIN_HANG: "ended at a certain hang",
     EndReason.STALL: "ended by --stall-timeout", EndReason.BUSY_TIMEOUT: "ended by --busy-timeout",
     EndReason.TIMEOUT: "ended by --timeout", EndReason.MAX_DURATION: "ended by --max-duration",
     EndReason.CRASH: "a rank crashed", EndReason.COMPLETED: "completed", EndReason.NOTHING_RAN: "nothing ran",

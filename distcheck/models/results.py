@@ -361,6 +361,7 @@ class RunInfo:
     versions: dict[str, str] = field(default_factory=dict)  # optional libraries seen
     torch_features: dict[str, bool] = field(default_factory=dict)  # distcheck.torch_features, by name
     command_output: str | None = None   # ``run -- CMD``: the last lines of the command's own output (pytest's summary)
+    slurm: dict[str, str] = field(default_factory=dict)   # the Slurm job it ran in: job_id, step, nodelist
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -396,11 +397,11 @@ class Report:
     def end_reason(self) -> EndReason:
         """How the run ended: interrupted, nothing ran, cut short by --timeout (it stops the run), else its one
         launch's end; a run of several launches that went through them all completed (each has its own)."""
-        if self.interrupted:
-            return EndReason.INTERRUPTED
+        ends = [EndReason.of(s.end_reason) for s in self.scenarios if not s.skipped]
+        if self.interrupted:   # Slurm's own ending, where a launch knew it
+            return next((e for e in ends if e.interrupted and e is not EndReason.INTERRUPTED), EndReason.INTERRUPTED)
         if self.nothing_ran:
             return EndReason.NOTHING_RAN
-        ends = [EndReason.of(s.end_reason) for s in self.scenarios if not s.skipped]
         if EndReason.TIMEOUT in ends:
             return EndReason.TIMEOUT
         return ends[0] if len(ends) == 1 else EndReason.COMPLETED

@@ -114,7 +114,7 @@ def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None
     findings = "\n\n".join(_finding_text(f) for f in result.findings)
     if not result.ok:
         first = result.findings[0].summary if result.findings else f"no finding; {ended.words}"
-        tag = "error" if ended is EndReason.INTERRUPTED else "failure"
+        tag = "error" if ended.interrupted else "failure"
         body = f"{said} (ended: {ended.words})\n\n"
         body += (findings + "\n\n" if findings else "") + _ranks_text(result)
         ET.SubElement(case, tag, {
@@ -132,8 +132,8 @@ def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None
 def render(report: Report, suite_name: str = "distcheck") -> str:
     run = report.run
     ran = [s for s in report.scenarios if not s.skipped]
-    failures = sum(1 for s in ran if not s.ok and s.end_reason != EndReason.INTERRUPTED)
-    errors = sum(1 for s in ran if not s.ok and s.end_reason == EndReason.INTERRUPTED)
+    failures = sum(1 for s in ran if not s.ok and not EndReason.of(s.end_reason).interrupted)
+    errors = sum(1 for s in ran if not s.ok and EndReason.of(s.end_reason).interrupted)
     # a run cut short between scenarios, or one that ran nothing, must not look green in CI
     cut_short = report.interrupted and not errors
     nothing_ran = report.nothing_ran and not report.interrupted

@@ -162,7 +162,7 @@ def summary_line(report: Report, verbose: bool = False, quiet: bool = False) -> 
         verdict = ("NOTHING RAN", "bold yellow")
     # How the whole run ended, where that is not each line's own story: a person or a limit cut it short.
     ended = report.end_reason
-    extra = f" ({ended.words})" if ended in (EndReason.INTERRUPTED, EndReason.TIMEOUT, EndReason.MAX_DURATION) else ""
+    extra = f" ({ended.words})" if ended.interrupted or ended in (EndReason.TIMEOUT, EndReason.MAX_DURATION) else ""
     counts = _counts(ran)
     skipped = len(report.scenarios) - len(ran)
     line = Text.assemble(

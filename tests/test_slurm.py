@@ -1,0 +1,121 @@
+"""Slurm's variables and endings, read without a cluster (tests/test_slurm_e2e.py runs a real one)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO
+from distcheck.errors import UsageError
+from distcheck.launch.cluster import node_config
+from distcheck.launch.slurm import endpoint_port, ending_in_output, expand_hostlist, slurm_job
+from distcheck.models import EndReason, Report, RunInfo
+
+STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NODEID": "2", "SLURM_STEP_NODELIST": "gpu[07-09,11]", "SLURM_JOB_NODELIST": "gpu[07-09,11]"}
+
+
+def config(env, nnodes=None, node_rank=None, **kw):
+    return node_config(nnodes, node_rank, kw.get("endpoint"), None, "c10d", 300, kw.get("master_addr"), None, None,
+                       env=env)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("n[1-3,5]", ["n1", "n2", "n3", "n5"]), ("gpu[08-10],login", ["gpu08", "gpu09", "gpu10", "login"]),
+    ("node7", ["node7"]), ("a[1-2]b[1-2]", ["a1b1", "a1b2", "a2b1", "a2b2"]), ("x[3],y", ["x3", "y"]),
+])
+def test_host_lists_expand_like_scontrol(nodelist, hosts):
+    assert expand_hostlist(nodelist) == hosts
+
+
+def test_the_per_node_pattern_needs_no_flags():
+    cfg = config(STEP)
+    assert (cfg.nnodes, cfg.node_rank, cfg.rdzv_id) == (4, 2, "slurm-4242.0")
+    # no scontrol knows these nodes here: the first host's own name, the port from the job id
+    assert cfg.rdzv_endpoint == f"gpu07:{endpoint_port('4242')}"
+
+
+def test_a_flag_given_alone_keeps_the_rest_from_slurm():
+    assert config(STEP, nnodes=4).node_rank == 2                      # --nnodes alone: SLURM_NODEID still counts
+    assert config(STEP, node_rank=1).nnodes == 4
+    assert config({**STEP, "MASTER_ADDR": "head"}).host == "head"     # an exported MASTER_ADDR is node 0's host
+
+
+def test_two_jobs_get_two_ports_and_each_port_leaves_room_for_the_store():
+    ports = {endpoint_port(str(job)) for job in range(1000, 1100)}
+    assert len(ports) == 100 and all(20000 <= p < 32767 and p % 2 == 0 for p in ports)
+
+
+def test_the_batch_step_of_a_multi_node_job_is_refused_with_the_per_node_command():
+    batch = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_NODEID": "0",
+             "SLURM_JOB_NODELIST": "n[1-2]", "MASTER_ADDR": "n1"}
+    with pytest.raises(UsageError) as refused:
+        config(batch)
+    assert "batch step" in refused.value.message and "srun -N 2 --ntasks-per-node=1" in refused.value.hint
+    assert config({**batch, "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1"}).nnodes == 1   # one node: fine
+    assert config(batch, nnodes=1).nnodes == 1                          # told to watch this node only
+
+
+def test_several_distchecks_per_node_are_refused():
+    with pytest.raises(UsageError, match="2 distchecks per node"):
+        config({**STEP, "SLURM_STEP_NUM_TASKS": "8"})
+
+
+def test_the_job_step_and_node_list_go_into_the_report():
+    job = slurm_job(STEP)
+    assert job is not None and job.metadata() == {"job_id": "4242", "step": "4242.0", "nodelist": "gpu[07-09,11]"}
+    assert slurm_job({}) is None
+    info = RunInfo.from_dict({**_run_info(), "slurm": job.metadata()})
+    assert Report(run=info, scenarios=()).to_dict()["run"]["slurm"]["step"] == "4242.0"
+
+
+def _run_info() -> dict:
+    return {"backend": "gloo", "world_size": 2, "nnodes": 1, "nproc_per_node": 2, "torch_version": "x",
+            "distcheck_version": "x", "command": "c", "run_dir": "r", "seed": 0, "duration_s": 1.0,
+            "started_at": "t"}
+
+
+@pytest.mark.parametrize("line, ending", [
+    ("slurmstepd: error: *** STEP 23.0 ON n1 CANCELLED AT 2026-12-05T14:23:35 DUE TO TIME LIMIT ***",
+     EndReason.SLURM_TIME_LIMIT),
+    ("slurmstepd-n1: error: *** STEP 23.0 ON n1 CANCELLED AT 2026-12-05T14:23:35 ***", EndReason.SLURM_CANCELLED),
+    ("slurmstepd: error: *** JOB 23 ON n1 CANCELLED AT 2026-12-05T14:23:35 DUE TO PREEMPTION ***",
+     EndReason.SLURM_PREEMPTED),
+    ("srun: error: n1: task 0: Killed", None),
+])
+def test_srun_output_tells_which_ending_slurm_caused(line, ending):
+    assert ending_in_output(f"some output\n{line}\nsrun: error: n2: task 1: Killed\n") is ending
+
+
+def test_slurm_endings_are_interruptions_with_their_own_words():
+    assert EndReason.SLURM_TIME_LIMIT.interrupted and not EndReason.CRASH.interrupted
+    assert "Slurm time limit" in EndReason.SLURM_TIME_LIMIT.words
+    assert "cancelled by Slurm" in EndReason.SLURM_CANCELLED.words
+
+
+SIGNALS_JOB = textwrap.dedent("""
+    import os, signal, sys
+    from distcheck import interrupt
+    interrupt.install()
+    interrupt.begin_run()
+    with interrupt.watched():
+        for sig in sys.argv[1].split(","):
+            os.kill(os.getpid(), getattr(signal, sig))
+    print("still running", interrupt.signal_name())
+""")
+
+
+@pytest.mark.parametrize("signals, one_request", [
+    ("SIGTERM,SIGCONT,SIGTERM", True),     # Slurm's time limit: one request to stop, the report still written
+    ("SIGINT,SIGINT", False),              # a second Ctrl-C: stopped at once
+])
+def test_slurms_second_sigterm_is_the_same_request(signals, one_request):
+    done = subprocess.run([sys.executable, "-c", SIGNALS_JOB, signals], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    if one_request:
+        assert (done.returncode, done.stdout.strip()) == (0, "still running SIGTERM"), done.stderr
+    else:
+        assert done.returncode == 130 and "interrupted again" in done.stderr
