@@ -212,7 +212,7 @@ def stamped(channel: Any, counter: Counted, names: tuple[str, ...]) -> dict[str,
 
 
 def _config(nodes: int, node: int, port: int) -> Any:
-    from distcheck.launch.cluster import NodeConfig
+    from distcheck.launch.node_config import NodeConfig
 
     return NodeConfig(nnodes=nodes, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port - 1}", rdzv_id="scale",
                       rdzv_timeout=300.0, store_port=port)

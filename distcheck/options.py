@@ -18,7 +18,7 @@ from distcheck.errors import UsageError
 from distcheck import interrupt
 from distcheck.files.run_dir import make_run_dir
 from distcheck.files.saved_runs import write_interrupted_before_start
-from distcheck.launch.cluster import NodeConfig, node_config
+from distcheck.launch.node_config import NodeConfig, node_config
 
 BACKEND_CHOICES = ("auto", "gloo", "nccl")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")

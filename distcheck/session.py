@@ -27,7 +27,8 @@ from distcheck.files import user_code
 from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.launch import forkserver, procs
-from distcheck.launch.cluster import ClusterStore, check_endpoint_address
+from distcheck.launch.cluster import ClusterStore
+from distcheck.launch.node_config import check_endpoint_address
 from distcheck.launch.launcher import quiet_native_warnings, workers_torch_environment
 from distcheck.models import EndReason, Report, RunInfo, ScenarioResult
 from distcheck.options import RunOptions, claim_run_dir

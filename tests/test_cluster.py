@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch.distributed import HashStore, PrefixStore
 
-from distcheck.launch.cluster import LaunchChannel, NodeLiveness, node_config
+from distcheck.launch.cluster import LaunchChannel, NodeLiveness
+from distcheck.launch.node_config import node_config
 from distcheck.launch.progress import RankProgress
 from distcheck.launch.watchdog import Decision, Limits, StallDetector
 from distcheck.models import Phase
@@ -82,7 +83,7 @@ def test_a_node_publishes_only_what_changed_and_node_0_reads_only_changed_nodes(
 def test_what_is_only_measured_crosses_at_most_every_refresh_and_what_is_judged_at_once(monkeypatch):
     """A running rank's memory and CPU differ at every poll: sent each time, node 0 would read every node at
     every poll. They wait for REFRESH_S (longer past 64 nodes); a change that can change a verdict goes at once."""
-    from distcheck.launch import cluster
+    from distcheck.launch import progress_wire
 
     store = HashStore()
     leader, other = _node(store, 0), _node(store, 1)
@@ -96,8 +97,9 @@ def test_what_is_only_measured_crosses_at_most_every_refresh_and_what_is_judged_
     other.publish(busy(rss_bytes=140, evidence="its processes used 0.9 cores", evidence_age=0.0))
     assert version() == 2
     # past 64 nodes, less often: node 0 reads about as many refreshes per poll at 512 nodes as at 64
-    assert cluster.refresh_s(2) == cluster.refresh_s(64) == cluster.REFRESH_S and cluster.refresh_s(512) == 8 * cluster.REFRESH_S
-    monkeypatch.setattr(cluster, "REFRESH_S", 0.0)                 # the refresh is due
+    assert progress_wire.refresh_s(2) == progress_wire.refresh_s(64) == progress_wire.REFRESH_S
+    assert progress_wire.refresh_s(512) == 8 * progress_wire.REFRESH_S
+    monkeypatch.setattr(progress_wire, "REFRESH_S", 0.0)           # the refresh is due
     other.publish(busy(rss_bytes=150, evidence="its processes used 0.9 cores", evidence_age=0.0))
     assert version() == 3
     assert leader.everyone({})[2].rss_bytes == 150

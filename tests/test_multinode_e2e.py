@@ -15,7 +15,8 @@ import pytest
 
 from conftest import (free_port, kill_tree, listening_sockets, process_groups_initialized, process_tree, survivors,
                       wait_for)
-from distcheck.launch.cluster import SILENT_AFTER_S, check_endpoint_address, node_address, node_config
+from distcheck.launch.cluster import SILENT_AFTER_S
+from distcheck.launch.node_config import check_endpoint_address, node_address, node_config
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files.trace_reader import parse_trace
 from distcheck.files.trace_window import KEEP_CALLS, WHOLE_UP_TO

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from distcheck.errors import UsageError
-from distcheck.launch.cluster import node_config
+from distcheck.launch.node_config import node_config
 from distcheck.launch.slurm import endpoint_port, ending_in_output, expand_hostlist, slurm_job
 from distcheck.models import EndReason, Report, RunInfo
 

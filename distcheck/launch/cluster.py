@@ -1,4 +1,6 @@
-"""Runs that span several nodes: one distcheck per node, torchrun's flags and meaning.
+"""Runs that span several nodes: one distcheck per node, torchrun's flags and meaning (``node_config``), and
+distcheck's own coordination between the nodes (this module: the store, heartbeats, the watch channel,
+the bundles and the verdict; what a node says of its ranks: ``progress_wire``).
 
 The job itself rendezvouses through torch's own c10d rendezvous (``LaunchConfig``
 with ``min_nodes = max_nodes = nnodes``). distcheck's *own* coordination —
@@ -14,195 +16,22 @@ from __future__ import annotations
 import base64
 import datetime
 import functools
-import ipaddress
 import json
-import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping
 
-import psutil
-
-from distcheck.errors import LaunchError, UsageError
+from distcheck.errors import LaunchError
 from distcheck.launch.rendezvous import bound_listener, listen_fd_backend
-from distcheck.launch.slurm import SlurmJob, endpoint_port, first_host_address, slurm_job, tasks_per_node
+from distcheck.launch.node_config import NodeConfig
+from distcheck.launch.progress_wire import judged_part, packed, refresh_s, unpacked
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_window import window
 from distcheck.torch_features import quiet_native_stderr
 from distcheck.launch.progress import RankProgress
-from distcheck.models import bounded, rank_runs, ranks_from_json
-
-DEFAULT_RDZV_PORT = 29500
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None       # host:port of the c10d rendezvous
-    rdzv_id: str | None = None
-    rdzv_backend: str = "c10d"
-    rdzv_timeout: float = 300.0
-    store_port: int | None = None
-    local_addr: str | None = None          # this node's address (torchrun's --local-addr)
-
-    @property
-    def multi(self) -> bool:
-        return self.nnodes > 1
-
-    @property
-    def host(self) -> str:
-        return (self.rdzv_endpoint or "127.0.0.1").rsplit(":", 1)[0]
-
-    @property
-    def port(self) -> int:
-        parts = (self.rdzv_endpoint or "").rsplit(":", 1)
-        return int(parts[1]) if len(parts) == 2 and parts[1] else DEFAULT_RDZV_PORT
-
-    @property
-    def store_address(self) -> tuple[str, int]:
-        return self.host, self.store_port or self.port + 1
-
-
-def node_config(
-    nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str | None,
-    rdzv_backend: str, rdzv_timeout: float, master_addr: str | None, master_port: int | None,
-    store_port: int | None, local_addr: str | None = None, env: Mapping[str, str] | None = None,
-) -> NodeConfig:
-    """Command-line flags first, then Slurm's environment (``launch.slurm``): one distcheck per node under
-    ``srun``, whatever of --nnodes/--node-rank was left out taken from the job step."""
-    env = os.environ if env is None else env
-    job = slurm_job(env)
-    if job is not None and (nnodes is None or node_rank is None):
-        if not job.in_step and job.nnodes > 1 and nnodes is None:
-            raise _batch_step_refusal(job)
-        if job.in_step:
-            _refuse_several_per_node(env)
-            nnodes = job.nnodes if nnodes is None else nnodes
-            node_rank = job.node_id if node_rank is None else node_rank
-            rdzv_id = rdzv_id or f"slurm-{job.job_id}.{job.step_id}"
-            if nnodes > 1 and rdzv_endpoint is None and master_addr is None:
-                master_addr = env.get("MASTER_ADDR") or _first_host(job)
-                master_port = master_port or _int_or_none(env.get("MASTER_PORT")) or endpoint_port(job.job_id)
-    nnodes = nnodes or 1
-    node_rank = node_rank or 0
-    if nnodes < 1:
-        raise UsageError(f"--nnodes must be at least 1 (got {nnodes})")
-    if not 0 <= node_rank < nnodes:
-        raise UsageError(f"--node-rank must be between 0 and {nnodes - 1} (got {node_rank})")
-    if rdzv_backend != "c10d":
-        # static (and etcd) would share one store between distcheck's successive launches,
-        # and the workers' keys of one launch would collide with the next one's.
-        raise UsageError(f"unsupported --rdzv-backend {rdzv_backend!r}: distcheck runs on torch's c10d rendezvous only",
-                         "leave --rdzv-backend out (c10d)")
-    if rdzv_endpoint is None and master_addr:
-        rdzv_endpoint = f"{master_addr}:{master_port or DEFAULT_RDZV_PORT}"
-    if nnodes > 1:
-        if not rdzv_endpoint:
-            raise UsageError("a multi-node run needs --rdzv-endpoint HOST:PORT (or --master-addr)",
-                             "give every node the same endpoint: the host of node 0")
-        if not rdzv_id:
-            raise UsageError("a multi-node run needs --rdzv-id", "give every node the same id, e.g. the job id")
-    return NodeConfig(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
-                      rdzv_backend=rdzv_backend, rdzv_timeout=rdzv_timeout, store_port=store_port,
-                      local_addr=local_addr)
-
-
-def _batch_step_refusal(job: SlurmJob) -> UsageError:
-    """The batch step of a multi-node job is one process on its first node: it would see only that node's ranks."""
-    return UsageError(
-        f"this is the batch step of Slurm job {job.job_id} on {job.nnodes} nodes ({job.nodelist}): "
-        "one distcheck here sees only the first node's ranks",
-        f"run one distcheck per node from the batch script: srun -N {job.nnodes} --ntasks-per-node=1 "
-        "distcheck run train.py --nproc-per-node N (or --nnodes 1 to watch this node only)")
-
-
-def _refuse_several_per_node(env: Mapping[str, str]) -> None:
-    per_node = tasks_per_node(env)
-    if per_node is not None and per_node > 1:
-        raise UsageError(f"srun started {per_node} distchecks per node: distcheck starts the ranks of its node itself",
-                         "srun --ntasks-per-node=1 distcheck run ... --nproc-per-node N, or distcheck run -- srun ...")
-
-
-def _first_host(job: SlurmJob) -> str:
-    try:
-        return first_host_address(job.nodelist)
-    except ValueError:
-        raise UsageError(f"Slurm job {job.job_id} has no node list (SLURM_JOB_NODELIST)",
-                         "give every node --rdzv-endpoint HOST:PORT") from None
-
-
-def _int_or_none(text: str | None) -> int | None:
-    return int(text) if text and text.isdigit() else None
-
-
-def node_address(config: NodeConfig) -> str:
-    """Where this node's stores listen and what it tells the other nodes to connect to:
-    ``--local-addr``, else the address this node reaches the rendezvous endpoint from."""
-    if config.local_addr:
-        return config.local_addr
-    if not config.multi:
-        return "127.0.0.1"
-    family, _, _, _, address = _resolve(config.host)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)       # UDP: picks the route, sends nothing
-        return probe.getsockname()[0]
-
-
-def check_endpoint_address(config: NodeConfig, resolve: Callable[[str], list[str]] | None = None) -> None:
-    """Node 0 listens on the endpoint's address only: refuse one the other nodes cannot reach.
-
-    The classic case is a host name that /etc/hosts maps to 127.0.1.1 on its own machine;
-    torch's stores, listening on every interface, hide it, ours would not be reachable.
-    """
-    host = config.host
-    if not config.multi or config.node_rank != 0 or host == "localhost" or _is_ip_literal(host):
-        return
-    resolved = sorted(set((resolve or _addresses)(host)))
-    if all(_is_loopback(a) for a in resolved):
-        mine = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                if a.family in (socket.AF_INET, socket.AF_INET6) and not _is_loopback(a.address)
-                and not a.address.startswith("fe80")]
-        raise LaunchError(
-            f"the rendezvous host {host!r} resolves to {', '.join(resolved)} on node 0, which the other nodes "
-            f"cannot reach (distcheck listens on the endpoint's address only)",
-            "give --rdzv-endpoint as an address of this node that the others reach"
-            + (f" ({', '.join(mine)})" if mine else ""))
-
-
-def gloo_interface(address: str) -> str | None:
-    """The network interface that holds ``address`` (for GLOO_SOCKET_IFNAME), if any."""
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == address for a in addrs):
-            return name
-    return None
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-        return True
-    except ValueError:
-        return False
-
-
-def _is_loopback(address: str) -> bool:
-    return ipaddress.ip_address(address.split("%")[0]).is_loopback
-
-
-def _addresses(host: str) -> list[str]:
-    return [info[4][0] for info in _resolve(host)]
-
-
-def _resolve(host: str) -> list[tuple]:
-    try:
-        return socket.getaddrinfo(host.strip("[]"), 9, type=socket.SOCK_DGRAM)
-    except socket.gaierror as exc:
-        raise LaunchError(f"cannot resolve the rendezvous host {host!r}: {exc.strerror}",
-                          "check --rdzv-endpoint (or --master-addr / MASTER_ADDR)") from None
-
+from distcheck.models import bounded
 
 def _connect(host: str, port: int, timeout_s: float, slice_s: float = 1.0) -> Any:
     """A client of node 0's store, tried in short slices so that Ctrl-C is not held off
@@ -348,76 +177,6 @@ def wait_for_keys(store: Any, keys: list[str], timeout_s: float, poll_s: float =
 
 
 # How stale node 0's copy of a rank's measurements (memory, CPU, a late rank's progress in words) may be.
-REFRESH_S = 1.0
-REFRESH_NODES = 64   # up to this many nodes, every REFRESH_S; past it, as much less often as there are more
-
-
-def refresh_s(nnodes: int) -> float:
-    """How often a node sends what is only measured: every REFRESH_S up to REFRESH_NODES nodes, then less often
-    (8 s at 512 nodes), so that node 0 reads about as many refreshes per poll as at 64 nodes, not 51 of them."""
-    return REFRESH_S * max(1.0, nnodes / REFRESH_NODES)
-
-
-def _judged(progress: RankProgress) -> RankProgress:
-    """``progress`` less what changes at every poll without changing a verdict: memory, CPU, and the words
-    and age of a late rank's progress (whether it shows progress at all stays)."""
-    return replace(progress, rss_bytes=None, peak_rss_bytes=None, cpu=None, evidence_age=0.0,
-                   evidence=None if progress.evidence is None else "")
-
-
-def _packed(progress: RankProgress) -> dict[str, Any]:
-    """A rank's progress as JSON, each call's members as runs ([[0, 4095]]): a waiting rank's members are the
-    whole group, and at 4,096 ranks their plain lists made a node's progress 190 KB (97 MB per change at 512
-    nodes, 2 s to parse on node 0); as runs it is a few hundred bytes.
-
-    Field by field, not ``dataclasses.asdict``: that deep-copies each member of each call, 29 ms per waiting
-    rank at 4,096 ranks, and at 512 nodes sharing two cores it made a node's poll take tens of seconds."""
-    data = {f.name: getattr(progress, f.name) for f in fields(progress)}
-    data["entered"] = dict(progress.entered)
-    data["waits"] = [[group, seq, _runs(members), signature] for group, seq, members, signature in progress.waits]
-    data["left"] = _left_runs(progress.left)
-    return data
-
-
-def _left_runs(left: tuple) -> list[list[Any]]:
-    """The calls a rank left, ``(group, seq, signature)`` each, as ``[group, first seq, last seq, signature]``
-    runs of one signature: a rank keeps its last 32, most of them one step's same call, and at 512 nodes
-    they were most of what a node publishes (15 KB for 8 waiting ranks, 3.7 MB for node 0 to read when half
-    the job entered the hang at once)."""
-    out: list[list[Any]] = []
-    for group, seq, signature in left:
-        last = out[-1] if out else None
-        if last is not None and last[0] == group and last[2] + 1 == seq and last[3] == signature:
-            last[2] = seq
-        else:
-            out.append([group, seq, seq, signature])
-    return out
-
-
-def _left_of(runs: list[list[Any]]) -> tuple:
-    return tuple((group, seq, signature) for group, first, last, signature in runs for seq in range(first, last + 1))
-
-
-@functools.lru_cache(maxsize=64)
-def _runs(members: tuple[int, ...]) -> list[list[int]] | Any:
-    """One call's members as runs, computed once per call (every rank of a node waiting in it shares them)."""
-    return rank_runs(members)
-
-
-def _unpacked(data: dict[str, Any]) -> RankProgress:
-    waits = tuple((group, seq, _members(tuple(map(tuple, runs))), signature)
-                  for group, seq, runs, signature in data.get("waits", ()))
-    left = _left_of(data.get("left", ()))
-    return RankProgress(**{**data, "waits": waits, "left": left})
-
-
-@functools.lru_cache(maxsize=1024)
-def _members(runs: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    """A call's members from their runs, one tuple shared by every rank in the call: at 4,096 ranks waiting
-    in one barrier, a tuple each was 16 M entries (about 0.6 GB and seconds of node 0's poll)."""
-    return ranks_from_json(runs)
-
-
 class LaunchChannel:
     """One launch's keys: progress of each node's ranks, the decision, the bundles, the result."""
 
@@ -428,7 +187,7 @@ class LaunchChannel:
         self.liveness = liveness
         self._gathered: list[int] = []   # the nodes whose bundles node 0 got: they wait for its result
         self._published: dict[int, RankProgress] | None = None   # the progress this node published last
-        self._judged: dict[int, RankProgress] | None = None      # ... less what is only measured (``_judged``)
+        self._judged: dict[int, RankProgress] | None = None      # ... less what is only measured (``progress_wire.judged_part``)
         self._published_at = float("-inf")
         self._versions: dict[int, int] = {}           # node 0: node -> the version of its progress last read
         self._progress: dict[int, dict[int, RankProgress]] = {}   # node 0: node -> its ranks' progress
@@ -452,10 +211,10 @@ class LaunchChannel:
         differ at every poll, and node 0 would read every node at every poll."""
         if progress == self._published:   # compared as objects: a node whose ranks wait costs no JSON per poll
             return
-        judged = {r: _judged(p) for r, p in progress.items()}
+        judged = {r: judged_part(p) for r, p in progress.items()}
         if judged == self._judged and time.monotonic() - self._published_at < refresh_s(self.config.nnodes):
             return
-        text = json.dumps({str(r): _packed(p) for r, p in progress.items()})
+        text = json.dumps({str(r): packed(p) for r, p in progress.items()})
         self.store.set(f"progress/{self.config.node_rank}", text)
         self.store.add(f"version/{self.config.node_rank}", 1)
         self._published, self._judged, self._published_at = dict(progress), judged, time.monotonic()
@@ -500,7 +259,7 @@ class LaunchChannel:
             return
         texts = self.store.multi_get([f"progress/{n}" for n in changed])
         for node, text in zip(changed, texts):
-            self._progress[node] = {int(r): _unpacked(p) for r, p in json.loads(text).items()}
+            self._progress[node] = {int(r): unpacked(p) for r, p in json.loads(text).items()}
         self._versions.update({n: v for n, v in zip(seen, versions) if n in changed})
 
     def post_release(self) -> None:

@@ -27,7 +27,7 @@ from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.launch import rendezvous
 from distcheck.launch.rank_output import RankOutput
-from distcheck.launch.cluster import gloo_interface
+from distcheck.launch.node_config import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import FATAL_SIGNALS, fatal_dump, read_dumps, signal_of

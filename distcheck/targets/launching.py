@@ -12,7 +12,7 @@ from distcheck.evidence.collect import collect
 from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import forkserver
-from distcheck.launch.cluster import node_address
+from distcheck.launch.node_config import node_address
 from distcheck.launch.launcher import LaunchOutcome, LaunchSpec, merge_node_summaries, node_summary
 from distcheck.launch.replay import with_metric_reference
 from distcheck.launch.watchdog import Limits, NodeChannel
