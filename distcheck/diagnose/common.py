@@ -43,6 +43,8 @@ class RunFacts:
     records_lost: tuple[int, ...] = ()   # ranks whose records went with a lost node: what they did is unknown
     # rank -> group -> the calls node 0 compared by digest only (``files.trace_window``); empty: every record
     elided: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    # rank -> (group, seq) -> when it began waiting on that async call's handle (``work.wait()``)
+    waited: Mapping[int, Mapping[tuple[str, int], float]] = field(default_factory=dict)
 
 
 

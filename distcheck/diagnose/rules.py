@@ -23,6 +23,7 @@ from distcheck.diagnose.unrecorded import with_unrecorded_calls
 from distcheck.diagnose.coverage import find_coverage_gaps
 from distcheck.diagnose.windows import find_window_divergence, window_note
 from distcheck.diagnose.straggler import find_late_arrivals, find_stragglers
+from distcheck.diagnose.unwaited import find_unwaited_handles
 from distcheck.models import Event, Finding, RankOutcome, RankState
 
 __all__ = ["RunFacts", "analyze", "behaved_as_expected", "collectives_compared", "group_table", "majority",
@@ -59,9 +60,11 @@ def analyze(
     finished = frozenset(r for r, o in outcomes.items() if o.state == RankState.FINISHED) if outcomes else None
     numeric += find_metric_results(results, finished)   # torchmetrics vs their single-process replay
     stopped = crashes + hangs + timeout
+    # the async call some ranks never waited on, where the ranks parted after it: the root cause, named first
+    unwaited = find_unwaited_handles(traces, facts.waited, stopped + mismatches + counts)
     caused = [f for f in stopped if "caused_by" in f.data]
     first = [f for f in stopped if f not in caused]
-    found = (first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
+    found = (unwaited + first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
             + find_coverage_gaps(outcomes) + find_partial_coverage(results) + window_note(facts.elided))
     return agreeing(found, outcomes)   # no second finding may say a rank was elsewhere
 

@@ -36,7 +36,8 @@ def analyze_launch(launch_dir: Path) -> tuple[ScenarioResult, int, dict[int, lis
     stuck = any(o.state == RankState.STUCK for o in outcomes.values())
     facts = RunFacts(
         world_size=world, end_reason=saved.get("end_reason") or (EndReason.STALL if stuck else EndReason.COMPLETED),
-        stall_onset=saved.get("stall_onset"), detected_at=saved.get("detected_at"))
+        stall_onset=saved.get("stall_onset"), detected_at=saved.get("detected_at"),
+        waited={r: t.waited for r, t in traces.items() if t.waited})
     all_events = [e for evs in events.values() for e in evs]
     evidence = Evidence(
         events=events, outcomes=outcomes, facts=facts,

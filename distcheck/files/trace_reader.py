@@ -34,6 +34,8 @@ class RankTrace:
     truncated: bool = False      # the file ended in the middle of a record
     # group -> the calls this copy lacks (a window of a long trace, ``files.trace_window``); empty: whole
     elided: dict[str, Elided] = field(default_factory=dict)
+    # (group, seq) -> when the rank first began waiting on the handle of that async call (its W record)
+    waited: dict[tuple[str, int], float] = field(default_factory=dict)
 
     @property
     def calls(self) -> int:
@@ -96,6 +98,7 @@ class _Parse:
         self.exits: dict[int, int] = {}
         self.errors: dict[int, str] = {}
         self.waiting: dict[int, int] = {}   # call key -> when the rank began waiting on its handle, not done yet
+        self.first_wait: dict[int, int] = {}   # call key -> when the rank first began waiting on its handle
 
     def run(self, W0: array, W1: array, W2: array) -> None:
         tables, exits, enters = self.tables, self.exits, self.enters
@@ -122,6 +125,7 @@ class _Parse:
                 self.errors[w1] = tables.errors.get(w0 >> 8, "error")
             elif w0 == WAIT_IN:
                 self.waiting[w1] = w2
+                self.first_wait.setdefault(w1, w2)
             elif w0 == WAIT_OUT:
                 self.waiting.pop(w1, None)
             elif tag == TAG_Y:
@@ -155,9 +159,11 @@ class _Parse:
         events = self.trace.events
         start = len(events)
         append, exits, errors, rank, new = events.append, self.exits, self.errors, self.trace.rank, tuple.__new__
-        waiting = self.waiting
+        waiting, first_wait, waited = self.waiting, self.first_wait, self.trace.waited
         blocked = []
         for key, t, (group, op, rest) in self.enters:
+            if first_wait and key in first_wait:
+                waited[(group, key & SEQ_MASK)] = first_wait[key] / 1e9
             if waiting and key in waiting and rest[SHARED_ASYNC]:   # still waiting on its handle: blocked in it
                 blocked.append(new(Event, (rank, group, key & SEQ_MASK, op, waiting[key] / 1e9, None,
                                            errors.get(key) if errors else None)
@@ -175,6 +181,7 @@ class _Parse:
         self.exits.clear()
         self.errors.clear()
         self.waiting.clear()
+        self.first_wait.clear()
 
 
 def _t_enter(e: Event) -> float:

@@ -61,7 +61,7 @@ def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | No
                         append(record)
                     except ValueError:    # the mapping is full: grow it
                         writer.write(record)
-                    if waited:
+                    if waited or (values[6] and result is not None):   # a handle: its wait() is recorded
                         tracer._hold((result,), (key,))
                 except Exception as exc:
                     failed(Hook.TRACER, exc)

@@ -91,7 +91,8 @@ def result_of_launch(target: Target, options: RunOptions, launch_dir: Path, outc
                      timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills,
                      command_exit=outcome.command_exit, evidence=outcome.watchdog.evidence,
                      late_evidence=outcome.watchdog.late_evidence, records_lost=outcome.records_lost,
-                     elided={r: t.elided for r, t in run.traces.items() if t.elided})
+                     elided={r: t.elided for r, t in run.traces.items() if t.elided},
+                     waited={r: t.waited for r, t in run.traces.items() if t.waited})
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
                         why_ended=f"the records of {rank_list(outcome.records_lost)} went with their lost node"
                         if outcome.records_lost else None,
