@@ -140,7 +140,7 @@ Thread 0x00007f6ac2824b80 (most recent call first):
   File "{TORCH_SITE}/distributed/tensor/_redistribute.py", line 1766 in redistribute_local_tensor
   File "{TORCH_SITE}/distributed/tensor/_api.py", line 731 in redistribute
   File "{TORCH_SITE}/distributed/tensor/_api.py", line 774 in full_tensor
-  File "/home/u/train.py", line 30 in <module>
+  File "/home/u/train.py", line 30 in main
   File "<frozen runpy>", line 88 in _run_code
 """
 ABORT = ("[enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 200 vs 176. "
@@ -174,7 +174,7 @@ def test_a_rank_that_died_in_full_tensor_before_its_record_had_it_is_paired_with
     traces, outcomes = _full_tensor_on_rank_0(3, where=None)   # the line from the stack itself
     e = unrecorded_call(outcomes[0], group_table(traces))
     assert is_unrecorded(e) and (e.group, e.seq, e.op, e.group_ranks) == ("0", 3, "all_gather", (0, 1, 2))
-    assert e.callsite == "/home/u/train.py:30:<module>" and not e.completed
+    assert e.callsite == SITE.format(30) and not e.completed
     assert with_unrecorded_calls(outcomes, group_table(traces))[1] is outcomes[1]   # peers untouched
     # a crash inside a recorded call, or a stack outside any functional collective: nothing inferred
     inside = dataclasses.replace(outcomes[0], last_event=traces[0][-1]._replace(t_exit=None))
