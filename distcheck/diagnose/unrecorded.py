@@ -59,15 +59,16 @@ def _returned(e: Event) -> bool:
 
 
 def _stopped_in(peer: int, evs: Mapping[int, Event], peers: Mapping[int, RankOutcome]) -> bool:
-    """The peer was inside this call when the run broke off: it never returned from it, or it is the peer's
-    last call and the peer failed on a peer's end (its sidecar may have closed a C++-issued call that gloo
-    failed as if it had returned: its Flight Recorder retires failed calls too)."""
+    """The peer was inside this call when the run broke off: it never returned from it, or it is a C++-issued
+    call and the peer's last, and the peer did not finish (its sidecar closes what is open when the rank
+    fails or is stopped, and gloo's Flight Recorder retires a failed call like one that returned)."""
     e = evs[peer]
     if not _returned(e):
         return True
     o = peers.get(peer)
-    return (o is not None and o.last_event is not None and (o.last_event.group, o.last_event.seq) == (e.group, e.seq)
-            and is_peer_failure(o.exception))
+    last = o.last_event if o is not None else None
+    return (e.native and last is not None and (last.group, last.seq) == (e.group, e.seq)
+            and o.state != RankState.FINISHED and (o.exception is None or is_peer_failure(o.exception)))
 
 
 def _broken_off(rank: int, seqs: Mapping[int, Mapping[int, Event]], peers: Mapping[int, RankOutcome]) -> int | None:
