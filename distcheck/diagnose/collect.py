@@ -22,7 +22,8 @@ from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.samples import read_samples
-from distcheck.files.stacks import IDLE_IN_POOL, StackDump, idle_in_pool, main_stack, read_dumps, torch_dir, user_top
+from distcheck.files.stacks import (IDLE_IN_POOL, StackDump, idle_in_pool, main_stack, parse_dumps, read_dumps, torch_dir,
+                                    user_top)
 from distcheck.files.trace_reader import RankTrace, read_trace_dir
 
 if TYPE_CHECKING:   # the launcher is only a type here: ``analyze`` need not import it
@@ -65,8 +66,9 @@ class _RankFacts:
 
 
 def read_stack_dump(files: LaunchFiles, rank: int) -> StackDump | None:
-    """The first stack dump the rank left (taken before teardown), if any."""
-    dumps = read_dumps(files.stacks(rank))
+    """The first stack dump the rank left (taken before teardown), if any; else the fatal-error dump
+    faulthandler wrote into the rank's log (its stderr) when the rank was killed (gloo's SIGABRT)."""
+    dumps = read_dumps(files.stacks(rank)) or [d for d in parse_dumps(_log_tail(files.log(rank)) or "") if d.fatal]
     return dumps[0] if dumps else None
 
 
@@ -159,15 +161,21 @@ def _before_teardown(status: RankStatus, killed_by_us: bool, detected_at: float 
     return status
 
 
-def _abort_in_log(path) -> str | None:
-    """gloo's message before it aborted the process: the log's last ``what():`` (read from its tail)."""
+def _log_tail(path, limit: int = 65536) -> str | None:
+    """The last ``limit`` bytes of a rank's log (None: no log)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 65536))
-            return abort_text(fh.read().decode("utf-8", "replace"))
+            fh.seek(max(0, fh.tell() - limit))
+            return fh.read().decode("utf-8", "replace")
     except OSError:
         return None
+
+
+def _abort_in_log(path) -> str | None:
+    """gloo's message before it aborted the process: the log's last ``what():`` (read from its tail)."""
+    tail = _log_tail(path)
+    return abort_text(tail) if tail is not None else None
 
 
 def _results(status: RankStatus, samples_file) -> dict[str, Any]:
