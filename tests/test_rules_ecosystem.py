@@ -268,6 +268,10 @@ def test_full_tensor_against_fsdp2_peers_names_rank_0_at_the_peers_number_whatev
 def test_a_peer_stopped_by_distcheck_inside_its_fsdp2_call_counts_as_broken_off_there():
     traces, outcomes = _fsdp_peers_and_rank_0([], peer_error=None)   # killed while inside it, no error of its own
     assert unrecorded_call(outcomes[0], group_table(traces), outcomes).seq == 7
+    # one peer stopped between its #6 and #7 (its sidecar closed #6 at the end): the others went on past #6
+    traces[2] = traces[2][:-1]
+    outcomes[2] = dataclasses.replace(outcomes[2], last_event=traces[2][-1])
+    assert unrecorded_call(outcomes[0], group_table(traces), outcomes).seq == 7
 
 
 def test_a_stack_in_full_tensor_is_not_placed_where_the_peers_finished_or_failed_on_their_own():

@@ -75,12 +75,12 @@ def _broken_off(rank: int, seqs: Mapping[int, Mapping[int, Event]], peers: Mappi
     """The first number of a group where ``rank``'s peers were inside a call when the run broke off, when
     every call before it that the peers returned from is one every member must enter (so ``rank`` entered
     it too); None when the peers were broken off nowhere, or a call before may have left the rank out."""
-    stopped = [s for s, evs in seqs.items() if any(_stopped_in(r, evs, peers) for r in evs if r != rank)]
-    if not stopped:
+    stopped = sorted(s for s, evs in seqs.items() if any(_stopped_in(r, evs, peers) for r in evs if r != rank))
+    # A call a peer returned from and went on needed the rank too, so it died later than that (the peer
+    # that seems stopped there was stopped by distcheck between that call and the next one).
+    first = next((s for s in stopped if all(_stopped_in(r, seqs[s], peers) for r in seqs[s] if r != rank)), None)
+    if first is None:
         return None
-    first = min(stopped)
-    if any(not _stopped_in(r, seqs[first], peers) for r in seqs[first] if r != rank):
-        return None   # a peer returned from it and went on: the rank entered it, so it died later than that
     before = (e for s, evs in seqs.items() if s < first for r, e in evs.items() if r != rank)
     return None if any(e.op in _ALONE for e in before) else first
 
