@@ -187,6 +187,30 @@ def dtensor_then_metrics(ctx, gathers: bool) -> None:
     dist.all_gather_into_tensor(metrics, torch.full((100,), float(ctx.rank)))
 
 
+def fsdp2_export_between_steps(ctx, exports: bool) -> None:
+    """Two training steps of a two-layer model sharded with FSDP2's ``fully_shard``; between them, where
+    ``exports``, the first layer's weight is gathered with DTensor's ``full_tensor()`` (exporting weights
+    from the main process). Both FSDP2's pre-forward all_gather and ``full_tensor()`` are issued from C++."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(ctx.seed)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(ctx.device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(2):
+        if step == 1 and exports:
+            weight = model[0].weight.full_tensor()
+            ctx.check_close("exported weight shape", torch.tensor(weight.shape), torch.tensor([8, 8]))
+        model(torch.ones(4, 8, device=ctx.device)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def mesh_steps(ctx, loss_dim_of) -> None:
     """Two steps on a (2, world / 2) DeviceMesh ("dp", "tp"): the loss all-reduced over ``loss_dim_of(rank)``,
     then the activations over "tp" (both of one shape, so a group mixed up pairs them silently)."""

@@ -127,7 +127,7 @@ Thread 0x00007f6ac2824b80 (most recent call first):
   File "{TORCH_SITE}/distributed/tensor/_redistribute.py", line 1766 in redistribute_local_tensor
   File "{TORCH_SITE}/distributed/tensor/_api.py", line 731 in redistribute
   File "{TORCH_SITE}/distributed/tensor/_api.py", line 774 in full_tensor
-  File "/home/u/train.py", line 30 in <module>
+  File "/home/u/train.py", line 30 in main
   File "<frozen runpy>", line 88 in _run_code
 """
 ABORT = ("[enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 200 vs 176. "
@@ -161,7 +161,7 @@ def test_a_rank_that_died_in_full_tensor_before_its_record_had_it_is_paired_with
     traces, outcomes = _full_tensor_on_rank_0(3, where=None)   # the line from the stack itself
     e = unrecorded_call(outcomes[0], group_table(traces))
     assert is_unrecorded(e) and (e.group, e.seq, e.op, e.group_ranks) == ("0", 3, "all_gather", (0, 1, 2))
-    assert e.callsite == "/home/u/train.py:30:<module>" and not e.completed
+    assert e.callsite == SITE.format(30) and not e.completed
     assert with_unrecorded_calls(outcomes, group_table(traces))[1] is outcomes[1]   # peers untouched
     # a crash inside a recorded call, or a stack outside any functional collective: nothing inferred
     inside = dataclasses.replace(outcomes[0], last_event=traces[0][-1]._replace(t_exit=None))
@@ -200,6 +200,92 @@ def test_full_tensor_recorded_by_the_sidecar_against_an_all_reduce_is_an_op_and_
     [m] = [f for f in stalled(traces) if f.severity == "error"]
     assert m.kind == "mismatch" and m.odd_ranks == (0,) and set(m.fields) == {"op", "shape"}
     assert {d.rank: d.callsite for d in m.ranks}[0] == SITE.format(30)
+
+
+# -- full_tensor() on rank 0 while its peers' FSDP2 pre-forward all-gathers (issue 41) -------------------
+# Every call is issued from C++ and recorded by a polling sidecar: gloo's abort may come before rank 0's
+# sidecar wrote anything, while an old call was still open in its record, or after its whole first step.
+# The peers' records are whole; their #7 was closed by their own sidecar when they were stopped.
+
+FSDP_STEP = (("all_gather", (27,)), ("all_gather", (9,)), ("all_gather", (9,)), ("all_gather", (27,)),
+             ("all_reduce", (27,)), ("all_reduce", (81,)))
+
+
+def _fsdp(rank: int, seq: int, op: str, shape: tuple, *, done: bool = True, line: int = 34) -> Event:
+    return ev(rank, seq, op, members=(0, 1, 2), shapes=(shape,), line=line, done=done,
+              label=f"FSDP {op}")._replace(native=True, reduce_op=None, device=None)
+
+
+def _fsdp_peers_and_rank_0(rank_0_record: list[Event], peer_error: str | None = "RuntimeError: Connection reset by peer"):
+    traces = {r: [_fsdp(r, i, op, shape) for i, (op, shape) in enumerate(FSDP_STEP, 1)] + [_fsdp(r, 7, "all_gather", (27,))]
+              for r in (1, 2)}   # closed as returned by the peer's sidecar when the peer failed
+    traces[0] = rank_0_record
+    stack = FULL_TENSOR_STACK.replace("line 30 in main", "line 32 in main")
+    outcomes = {0: RankOutcome(rank=0, state="crashed", signal="SIGABRT", stack=stack, where=SITE.format(34),
+                               exception=ABORT.replace("200 vs 176", "54 vs 48"),
+                               last_event=rank_0_record[-1] if rank_0_record else None)}
+    outcomes |= {r: RankOutcome(rank=r, state="killed", exception=peer_error, last_event=traces[r][-1]) for r in (1, 2)}
+    return traces, outcomes
+
+
+RANK_0_RECORDS = {   # what rank 0's sidecar had written when gloo aborted it, as seen in real runs
+    "empty": [],
+    "an old call still open": [_fsdp(0, 1, "all_gather", (27,), done=False)],
+    "four calls, the last open": [_fsdp(0, i, op, shape, done=i < 4, line=35)
+                                  for i, (op, shape) in enumerate(FSDP_STEP[:4], 1)],
+    "the whole first step": [_fsdp(0, i, op, shape, line=32) for i, (op, shape) in enumerate(FSDP_STEP, 1)],
+}
+
+
+def test_full_tensor_against_fsdp2_peers_names_rank_0_at_the_peers_number_whatever_its_sidecar_wrote():
+    verdicts = set()
+    for name, record in RANK_0_RECORDS.items():
+        traces, outcomes = _fsdp_peers_and_rank_0(record)
+        found = analyze(traces, outcomes, RunFacts(world_size=3, end_reason="crash"))
+        errors = [f for f in found if f.severity == "error"]
+        assert [f.kind for f in errors] == ["mismatch", "crash"], (name, [f.summary for f in errors])
+        m = errors[0]
+        lines = {d.rank: d.callsite for d in m.ranks}
+        verdicts.add((m.seq, m.odd_ranks, m.tie, m.fields, m.callsite, tuple(sorted(lines.items()))))
+        assert "DTensor.full_tensor()" in m.summary and "cannot be told" not in m.summary, (name, m.summary)
+    assert verdicts == {(7, (0,), False, ("shape",), SITE.format(34),
+                         ((0, SITE.format(32)), (1, SITE.format(34)), (2, SITE.format(34))))}
+
+
+def test_a_peer_stopped_by_distcheck_inside_its_fsdp2_call_counts_as_broken_off_there():
+    traces, outcomes = _fsdp_peers_and_rank_0([], peer_error=None)   # killed while inside it, no error of its own
+    assert unrecorded_call(outcomes[0], group_table(traces), outcomes).seq == 7
+    # one peer stopped between its #6 and #7 (its sidecar closed #6 at the end): the others went on past #6
+    traces[2] = traces[2][:-1]
+    outcomes[2] = dataclasses.replace(outcomes[2], last_event=traces[2][-1])
+    assert unrecorded_call(outcomes[0], group_table(traces), outcomes).seq == 7
+
+
+def test_a_stack_in_full_tensor_is_not_placed_where_the_peers_finished_or_failed_on_their_own():
+    traces, outcomes = _fsdp_peers_and_rank_0([])
+    table = group_table(traces)
+    finished = {r: dataclasses.replace(o, state="finished", exception=None) for r, o in outcomes.items() if r}
+    assert unrecorded_call(outcomes[0], table, finished) is None      # the peers returned from every call
+    own = {r: dataclasses.replace(o, exception="KeyError: 'lr'") for r, o in outcomes.items() if r}
+    assert unrecorded_call(outcomes[0], table, own) is None           # they left #7 and failed elsewhere
+    python_open = dataclasses.replace(outcomes[0], last_event=_fsdp(0, 3, "all_gather", (9,), done=False)._replace(native=False))
+    assert unrecorded_call(python_open, table, outcomes) is None      # a Python call's record is where the rank was
+
+
+def test_the_fatal_dump_is_read_from_the_stacks_file_or_else_from_the_rank_log(tmp_path):
+    from distcheck.diagnose.collect import read_stack_dump
+    from distcheck.files.launch_dir import LaunchFiles
+
+    files = LaunchFiles(tmp_path)
+    for folder in ("stacks", "logs"):
+        (tmp_path / folder).mkdir()
+    files.log(0).write_text("rank 0 starting\nterminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                            + FULL_TENSOR_STACK)   # faulthandler on the rank's stderr
+    dump = read_stack_dump(files, 0)
+    assert dump is not None and dump.fatal and "full_tensor" in dump.text
+    files.stacks(0).write_text(FULL_TENSOR_STACK.replace("line 30 in main", "line 31 in main"))
+    assert "line 31 in main" in read_stack_dump(files, 0).text   # the stacks file, where it has a dump
+    assert read_stack_dump(files, 1) is None
 
 
 # -- a DeviceMesh group mixed up ---------------------------------------------------

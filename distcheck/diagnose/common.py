@@ -101,6 +101,18 @@ def group_table(traces: Mapping[int, Sequence[Event]]) -> dict[GroupKey, dict[in
     return table
 
 
+# What a healthy rank says when a *peer* died or never came.
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "remote worker", "broken pipe",
+    "communicator was aborted", "timed out", "timeout", "connection refused", "socket closed",
+)
+
+
+def is_peer_failure(exception: str | None) -> bool:
+    """The rank's error is its reaction to a peer's end (the peer died or never came), not its own fault."""
+    text = (exception or "").lower()
+    return any(marker in text for marker in PEER_FAILURE_MARKERS)
+
 
 def majority(values: Mapping[int, Any]) -> tuple[Any, list[int], bool]:
     """(majority value, odd ranks, tie) over rank → value. On a tie there is no odd side."""

@@ -4,9 +4,16 @@ DTensor's ``full_tensor()`` issues a functional all_gather from C++; the native 
 at its next poll. When gloo aborts the rank inside that call first (a peer's all_gather of another
 size met it), the rank's record ends with the call before, which returned. Its stack at the abort
 (faulthandler) still shows the functional collective and the API the user called
-(``library_shapes.functional_call_in``), so the call is known: the group's next number, where the
-peers' own calls wait. ``with_unrecorded_calls`` puts it in the rank's outcome, so every rule pairs
-it with the peers' by (group, seq); ``unrecorded_finding`` is the mismatch gloo's abort then tells.
+(``library_shapes.functional_call_in``), so the call is known: the number where the peers' own calls
+were broken off. ``with_unrecorded_calls`` puts it in the rank's outcome, so every rule pairs it with
+the peers' by (group, seq); ``unrecorded_finding`` is the mismatch gloo's abort then tells.
+
+The number does not rest on how far the dying rank's sidecar got: it polls, and gloo's abort can
+come before its first poll (an empty record), while an earlier call was still open in it (a stale
+open record), or after the whole run up to the call. The peers' records are whole (their ranks are
+stopped only once synced), and a collective they returned from needs every member's entry, so the
+rank had entered every call the peers returned from: the call it died in is the first number where
+the peers were broken off. Every run then names the same rank, number and lines.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from distcheck.diagnose.common import GroupKey, Table, detail, majority, who
+from distcheck.diagnose.common import GroupKey, Table, detail, is_peer_failure, majority, who
 from distcheck.files.stacks import parse_dumps, user_top
 from distcheck.knowledge.library_shapes import FunctionalCall, functional_call_in, wire_op
 from distcheck.models import Event, Finding, RankOutcome, RankState
@@ -41,47 +48,96 @@ def _functional_in_stack(stack: str | None) -> tuple[FunctionalCall, str | None]
     return None
 
 
-def _next_calls(rank: int, table: Table) -> list[tuple[GroupKey, int, dict[int, Event]]]:
-    """(group, seq, the peers' events) of every group of ``rank`` whose peers are at a number past the
-    rank's last one in it."""
+# Calls whose return on a peer does not prove that every member entered them: gloo's monitored_barrier
+# (P2P with the root) and a call a peer made alone (a new_group of its own members).
+_ALONE = ("monitored_barrier", "new_group")
+
+
+def _returned(e: Event) -> bool:
+    """The call returned on its rank after it was done: an async call's exit only says it was queued."""
+    return e.completed and not e.error and (e.native or not e.async_op)
+
+
+def _stopped_in(peer: int, evs: Mapping[int, Event], peers: Mapping[int, RankOutcome]) -> bool:
+    """The peer was inside this call when the run broke off: it never returned from it, or it is a C++-issued
+    call and the peer's last, and the peer did not finish (its sidecar closes what is open when the rank
+    fails or is stopped, and gloo's Flight Recorder retires a failed call like one that returned)."""
+    e = evs[peer]
+    if not _returned(e):
+        return True
+    o = peers.get(peer)
+    last = o.last_event if o is not None else None
+    return (e.native and last is not None and (last.group, last.seq) == (e.group, e.seq)
+            and o.state != RankState.FINISHED and (o.exception is None or is_peer_failure(o.exception)))
+
+
+def _broken_off(rank: int, seqs: Mapping[int, Mapping[int, Event]], peers: Mapping[int, RankOutcome]) -> int | None:
+    """The first number of a group where ``rank``'s peers were inside a call when the run broke off, when
+    every call before it that the peers returned from is one every member must enter (so ``rank`` entered
+    it too); None when the peers were broken off nowhere, or a call before may have left the rank out."""
+    stopped = sorted(s for s, evs in seqs.items() if any(_stopped_in(r, evs, peers) for r in evs if r != rank))
+    # A call a peer returned from and went on needed the rank too, so it died later than that (the peer
+    # that seems stopped there was stopped by distcheck between that call and the next one).
+    first = next((s for s in stopped if all(_stopped_in(r, seqs[s], peers) for r in seqs[s] if r != rank)), None)
+    if first is None:
+        return None
+    before = (e for s, evs in seqs.items() if s < first for r, e in evs.items() if r != rank)
+    return None if any(e.op in _ALONE for e in before) else first
+
+
+def _behind(rank: int, seqs: Mapping[int, Mapping[int, Event]], first: int) -> bool:
+    """The rank's record in the group ends before ``first``: with a call that returned, or with a C++-issued
+    call its sidecar saw open that the peers returned from (the poll before the rank died was the last one).
+    A Python-issued call is written before it starts: a record that ends open there is where the rank was."""
+    mine = [(s, evs[rank]) for s, evs in seqs.items() if rank in evs]
+    if not mine:
+        return True
+    seq, last = max(mine, key=lambda x: x[0])
+    return seq < first and (_returned(last) or last.native)
+
+
+def _calls_died_in(rank: int, table: Table, peers: Mapping[int, RankOutcome]) -> list[tuple[GroupKey, int]]:
+    """(group, seq) of every group of ``rank`` whose peers were broken off at a number the rank's own record
+    has not reached."""
     out = []
     for key, seqs in table.items():
         if rank not in key[1] or len(key[1]) < 2:
             continue
-        mine = max((s for s, evs in seqs.items() if rank in evs), default=0)
-        peers = {r: e for r, e in seqs.get(mine + 1, {}).items() if r != rank}
-        if peers:
-            out.append((key, mine + 1, peers))
+        first = _broken_off(rank, seqs, peers)
+        if first is not None and _behind(rank, seqs, first):
+            out.append((key, first))
     return out
 
 
-def unrecorded_call(o: RankOutcome, table: Table) -> Event | None:
-    """The C++-issued call a crashed rank died in, when its record ends with a call that returned and
-    its stack shows it inside a functional collective; None otherwise (or when the group is not clear)."""
+def unrecorded_call(o: RankOutcome, table: Table, peers: Mapping[int, RankOutcome] | None = None) -> Event | None:
+    """The C++-issued call a crashed rank died in, when its stack shows it inside a functional collective
+    and its record has not reached the number where its peers were broken off; None otherwise (or when the
+    group is not clear). ``peers``: the other ranks' outcomes (how each one's run ended)."""
     last = o.last_event
-    if o.state != RankState.CRASHED or (last is not None and (not last.completed or last.error)):
-        return None
+    if o.state != RankState.CRASHED or (last is not None and not last.native and not _returned(last)):
+        return None   # it died in a Python-issued call, written before it started: the record says which
     inside = _functional_in_stack(o.stack)
     if inside is None:
         return None
     found, line = inside
-    candidates = _next_calls(o.rank, table)
+    candidates = _calls_died_in(o.rank, table, peers or {})
     if len(candidates) > 1 and last is not None:
         candidates = [c for c in candidates if c[0][0] == last.group]
     if len(candidates) != 1:
         return None
-    (group, members), seq, _ = candidates[0]
-    return Event(rank=o.rank, group=group, seq=seq, op=found.op or "?", t_enter=last.t_exit if last else 0.0,
-                 group_ranks=members, callsite=o.where or line, native=True, label=f"{found.api} ({UNRECORDED})")
+    (group, members), seq = candidates[0]
+    t_enter = (last.t_exit or last.t_enter) if last else 0.0
+    return Event(rank=o.rank, group=group, seq=seq, op=found.op or "?", t_enter=t_enter, group_ranks=members,
+                 callsite=line or o.where, native=True, label=f"{found.api} ({UNRECORDED})")
 
 
 def with_unrecorded_calls(outcomes: Mapping[int, RankOutcome], table: Table) -> dict[int, RankOutcome]:
     """The outcomes, each crashed rank's last call the one it died in where only its stack knew it."""
     out = dict(outcomes)
     for r, o in outcomes.items():
-        e = unrecorded_call(o, table)
+        e = unrecorded_call(o, table, outcomes)
         if e is not None:
-            out[r] = dataclasses.replace(o, last_event=e)
+            out[r] = dataclasses.replace(o, last_event=e, where=e.callsite or o.where)
     return out
 
 

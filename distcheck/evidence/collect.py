@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distcheck.diagnose.backend_error import abort_text
+from distcheck.diagnose.common import is_peer_failure
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -33,13 +34,6 @@ MAX_STACK_CHARS = 6000
 # Ends that cut ranks off mid-work: a rank the agent does not list as failed left by itself.
 _CUT_SHORT = (EndReason.CRASH, EndReason.CERTAIN_HANG, EndReason.STALL, EndReason.BUSY_TIMEOUT, EndReason.TIMEOUT,
               EndReason.MAX_DURATION)
-
-# What a healthy rank says when a *peer* died or never came.
-PEER_FAILURE_MARKERS = (
-    "connection closed by peer", "connection reset by peer", "remote worker", "broken pipe",
-    "communicator was aborted", "timed out", "timeout", "connection refused", "socket closed",
-)
-
 
 @dataclass
 class CollectedRun:
@@ -92,11 +86,6 @@ def read_flight_recorder_status(path) -> dict[str, dict[str, int]] | None:
         return None
     return {str(g): {str(k): int(v) for k, v in s.items() if str(v).lstrip("-").isdigit()}
             for g, s in status.items() if isinstance(s, dict)}
-
-
-def is_peer_failure(exception: str | None) -> bool:
-    text = (exception or "").lower()
-    return any(marker in text for marker in PEER_FAILURE_MARKERS)
 
 
 def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
@@ -183,15 +172,21 @@ def _before_teardown(status: RankStatus, killed_by_us: bool, detected_at: float 
     return status
 
 
-def _abort_in_log(path) -> str | None:
-    """gloo's message before it aborted the process: the log's last ``what():`` (read from its tail)."""
+def _log_tail(path, limit: int = 65536) -> str | None:
+    """The last ``limit`` bytes of a rank's log (None: no log)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 65536))
-            return abort_text(fh.read().decode("utf-8", "replace"))
+            fh.seek(max(0, fh.tell() - limit))
+            return fh.read().decode("utf-8", "replace")
     except OSError:
         return None
+
+
+def _abort_in_log(path) -> str | None:
+    """gloo's message before it aborted the process: the log's last ``what():`` (read from its tail)."""
+    tail = _log_tail(path)
+    return abort_text(tail) if tail is not None else None
 
 
 def _results(status: RankStatus, samples_file) -> dict[str, Any]:

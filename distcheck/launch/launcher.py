@@ -31,7 +31,7 @@ from distcheck.launch.node_config import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import FATAL_SIGNALS, fatal_dump, read_dumps, signal_of
-from distcheck.files.trace_tail import synced_at
+from distcheck.files.trace_tail import TraceTail
 from distcheck.launch.progress import RankProgress
 from distcheck.launch.watchdog import Decision, Limits, NodeChannel, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
@@ -296,8 +296,10 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     return EndReason.COMPLETED
 
 
-# How long torch's agent is held after a rank failed, for the survivors' records (see below).
-SURVIVOR_SYNC_S = 2.0
+# How long torch's agent is held at most after a rank failed, for the survivors' records (see below): a
+# survivor already inside a call is let go at its sidecar's next sync; one on its way to the call gets this
+# long to reach it (beside CPU hogs, DTensor's Python between two calls took over 2 s).
+SURVIVOR_SYNC_S = 5.0
 
 
 @contextlib.contextmanager
@@ -310,7 +312,7 @@ def _survivors_record_first(files: LaunchFiles, exit_codes: dict[int, tuple[int,
     C++-issued call they were waiting in, the very call that explains the failure (DDP's gradient
     bucket against a peer's logging all_reduce). So ``close()`` after a failure first waits until each
     survivor's trace is synced after the failure (by its sidecar's next poll, or by its own failure's
-    flush; a poll or two), at most SURVIVOR_SYNC_S, then stops them as before. A close without a
+    flush; a poll or two) and shows it inside a call, at most SURVIVOR_SYNC_S, then stops them as before. A close without a
     failure (every rank finished, Ctrl-C) does not wait.
     """
     import torch.multiprocessing as mp
@@ -353,18 +355,29 @@ def _forked_exit_codes(agent: Any, worker_group: Any) -> dict[int, tuple[int, in
 
 
 def _wait_for_synced_records(files: LaunchFiles, since: float, timeout_s: float) -> None:
-    """Until every live rank of this node synced its trace after ``since`` (or has ended), at most ``timeout_s``."""
+    """Until every live rank of this node synced its trace after ``since`` and is inside a call (or has
+    ended), at most ``timeout_s``. A survivor on its way to the call the failed rank was in (still in the
+    Python between two calls) is stopped inside it, not before: otherwise whether its record names that
+    call, and so the majority at it, would depend on the machine's load (issue 41's determinism lane)."""
     deadline = time.monotonic() + timeout_s
-    pending = set(files.traces.glob("rank*.trace"))
-    while pending and time.monotonic() < deadline:
-        for path in list(pending):
+    tails = {path: TraceTail(path) for path in files.traces.glob("rank*.trace")}
+    while tails and time.monotonic() < deadline:
+        for path, tail in list(tails.items()):
             rank = int(path.stem.removeprefix("rank"))
             status = files.read_status(rank)
             # only a rank in its process group has a sidecar that syncs (one still starting has no calls)
             done = status is None or not procs.is_alive(status.pid) or status.phase is not Phase.RUNNING
-            if done or (synced_at(path) or 0.0) >= since:
-                pending.discard(path)
+            if done or _synced_inside_a_call(tail, since):
+                del tails[path]
         time.sleep(0.02)
+
+
+def _synced_inside_a_call(tail: TraceTail, since: float) -> bool:
+    try:
+        tail.read()
+    except OSError:   # a trace that cannot be read: nothing to wait for
+        return True
+    return (tail.synced_at or 0.0) >= since and tail.newest_open is not None
 
 
 def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
