@@ -148,7 +148,7 @@ class SlurmCluster:
 def slurm_conf(root: Path, base_port: int) -> str:
     """slurm.conf for nodes n1, n2 on 127.0.0.1: ports base_port (slurmctld), +1 and +2 (the slurmds)."""
     lines = [
-        "ClusterName=distchecktest", f"SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={base_port}",
+        "ClusterName=distchecktest", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={base_port}",
         "SlurmUser=root", "SlurmdUser=root", f"AuthInfo=socket={root / 'munge.socket'}",
         "AuthType=auth/munge", "CredType=cred/munge",
         f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool'}/%n",

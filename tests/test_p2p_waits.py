@@ -63,7 +63,7 @@ def test_the_analysis_reads_a_handle_still_waited_on_as_the_blocking_call_the_ra
         (1, True, True), (2, True, True)]
 
 
-def test_the_tracer_writes_a_wait_on_a_p2p_handle_and_leaves_other_handles_alone(process_group, tmp_path):
+def test_the_tracer_writes_a_wait_on_an_async_calls_handle_and_leaves_other_handles_alone(process_group, tmp_path):
     path = tmp_path / "rank0.trace"
     tracer = Tracer(path, 0)
     tracer.install()
@@ -73,8 +73,10 @@ def test_the_tracer_writes_a_wait_on_a_p2p_handle_and_leaves_other_handles_alone
         isend = tracer.wrap("isend", lambda tensor, dst=None, group=None, tag=0, group_dst=None:
                             dist.all_reduce(tensor, async_op=True), OPS["isend"], signature_of=dist.isend)
         handle = isend(torch.ones(4), 0)
-        other = dist.all_reduce(torch.ones(2), async_op=True)
-        assert other.wait() is True and handle.wait() is True   # torch's own results, through the wrapper
+        collective = dist.all_reduce(torch.ones(2), async_op=True)   # traced: its handle is held too
+        untraced = tracer._originals["all_reduce"](torch.ones(2), async_op=True)   # a handle distcheck never saw
+        assert collective.wait() is True and handle.wait() is True   # torch's own results, through the wrapper
+        assert untraced.wait() is True
         assert dist.Work.wait.__distcheck_original__ is not None
     finally:
         tracer.uninstall()
@@ -83,7 +85,7 @@ def test_the_tracer_writes_a_wait_on_a_p2p_handle_and_leaves_other_handles_alone
     events = parse_trace(0, path.read_bytes()).events
     assert [(e.op, e.async_op, e.completed) for e in events] == [("isend", True, True), ("all_reduce", True, True)]
     tail = TraceTail(path).read()
-    assert tail.open == {} and tail.records == 6   # 2 calls x (E, X), and one wait: in, out
+    assert tail.open == {} and tail.records == 8   # 2 calls x (E, X), and two waits: in, out
 
 
 # -- the wait-for graph -----------------------------------------------------------------------------------

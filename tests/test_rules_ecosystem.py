@@ -273,7 +273,7 @@ def test_a_stack_in_full_tensor_is_not_placed_where_the_peers_finished_or_failed
 
 
 def test_the_fatal_dump_is_read_from_the_stacks_file_or_else_from_the_rank_log(tmp_path):
-    from distcheck.diagnose.collect import read_stack_dump
+    from distcheck.evidence.collect import read_stack_dump
     from distcheck.files.launch_dir import LaunchFiles
 
     files = LaunchFiles(tmp_path)

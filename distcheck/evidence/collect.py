@@ -66,13 +66,10 @@ class _RankFacts:
 
 
 def read_stack_dump(files: LaunchFiles, rank: int) -> StackDump | None:
-    """Where the rank was: the fatal-error dump it died with (in its log), else the first dump its stack
-    probe wrote (taken before teardown), if any."""
-    fatal = fatal_dump(files.log(rank))
-    if fatal is not None:
-        return fatal
+    """Where the rank was: the first dump its stack probe wrote (taken before teardown), else the fatal-error
+    dump it died with (faulthandler, on its stderr: its log), if any."""
     dumps = read_dumps(files.stacks(rank))
-    return dumps[0] if dumps else None
+    return dumps[0] if dumps else fatal_dump(files.log(rank))
 
 
 def read_flight_recorder_status(path) -> dict[str, dict[str, int]] | None:
