@@ -112,7 +112,9 @@ def fatal_dump(log: Path) -> StackDump | None:
             text = fh.read().decode("utf-8", "replace")
     except OSError:
         return None
-    return next((d for d in reversed(parse_dumps(text)) if d.fatal is not None), None)
+    # the first: faulthandler dumping every thread can itself fault on a thread that runs on meanwhile, and that
+    # second fatal error, written into the first dump, is not what ended the rank
+    return next((d for d in parse_dumps(text) if d.fatal is not None), None)
 
 
 def read_dumps(path: Path) -> list[StackDump]:

@@ -248,8 +248,12 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int, still_wanted: C
 
 
 def _dump_flight_recorder(files: LaunchFiles, rank: int) -> None:
-    dump_json = torch_features.fr_dump_json_function()
     try:
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not callable(getattr(dist, "is_initialized", None)) or not dist.is_initialized():
+            # no process group yet (torch perhaps still loading: importing it from here would race the user's import)
+            raise RuntimeError("no process group yet, so no Flight Recorder")
+        dump_json = torch_features.fr_dump_json_function()
         if dump_json is None:
             raise RuntimeError(torch_features.recorder_problem(None) or "no Flight Recorder")
         data = dump_json()

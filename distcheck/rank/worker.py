@@ -225,7 +225,10 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
     files = LaunchFiles(Path(args.launch_dir))
     die_with_parent()
     redirect_output(files.log(rank))
-    runtime = arm(files, rank, script=not args.scenario_file)
+    try:
+        runtime = arm(files, rank, script=not args.scenario_file)
+    except KeyboardInterrupt:   # the launcher forwarded Ctrl-C before the job started (torch still loading)
+        os._exit(130)
     status = runtime.status
     PROCESS.on_init.append(lambda: status.update(phase=Phase.RUNNING, pg_initialized=True))
     try:
