@@ -75,7 +75,7 @@ def run(
     seed: int = typer.Option(0, "--seed", metavar="N", rich_help_panel="What to run", help="Seed for the scenarios' data."),
     verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", rich_help_panel="Reports", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
     quiet: bool = typer.Option(False, "--quiet", "-q", metavar="", rich_help_panel="Reports", help="Print one line: the verdict."),
-    quiet_ranks: bool = typer.Option(False, "--quiet-ranks", metavar="", rich_help_panel="Reports", help="Keep a script's own output in the run dir's logs/rankN.log only (default: also on the terminal as it comes, each line '[rankN]:', as torchrun shows it)."),
+    quiet_ranks: bool = typer.Option(False, "--quiet-ranks", metavar="", rich_help_panel="Reports", help="Keep the ranks' own output (a script's, or your command's) in the run dir's logs only (default: also on the terminal as it comes, each rank's line '[rankN]:', as torchrun shows it)."),
     module: Optional[str] = typer.Option(None, "--module", "-m", metavar="MODULE", rich_help_panel="What to run", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
     max_duration: Optional[float] = typer.Option(None, "--max-duration", metavar="SECONDS", rich_help_panel="Limits", help="Pre-flight: end a healthy script after S seconds and report that window."),
     nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),

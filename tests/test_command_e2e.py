@@ -266,3 +266,12 @@ def test_a_command_on_two_nodes_is_judged_as_one_job(tmp_path, no_survivors, scr
         return
     [hang] = [f for f in s["findings"] if f["kind"] == "hang"]
     assert (hang["waiting_ranks"], hang["absent_ranks"], hang["label"]) == ([0], [1], "BinaryAUROC.compute")
+
+
+def test_the_commands_ranks_output_reaches_the_terminal_as_under_torchrun(distcheck, no_survivors):
+    """What the command's ranks print is shown as it comes, each line "[rankN]:" (their logs keep it whole)."""
+    r = distcheck("run", *FAST, "--", sys.executable, str(SPAWN), "--port", str(free_port()))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "[rank0]:rank 0 up" in r.stdout and "[rank1]:rank 1 up" in r.stdout
+    quiet = distcheck("run", *FAST, "--quiet-ranks", "--", sys.executable, str(SPAWN), "--port", str(free_port()))
+    assert quiet.returncode == 0 and "[rank0]:" not in quiet.stdout

@@ -153,6 +153,11 @@ class LaunchFiles:
         return self.root / "logs" / f"rank{rank}.log"
 
     @property
+    def command_log(self) -> Path:
+        """``run -- CMD``: what the command printed before its ranks had logs of their own."""
+        return self.root / "logs" / "command.log"
+
+    @property
     def agent_logs(self) -> Path:
         """Where torch's elastic agent writes its own logs."""
         return self.root / "agent"

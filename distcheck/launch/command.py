@@ -30,7 +30,6 @@ from distcheck.models import EndReason
 from distcheck.rank.injected import STALL_TIMEOUT_ENV
 
 INJECT_DIR = Path(__file__).resolve().parent.parent / "rank" / "inject"
-COMMAND_LOG = "command.log"   # in logs/: what the command printed before its ranks had their own logs
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool,
                 stall_timeout: float | None = None) -> subprocess.Popen:
     """The command below ``launch.subreaper``, in a session of its own (the terminal's Ctrl-C is
     distcheck's to handle), its output in ``logs/command.log``."""
-    log_path = files.root / "logs" / COMMAND_LOG
+    log_path = files.command_log
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -168,7 +167,7 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
 
 def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, timed_out: bool) -> Exception:
     """The error of a command none of whose processes became a rank; the run dir keeps a report that says it."""
-    log = files.root / "logs" / COMMAND_LOG
+    log = files.command_log
     last = next((line for line in reversed(_read(log).splitlines()) if line.strip()), "")
     error: LaunchError | UsageError
     if timed_out:
@@ -197,7 +196,7 @@ def _save_no_rank_report(spec: CommandSpec, files: LaunchFiles, error: Exception
 
 
 def _command_log(files: LaunchFiles) -> str:
-    return _read(files.root / "logs" / COMMAND_LOG)
+    return _read(files.command_log)
 
 
 def _read(path: Path) -> str:
@@ -458,7 +457,7 @@ def _generation_outcome(files: LaunchFiles, index: int, watchdog: Watchdog, inte
 
 def command_output_tail(files: LaunchFiles, lines: int = OUTPUT_TAIL_LINES) -> str:
     """The command's own last lines (pytest's summary line among them)."""
-    text = _read(files.root / "logs" / COMMAND_LOG)
+    text = _read(files.command_log)
     return "\n".join([line.rstrip() for line in text.splitlines() if line.strip()][-lines:])
 
 

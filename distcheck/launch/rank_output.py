@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from distcheck.files.launch_dir import LaunchFiles
+
 POLL_S = 0.1
 _CHUNK = 1 << 16
 
@@ -24,8 +26,8 @@ class RankOutput(threading.Thread):
     def __init__(self, logs_dir: Path, emit: Callable[[int, str], None]) -> None:
         super().__init__(name="distcheck-rank-output", daemon=True)
         self.logs_dir, self.emit = logs_dir, emit
-        self._offsets: dict[int, int] = {}
-        self._partial: dict[int, bytes] = {}
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -39,27 +41,48 @@ class RankOutput(threading.Thread):
             self.join(timeout=2)
         self.drain(final=True)
 
+    def sources(self) -> list[tuple[Path, int | None]]:
+        """The logs followed, each with the rank whose lines it holds."""
+        found = [(path, path.stem.removeprefix("rank")) for path in sorted(self.logs_dir.glob("rank*.log"))]
+        return [(path, int(rank)) for path, rank in found if rank.isdigit()]
+
     def drain(self, final: bool = False) -> None:
-        for path in sorted(self.logs_dir.glob("rank*.log")):
-            rank = path.stem.removeprefix("rank")
-            while rank.isdigit() and self._read(int(rank), path, final) == _CHUNK and final:
+        for path, rank in self.sources():
+            while self._read(rank, path, final) == _CHUNK and final:
                 pass   # the end of a launch: all of it
 
-    def _read(self, rank: int, path: Path, final: bool) -> int:
+    def _read(self, rank: int | None, path: Path, final: bool) -> int:
         try:
             with open(path, "rb") as f:
-                f.seek(self._offsets.get(rank, 0))
+                f.seek(self._offsets.get(path, 0))
                 data = f.read(_CHUNK)
         except OSError:
             return 0
-        self._offsets[rank] = self._offsets.get(rank, 0) + len(data)
-        text = self._partial.pop(rank, b"") + data
+        self._offsets[path] = self._offsets.get(path, 0) + len(data)
+        text = self._partial.pop(path, b"") + data
         lines = text.split(b"\n")
         rest = lines.pop()
         if final and rest and len(data) < _CHUNK:
             lines.append(rest)   # the rank's last words, without their newline
         elif rest:
-            self._partial[rank] = rest
+            self._partial[path] = rest
         for raw in lines:
             self.emit(rank, raw.decode("utf-8", errors="replace").rstrip("\r"))
         return len(data)
+
+
+class CommandOutput(RankOutput):
+    """A command's own output as it comes (``distcheck run -- CMD``): what it printed before its ranks had
+    logs of their own (``logs/command.log``, shown as it is, ``rank`` None) and each generation's ranks'
+    logs (``generations/N/logs/rankK.log``, ``[rankK]:``)."""
+
+    def __init__(self, launch_dir: Path, emit: Callable[[int | None, str], None]) -> None:
+        super().__init__(launch_dir / "logs", emit)   # type: ignore[arg-type]
+        self.launch_dir = launch_dir
+
+    def sources(self) -> list[tuple[Path, int | None]]:
+        own: list[tuple[Path, int | None]] = [(LaunchFiles(self.launch_dir).command_log, None)]
+        for logs in sorted(self.launch_dir.glob("generations/*/logs")):
+            own += [(path, int(path.stem.removeprefix("rank"))) for path in sorted(logs.glob("rank*.log"))
+                    if path.stem.removeprefix("rank").isdigit()]
+        return own

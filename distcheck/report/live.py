@@ -243,12 +243,14 @@ class LiveView:
         self.console.print(f"  RUN  {name}  {self._open.get(name, '')}".rstrip(), style="dim", markup=False,
                            highlight=False, soft_wrap=True)
 
-    def rank_line(self, rank: int, line: str) -> None:
-        """A line a script's rank wrote, as torchrun shows it ("[rank0]:loss 0.25"), through the view's own
-        console (a live display stays below it); distcheck's traceback frames left out (the log keeps them)."""
+    def rank_line(self, rank: int | None, line: str) -> None:
+        """A line a rank wrote, as torchrun shows it ("[rank0]:loss 0.25"; a command's own line, before its
+        ranks had logs, as it is), through the view's own console (a live display stays below it);
+        distcheck's traceback frames left out (the log keeps them)."""
         frames = self._frames.setdefault(rank, OwnFrames())
         if frames.keep(line):
-            self.console.print(f"[rank{rank}]:{line}", markup=False, highlight=False, soft_wrap=True, style="")
+            prefix = "" if rank is None else f"[rank{rank}]:"
+            self.console.print(f"{prefix}{line}", markup=False, highlight=False, soft_wrap=True, style="")
 
     def note(self, text: str) -> None:
         if self.quiet:

@@ -25,7 +25,7 @@ class RunContext:
     run_id: str                       # what launches are named after (every node names them alike)
     cluster: ClusterStore | None = None
     on_poll: Callable | None = None
-    on_output: Callable[[int, str], None] | None = None     # a script's ranks' lines, as they write them
+    on_output: Callable[[int | None, str], None] | None = None   # the ranks' lines (a command's own: None), as written
     announce: Callable[[Target], None] = lambda target: None   # a target's ranks start now
 
 

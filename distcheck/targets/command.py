@@ -12,6 +12,7 @@ from distcheck.diagnose.verdict import Scenario, command_ended, merge_results
 from distcheck.files import run_dir as rundir
 from distcheck.files import user_code
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.launch.rank_output import CommandOutput
 from distcheck.launch.command import (CommandOutcome, CommandSpec, command_options, command_output_tail,
                                      launch_command, launch_generations)
 from distcheck.models import EndReason, ScenarioResult
@@ -67,6 +68,16 @@ class CommandTarget:
         ctx.announce(self)
         launch_dir = ctx.run_dir / self.name
         rundir.prepare_launch_dir(launch_dir)
+        output = CommandOutput(launch_dir, ctx.on_output) if ctx.on_output is not None else None
+        if output is not None:   # the command's output on the terminal as it comes, its ranks' lines "[rankN]:"
+            output.start()
+        try:
+            return self._launch(ctx, launch_dir)
+        finally:
+            if output is not None:
+                output.stop()
+
+    def _launch(self, ctx: RunContext, launch_dir: Path) -> Ran:
         flight_recorder = ctx.options.flight_recorder is not False
         limits = limits_of(ctx.options)
         if ctx.cluster is None:
