@@ -74,14 +74,14 @@ class RankOutput(threading.Thread):
 class CommandOutput(RankOutput):
     """A command's own output as it comes (``distcheck run -- CMD``): what it printed before its ranks had
     logs of their own (``logs/command.log``, shown as it is, ``rank`` None) and each generation's ranks'
-    logs (``generations/N/logs/rankK.log``, ``[rankK]:``)."""
+    logs (the first generation's in ``logs/``, later ones' in ``generations/N/logs/``, each ``[rankK]:``)."""
 
     def __init__(self, launch_dir: Path, emit: Callable[[int | None, str], None]) -> None:
         super().__init__(launch_dir / "logs", emit)   # type: ignore[arg-type]
         self.launch_dir = launch_dir
 
     def sources(self) -> list[tuple[Path, int | None]]:
-        own: list[tuple[Path, int | None]] = [(LaunchFiles(self.launch_dir).command_log, None)]
+        own: list[tuple[Path, int | None]] = [(LaunchFiles(self.launch_dir).command_log, None), *super().sources()]
         for logs in sorted(self.launch_dir.glob("generations/*/logs")):
             own += [(path, int(path.stem.removeprefix("rank"))) for path in sorted(logs.glob("rank*.log"))
                     if path.stem.removeprefix("rank").isdigit()]
