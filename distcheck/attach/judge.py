@@ -50,11 +50,13 @@ class Judged:
 
 
 def waiting_in(view: RankView) -> Position | None:
-    """The collective the rank waits in: the same one, at the same stack, in every sample, without waking."""
-    first = view.positions[0] if view.positions else None
-    if not view.state.alive or first is None or first.kind != "collective":
+    """The collective the rank waits in: the same one, at the same stack, in every sample, without waking.
+    A native wait is read only in the last sample (it pauses the rank): the Python stack of the others,
+    the same, stands for it."""
+    last = view.positions[-1] if view.positions else None
+    if not view.state.alive or last is None or last.kind != "collective":
         return None
-    if any(p.kind != "collective" or p.digest != first.digest or p.op != first.op for p in view.positions):
+    if any(p.digest != last.digest or (p.op != last.op and last.native_wait is None) for p in view.positions):
         return None
     if view.activity is not None and view.activity.wakeups > MAX_WAKEUPS_WAITING:
         return None
@@ -136,10 +138,11 @@ def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Ma
     ranks = sorted(late)
     where = {r: views[r].positions[-1].callsite for r in ranks}
     called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
-    summary = (f"{rank_list(sorted(events)).capitalize()} wait in {ref.op} {called} for {rank_list(ranks)}, which "
+    verb = "waits" if len(events) == 1 else "wait"
+    summary = (f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called} for {rank_list(ranks)}, which "
                f"{'is' if len(ranks) == 1 else 'are'} making progress outside the collectives "
                f"({late[ranks[0]]}) at {site(where[ranks[0]])}: late, not hung. Attach again later; if "
-               f"{rank_list(ranks)} never call {ref.op}, that is the hang.")
+               f"{rank_list(ranks)} never {'calls' if len(ranks) == 1 else 'call'} {ref.op}, that is the hang.")
     details = tuple(RankDetail(rank=r, role="waiting", op=e.op, label=e.label, callsite=e.callsite)
                     for r, e in sorted(events.items()))
     details += tuple(RankDetail(rank=r, role="late", where=where[r], note=late[r]) for r in ranks)
@@ -162,7 +165,9 @@ def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *,
     outcomes = {r: _outcome(v, None, events.get(r), stuck, late.get(r)) for r, v in views.items()}
     facts = RunFacts(world_size=world_size, end_reason=end, evidence=why, late_evidence=late,
                      detected_at=ended)   # no onset: attach did not see the last progress
-    evidence = Evidence(events={r: [e] for r, e in events.items()}, outcomes=outcomes, facts=facts,
+    # A job caught mid-run has no whole records to compare: the rules get the open calls only for a hang.
+    compared = {r: [e] for r, e in events.items()} if end != EndReason.COMPLETED else {}
+    evidence = Evidence(events=compared, outcomes=outcomes, facts=facts,
                         started_at=started, ended_at=ended)
     result = scenario_result(scenario, evidence, ended - started)
     extra = (late_finding(events, late, views),) if events and end == EndReason.COMPLETED and late else ()
