@@ -35,12 +35,34 @@ def busy_until(release: Path) -> float:
     return total
 
 
+def ticker(path: Path) -> None:
+    """benchmarks/attach.py: how long this process was stopped, seen from inside. A thread sleeps 1 ms at a
+    time and appends every gap over 2 ms (time, seconds) to ``path``: a reader that stops the process
+    shows as a gap; scheduling on a busy machine too, which the benchmark measures alone as its baseline."""
+    import threading
+
+    def run() -> None:
+        last = time.monotonic()
+        with open(path, "a", buffering=1) as f:
+            while True:
+                time.sleep(0.001)
+                now = time.monotonic()
+                if now - last > 0.002:
+                    f.write(f"{time.time():.6f} {now - last - 0.001:.6f}\n")
+                last = now
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
     ap.add_argument("folder", type=Path)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--ticks", action="store_true", help="record this rank's stops in <folder>/ticks<rank>")
     args = ap.parse_args()
+    if args.ticks:
+        ticker(args.folder / f"ticks{os.environ['RANK']}")
     release = args.folder / "release"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
