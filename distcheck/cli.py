@@ -326,6 +326,38 @@ def env_cmd(
     env_view.render(info, _console(None))
 
 
+@app.command("attach", epilog="Exits 0 when nothing is wrong, 1 with findings (a hang), 2 usage (no job, several "
+             "jobs), 3 the ranks could not be read (py-spy missing, permission denied). " + EXIT_CODES_HELP)
+def attach_cmd(
+    pids: list[int] = typer.Argument(None, help="Ranks' pids or their launcher's (torchrun, srun, mp.spawn's parent); none: the one torch.distributed job on this node."),
+    job: Optional[str] = typer.Option(None, "--job", help="Only ranks of this SLURM_JOB_ID."),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Save the report here (default: .distcheck/runs/attach-<id>)."),
+    samples: int = typer.Option(3, "--samples", help="Stack samples per rank (at least 2)."),
+    interval: float = typer.Option(0.5, "--interval", help="Seconds between samples."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table even when nothing is wrong."),
+) -> None:
+    """Diagnose a running job distcheck did not launch (hung right now?), read-only from outside: every
+    rank's stacks (py-spy) and /proc counters, judged by the same rules as 'distcheck run'."""
+    from distcheck.attach.session import AttachOptions, attach
+    from distcheck.report import terminal
+
+    if samples < 2 or interval <= 0:
+        raise UsageError(f"--samples must be at least 2 and --interval above 0 (got {samples}, {interval:g})")
+    done = attach(AttachOptions(pids=tuple(pids or ()), slurm_job=job, samples=samples, interval_s=interval,
+                                run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]])))
+    console = _console(json_path)
+    terminal.render(done.report, console, verbose)
+    _announce(console, _write_json(done.report, json_path))
+    _write_formats(done.report, console, junit_xml=junit_xml, chrome_trace=None, timeline=False,
+                   events={done.report.scenarios[0].name: done.judged.events})
+    if done.denied:
+        typer.echo(f"distcheck attach: {done.report.scenarios[0].description.splitlines()[-1]}", err=True)
+    code = _exit_code(done.report)
+    raise typer.Exit(int(ExitCode.LAUNCH_FAILED if done.denied and code == ExitCode.OK else code))
+
+
 def main() -> None:
     """Entry point: one error boundary mapping known failures to a line and an exit code."""
     interrupt.install()   # again: a caller that imported distcheck.cli itself (its argv is not 'distcheck')

@@ -18,7 +18,7 @@ import pytest
 from launch_group import run_together
 from load import cpu_hogs
 
-from distcheck.discovery import builtin_scenarios
+from distcheck.targets.discovery import builtin_scenarios
 from distcheck.scenario import skip_reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.determinism, pytest.mark.xdist_group("determinism")]   # one launch set

@@ -300,7 +300,8 @@ def test_a_failing_lightning_attribution_leaves_self_log_as_it_was(monkeypatch):
     assert guard.failures()["lightning"]["count"] == 3   # log, log_dict, and the self.log log_dict makes
 
 
-def test_a_failing_flight_recorder_sidecar_thread_is_counted_and_prints_nothing(tmp_path, monkeypatch, capfd):
+def test_a_failing_flight_recorder_sidecar_thread_is_counted_and_prints_nothing(process_group, tmp_path, monkeypatch,
+                                                                                  capfd):
     """The thread that dumps the Flight Recorder on the launcher's request: its own error ends it quietly
     (a thread's uncaught exception would be printed into the user's output)."""
     from distcheck import torch_features

@@ -45,6 +45,7 @@ class EndReason(_Named):
     TIMEOUT = "timeout"
     MAX_DURATION = "max_duration"
     CRASH = "crash"
+    ATTACHED = "attached"             # ``distcheck attach`` read a job it did not launch; the job runs on
     COMPLETED = "completed"
     NOTHING_RAN = "nothing_ran"       # skipped: it could not run here (a library missing, too few ranks)
 
@@ -94,7 +95,8 @@ _END_WORDS = {
     EndReason.CERTAIN_HANG: "ended at a certain hang",
     EndReason.STALL: "ended by --stall-timeout", EndReason.BUSY_TIMEOUT: "ended by --busy-timeout",
     EndReason.TIMEOUT: "ended by --timeout", EndReason.MAX_DURATION: "ended by --max-duration",
-    EndReason.CRASH: "a rank crashed", EndReason.COMPLETED: "completed", EndReason.NOTHING_RAN: "nothing ran",
+    EndReason.CRASH: "a rank crashed", EndReason.ATTACHED: "read while running, nothing ended",
+    EndReason.COMPLETED: "completed", EndReason.NOTHING_RAN: "nothing ran",
 }
 
 

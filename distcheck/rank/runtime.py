@@ -248,17 +248,18 @@ def start_flight_recorder_sidecar(files: LaunchFiles, rank: int, still_wanted: C
 
 
 def _dump_flight_recorder(files: LaunchFiles, rank: int) -> None:
-    try:
-        dist = sys.modules.get("torch.distributed")
-        if dist is None or not callable(getattr(dist, "is_initialized", None)) or not dist.is_initialized():
-            # no process group yet (torch perhaps still loading: importing it from here would race the user's import)
-            raise RuntimeError("no process group yet, so no Flight Recorder")
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not callable(getattr(dist, "is_initialized", None)) or not dist.is_initialized():
+        # no process group yet (torch perhaps still loading: importing it from here would race the user's import)
+        data = json.dumps({"error": "RuntimeError: no process group yet, so no Flight Recorder"}).encode()
+    else:
         dump_json = torch_features.fr_dump_json_function()
-        if dump_json is None:
-            raise RuntimeError(torch_features.recorder_problem(None) or "no Flight Recorder")
-        data = dump_json()
-    except Exception as exc:   # no process group yet, or a recorder that is off
-        data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+        try:
+            if dump_json is None:
+                raise RuntimeError(torch_features.recorder_problem(None) or "no Flight Recorder")
+            data = dump_json()
+        except Exception as exc:   # a recorder that is off
+            data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
     path = files.flight_recorder(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -1,0 +1,190 @@
+"""From what attach read of each rank to the run path's own verdict: the positions become the records
+the rules take (an open ``Event`` per rank waiting in a collective, a ``RankOutcome`` per rank), the
+wait-for graph (``launch.waitfor``) says when the hang is certain, the watchdog's evidence of progress
+(``launch.procs.ActivityMeter``'s counters, ``launch.watchdog.BUSY_CPU``, a stack that moved) tells a
+late rank from a stuck one, and ``diagnose.verdict`` gives the findings. Pure.
+
+Read from outside there are no sequence numbers: every rank waiting in a collective is taken to wait
+in the call open now on the default group (``#1``), which the report words drop (``attach_words``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from distcheck.attach.position import Position
+from distcheck.attach.read import ProcState
+from distcheck.diagnose.common import RunFacts
+from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
+from distcheck.launch.procs import Activity
+from distcheck.launch.waitfor import certain_hang
+from distcheck.launch.progress import BUSY_CPU, RankProgress
+from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState, ScenarioResult
+from distcheck.text import rank_list, site, size
+
+GROUP, SEQ = "0", 1          # the call open now, on the default group: what attach can tell from outside
+# A rank blocked in one collective sleeps in the backend's wait: its main thread does not wake. One that
+# wakes while seen in "the same" call is completing calls one after another (a healthy loop).
+MAX_WAKEUPS_WAITING = 2
+
+
+@dataclass(frozen=True)
+class RankView:
+    """Everything attach saw of one rank: a position per sample, its counters between the first and the
+    last sample, and /proc's state at the end."""
+
+    rank: int
+    pid: int
+    positions: tuple[Position, ...]
+    activity: Activity | None
+    state: ProcState
+    host: str = ""
+    node: int = 0
+
+
+@dataclass(frozen=True)
+class Judged:
+    result: ScenarioResult
+    events: dict[int, list[Event]]
+
+
+def waiting_in(view: RankView) -> Position | None:
+    """The collective the rank waits in: the same one, at the same stack, in every sample, without waking.
+    A native wait is read only in the last sample (it pauses the rank): the Python stack of the others,
+    the same, stands for it."""
+    last = view.positions[-1] if view.positions else None
+    if not view.state.alive or last is None or last.kind != "collective":
+        return None
+    if any(p.digest != last.digest or (p.op != last.op and last.native_wait is None) for p in view.positions):
+        return None
+    if view.activity is not None and view.activity.wakeups > MAX_WAKEUPS_WAITING:
+        return None
+    return view.positions[-1]
+
+
+def progress(view: RankView) -> str | None:
+    """The evidence that a rank outside the collectives makes progress, in the watchdog's words; None when
+    it shows none. A main thread that only wakes (a loop polling a file with ``time.sleep``) is idle here:
+    attach judges within seconds, and such a loop wakes for ever."""
+    said = []
+    act = view.activity
+    if act is not None and act.cores >= BUSY_CPU:
+        said.append(f"its processes used {act.cores:.1f} cores")
+    if act is not None and act.io_bytes:
+        said.append(f"read or wrote {size(act.io_bytes)} in {act.span:.1f} s")
+    if len({p.digest for p in view.positions if p.kind != "unreadable"}) > 1:
+        said.append("its stack moved")
+    return ", ".join(said) or None
+
+
+def idle_words(view: RankView) -> str:
+    act = view.activity
+    woke = f", its main thread woke {act.wakeups} times" if act and act.wakeups else ""
+    return f"idle (no CPU, no I/O, the same stack in {len(view.positions)} samples{woke})"
+
+
+def _event(view: RankView, at: Position, world: int, t: float) -> Event:
+    return Event(rank=view.rank, group=GROUP, seq=SEQ, op=at.op or "collective", t_enter=t, callsite=at.callsite,
+                 library_callsite=at.library_callsite, label=at.label, group_ranks=tuple(range(world)),
+                 native=at.native_wait is not None)
+
+
+def _outcome(view: RankView, at: Position | None, event: Event | None, stuck: bool, late: str | None) -> RankOutcome:
+    last = view.positions[-1] if view.positions else Position("unreadable")
+    common = dict(rank=view.rank, host=view.host, node=view.node, pid=view.pid, stack=last.stack or None,
+                  phase=Phase.RUNNING)
+    if not view.state.alive:
+        return RankOutcome(state=RankState.CRASHED, exception="gone: its process had exited when attach read it",
+                           **common)
+    if event is not None:
+        return RankOutcome(state=RankState.STUCK if stuck else RankState.RUNNING, last_event=event,
+                           where=event.callsite, collectives=1, **common)
+    where = last.callsite or (f"in the kernel at {view.state.wchan}" if view.state.wchan else None)
+    return RankOutcome(state=RankState.RUNNING, where=where, busy_at=where if late else None, **common)
+
+
+def _progress_of(view: RankView, event: Event | None, members: tuple[int, ...]) -> RankProgress:
+    """What the wait-for graph reads of a rank: waiting in the open call, or running (it may yet come)."""
+    waits = ((GROUP, SEQ, members, f"{event.op} {members}"),) if event else ()
+    return RankProgress(phase=Phase.RUNNING, alive=view.state.alive, open_collectives=len(waits), waits=waits,
+                        entered={GROUP: SEQ} if event else {}, settled=True)
+
+
+def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mapping[int, str]
+         ) -> tuple[EndReason, str | None]:
+    """How the job stands, and the evidence the verdict rests on."""
+    if not events:
+        return EndReason.COMPLETED, None
+    members = tuple(sorted(views))
+    certain = certain_hang({r: _progress_of(v, events.get(r), members) for r, v in views.items()})
+    if certain is not None:
+        return EndReason.CERTAIN_HANG, certain.evidence
+    absent = [r for r in views if r not in events]
+    if any(r in late for r in absent):
+        return EndReason.COMPLETED, None
+    samples = len(next(iter(views.values())).positions)
+    if not absent:
+        return EndReason.STALL, f"every rank in it, none out of it in {samples} samples"
+    return EndReason.STALL, (f"certain from outside: {rank_list(absent)} idle outside every collective "
+                             f"(no CPU, no I/O, the same stack in {samples} samples); "
+                             f"{rank_list(sorted(events))} in the same call in every sample")
+
+
+def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Mapping[int, RankView]) -> Finding:
+    """Ranks wait in a call while the others make progress outside: late, not hung (as the watchdog keeps
+    waiting for a busy rank), said as a warning with where the late ranks are busy."""
+    ref = events[min(events)]
+    ranks = sorted(late)
+    where = {r: views[r].positions[-1].callsite for r in ranks}
+    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
+    verb = "waits" if len(events) == 1 else "wait"
+    summary = (f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called} for {rank_list(ranks)}, which "
+               f"{'is' if len(ranks) == 1 else 'are'} making progress outside the collectives "
+               f"({late[ranks[0]]}) at {site(where[ranks[0]])}: late, not hung. Attach again later; if "
+               f"{rank_list(ranks)} never {'calls' if len(ranks) == 1 else 'call'} {ref.op}, that is the hang.")
+    details = tuple(RankDetail(rank=r, role="waiting", op=e.op, label=e.label, callsite=e.callsite)
+                    for r, e in sorted(events.items()))
+    details += tuple(RankDetail(rank=r, role="late", where=where[r], note=late[r]) for r in ranks)
+    return Finding(kind="straggler", severity="warning", summary=summary, op=ref.op, label=ref.label,
+                   callsite=ref.callsite, waiting_ranks=tuple(sorted(events)), ranks=details,
+                   data={"evidence": {str(r): late[r] for r in ranks}})
+
+
+def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *, started: float, ended: float,
+          notes: Sequence[str] = ()) -> Judged:
+    """The verdict on the job as attach saw it, through ``diagnose.verdict`` like every other path."""
+    events = {}
+    for r, v in views.items():
+        at = waiting_in(v)
+        if at is not None:
+            events[r] = _event(v, at, world_size, started)
+    late = {r: words for r, v in views.items() if r not in events and v.state.alive and (words := progress(v))}
+    end, why = _end(views, events, late)
+    stuck = end in (EndReason.STALL, EndReason.CERTAIN_HANG)
+    outcomes = {r: _outcome(v, None, events.get(r), stuck, late.get(r)) for r, v in views.items()}
+    facts = RunFacts(world_size=world_size, end_reason=end, evidence=why, late_evidence=late,
+                     detected_at=ended)   # no onset: attach did not see the last progress
+    # A job caught mid-run has no whole records to compare: the rules get the open calls only for a hang.
+    compared = {r: [e] for r, e in events.items()} if end != EndReason.COMPLETED else {}
+    evidence = Evidence(events=compared, outcomes=outcomes, facts=facts,
+                        started_at=started, ended_at=ended)
+    result = scenario_result(scenario, evidence, ended - started)
+    extra = (late_finding(events, late, views),) if events and end == EndReason.COMPLETED and late else ()
+    findings = tuple(attach_words(f) for f in result.findings) + extra
+    from distcheck.diagnose.rules import behaved_as_expected, observed_kinds
+
+    observed = observed_kinds(findings)
+    description = "\n".join([scenario.description or "", *notes]).strip() or None
+    result = dataclasses.replace(result, findings=findings, observed=observed, description=description,
+                                 ok=behaved_as_expected(scenario.expected, observed), script=True,
+                                 end_reason=EndReason.ATTACHED)   # the job was read, not ended
+    return Judged(result, {r: [e] for r, e in events.items()})
+
+
+def attach_words(f: Finding) -> Finding:
+    """The rules say "all_reduce #1 (group 0)"; from outside the number is not known: say "all_reduce"."""
+    if f.op is None or f.seq != SEQ:
+        return f
+    summary = f.summary.replace(f" #{SEQ} (group {GROUP})", "").replace(f" #{SEQ} [group {GROUP}]", "")
+    return dataclasses.replace(f, summary=summary)

@@ -1,0 +1,114 @@
+"""Where a rank stands, from a stack read from outside: inside a collective (the op from torch's
+``distributed_c10d`` frame or a backend's native wait, the library entry point as the label, the user's
+line), or outside every collective (its user line), or gone. The same words the tracer records: the
+user's frame is ``files.stacks.classify_file``'s, the label is ``rank.callsite``'s rule (the entry point
+into the object that issued the call, ``BinaryAUROC.compute``). Pure."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+from distcheck.attach.read import Frame, StackRead, Thread
+from distcheck.files.stacks import LIBRARY, TORCH, USER, classify_file
+from distcheck.rank.ops import OPS
+
+_C10D = "torch/distributed/distributed_c10d.py"
+_SELF = re.compile(r"^<([A-Za-z_][\w.]*) at 0x[0-9a-f]+>$")
+# Library methods that stand for "the module was called", as rank.callsite names them.
+_NOT_OBJECTS = {"cell", "function", "method", "builtin_function_or_method"}   # a closure's self, not an object
+_CALL_ENTRY = {"_wrapped_call_impl": "forward", "_call_impl": "forward"}
+_WRAPPED = re.compile(r"_wrap_(\w+)\.<locals>")     # torchmetrics' compute/update wrappers
+# A backend's wait in native frames, and the op each names (the Python thread may be elsewhere: DDP's
+# reducer issues its all_reduce from autograd, NCCL's kernels run after Python has moved on).
+_NATIVE_WAITS: tuple[tuple[str, str, None], ...] = (("sync_bucket_indices", "broadcast", None), ("Reducer", "all_reduce", None), ("allreduce", "all_reduce", None),
+                 ("allgather", "all_gather", None), ("broadcast", "broadcast", None), ("barrier", "barrier", None),
+                 ("ProcessGroupGloo", "collective", None), ("ProcessGroupNCCL", "collective", None),
+                 ("cudaStreamSynchronize", "collective", None))
+_BACKENDS = ("gloo", "ProcessGroupGloo", "ProcessGroupNCCL", "nccl", "c10d::")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where one rank was in one read."""
+
+    kind: str                          # "collective" | "outside" | "gone" | "unreadable"
+    op: str | None = None
+    label: str | None = None
+    callsite: str | None = None        # the user's innermost frame: file:line:function
+    library_callsite: str | None = None
+    native_wait: str | None = None     # the backend frame it waits in, when native frames were read
+    digest: int = 0                    # the main thread's stack, to tell whether it moved
+    stack: str = ""                    # every thread, for the report
+
+
+def frame_kind(filename: str) -> int:
+    for mark in ("/site-packages/torch/", "/dist-packages/torch/"):
+        if mark in filename:
+            return classify_file(filename, filename[: filename.index(mark) + len(mark)])
+    return classify_file(filename, "/torch/")
+
+
+def position(read: StackRead) -> Position:
+    """The rank's position from one read of its threads (the main thread decides)."""
+    if read.error is not None:
+        return Position("unreadable", stack=read.error)
+    main = read.main()
+    frames = main.frames if main else ()
+    py = [f for f in frames if not f.native]
+    digest = zlib.crc32("|".join(map(str, py)).encode())
+    user, library = _sites(py)
+    op, native = _python_op(py), None
+    if op is None:
+        op, native = _native_op(frames)
+    kind = "collective" if op else "outside"
+    return Position(kind, op, _label(py) if op else None, str(user) if user else None,
+                    str(library) if library and op else None, native, digest, _text(read.threads))
+
+
+def _sites(frames: list[Frame]) -> tuple[Frame | None, Frame | None]:
+    user = next((f for f in frames if frame_kind(f.file) == USER), None)
+    below = frames[: frames.index(user)] if user else frames
+    return user or (frames[0] if frames else None), next((f for f in below if frame_kind(f.file) == LIBRARY), None)
+
+
+def _python_op(frames: list[Frame]) -> str | None:
+    for f in frames:
+        name = f.function.rsplit(".", 1)[-1]
+        if f.file.endswith(_C10D) and name in OPS:
+            return name
+    return None
+
+
+def _native_op(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
+    native = [f for f in frames if f.native and any(b in f.function for b in _BACKENDS)]
+    for f in native:
+        for word, op, _ in _NATIVE_WAITS:
+            if word.lower() in f.function.lower():
+                return op, f.function
+    return None, None
+
+
+def _label(frames: list[Frame]) -> str | None:
+    """``Class.method``: the class of the innermost library object on the stack, the method the user called
+    on it (the outermost library frame below the user's)."""
+    user_at = next((i for i, f in enumerate(frames) if frame_kind(f.file) == USER), len(frames))
+    inside = [f for f in frames[:user_at] if frame_kind(f.file) in (LIBRARY, TORCH)]
+    cls = next((m.group(1) for f in inside if f.self_repr and (m := _SELF.match(f.self_repr))
+                and m.group(1) not in _NOT_OBJECTS), None)
+    entry = next((f for f in reversed(inside) if frame_kind(f.file) == LIBRARY or "nn/modules" in f.file), None)
+    if cls is None or entry is None:
+        return None
+    wrapped = _WRAPPED.search(entry.function)
+    method = wrapped.group(1) if wrapped else entry.function.split(".<locals>")[0].rsplit(".", 1)[-1]
+    return f"{cls.rsplit('.', 1)[-1]}.{_CALL_ENTRY.get(method, method)}"
+
+
+def _text(threads: tuple[Thread, ...]) -> str:
+    out = []
+    for t in threads:
+        out.append(f"Thread {t.os_id} ({t.name or 'unnamed'}):")
+        out += [f"  {f.function} ({f.file}:{f.line})" if not f.native else f"  {f.function} [native]"
+                for f in t.frames]
+    return "\n".join(out)

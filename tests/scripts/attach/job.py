@@ -1,0 +1,110 @@
+"""A plain torchrun job (no distcheck inside) that ``distcheck attach`` diagnoses from outside.
+
+Modes: ``allreduce`` rank 0 waits in an all_reduce while the others poll for a file;
+``auroc`` rank 0 alone calls BinaryAUROC.compute() (the first seed's bug); ``ddp`` rank 0 runs one more
+DDP backward (the reducer's C++ all_reduce) than the others; ``busy`` rank 0 waits in an all_reduce while
+rank 1 computes in Python (late, not stuck); ``healthy`` every rank runs all_reduce steps and exits 0.
+Each rank writes ``<dir>/ready<rank>`` when it stands where the test wants it; every waiting rank
+leaves once ``<dir>/release`` exists (the test's own clean-up), so the job never outlives its test.
+"""
+
+import argparse
+import datetime
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def ready(folder: Path, rank: int) -> None:
+    (folder / f"ready{rank}").write_text(str(os.getpid()))
+
+
+def poll_for(release: Path) -> None:
+    while not release.exists():   # the user's line the hang report names for ranks 1, 2
+        time.sleep(0.05)
+
+
+def busy_until(release: Path) -> float:
+    total = 0.0
+    while not release.exists():   # computing in Python: a late rank, not a stuck one
+        for i in range(200_000):
+            total += i * 0.5
+    return total
+
+
+def ticker(path: Path) -> None:
+    """benchmarks/attach.py: how long this process was stopped, seen from inside. A thread sleeps 1 ms at a
+    time and appends every gap over 2 ms (time, seconds) to ``path``: a reader that stops the process
+    shows as a gap; scheduling on a busy machine too, which the benchmark measures alone as its baseline."""
+    import threading
+
+    def run() -> None:
+        last = time.monotonic()
+        with open(path, "a", buffering=1) as f:
+            while True:
+                time.sleep(0.001)
+                now = time.monotonic()
+                if now - last > 0.002:
+                    f.write(f"{time.time():.6f} {now - last - 0.001:.6f}\n")
+                last = now
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode")
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--ticks", action="store_true", help="record this rank's stops in <folder>/ticks<rank>")
+    args = ap.parse_args()
+    if args.ticks:
+        ticker(args.folder / f"ticks{os.environ['RANK']}")
+    release = args.folder / "release"
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    if args.mode == "healthy":
+        total = torch.zeros(1)
+        for step in range(args.steps):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            total += t
+            if step == 2:
+                ready(args.folder, rank)
+            time.sleep(0.05)
+        print(f"rank {rank} total {total.item():.0f}", flush=True)
+    elif args.mode in ("allreduce", "busy"):
+        ready(args.folder, rank)
+        if rank == 0:
+            dist.all_reduce(torch.ones(4))   # waits for ranks that never come
+        elif args.mode == "busy":
+            busy_until(release)
+        else:
+            poll_for(release)
+    elif args.mode == "auroc":
+        from torchmetrics.classification import BinaryAUROC
+
+        metric = BinaryAUROC()
+        metric.update(torch.tensor([0.1, 0.9]), torch.tensor([0, 1]))
+        ready(args.folder, rank)
+        if rank == 0:
+            print(metric.compute(), flush=True)   # only rank 0 computes: its sync waits for the others
+        else:
+            poll_for(release)
+    elif args.mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        for _ in range(2):   # the second step rebuilds the buckets; from the third on only the reducer syncs
+            model(torch.ones(2, 4)).sum().backward()
+        ready(args.folder, rank)
+        if rank == 0:
+            model(torch.ones(2, 4)).sum().backward()   # one step more: the reducer's all_reduce waits
+        else:
+            poll_for(release)
+    os._exit(0) if args.mode != "healthy" else dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
