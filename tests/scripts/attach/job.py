@@ -23,8 +23,8 @@ def ready(folder: Path, rank: int) -> None:
 
 
 def poll_for(release: Path) -> None:
-    while not release.exists():   # the user's line the hang report names for ranks 1, 2
-        time.sleep(0.05)
+    while not release.exists():
+        time.sleep(0.05)   # the user's line the hang report names for ranks 1, 2
 
 
 def busy_until(release: Path) -> float:
@@ -36,8 +36,8 @@ def busy_until(release: Path) -> float:
 
 
 def ticker(path: Path) -> None:
-    """benchmarks/attach.py: how long this process was stopped, seen from inside. A thread sleeps 1 ms at a
-    time and appends every gap over 2 ms (time, seconds) to ``path``: a reader that stops the process
+    """benchmarks/attach.py: how long this process was stopped, seen from inside. A thread sleeps 5 ms at a
+    time and appends every gap over 10 ms (time, seconds) to ``path``: a reader that stops the process
     shows as a gap; scheduling on a busy machine too, which the benchmark measures alone as its baseline."""
     import threading
 
@@ -45,10 +45,10 @@ def ticker(path: Path) -> None:
         last = time.monotonic()
         with open(path, "a", buffering=1) as f:
             while True:
-                time.sleep(0.001)
+                time.sleep(0.005)
                 now = time.monotonic()
-                if now - last > 0.002:
-                    f.write(f"{time.time():.6f} {now - last - 0.001:.6f}\n")
+                if now - last > 0.010:
+                    f.write(f"{time.time():.6f} {now - last - 0.005:.6f}\n")
                 last = now
 
     threading.Thread(target=run, daemon=True).start()
