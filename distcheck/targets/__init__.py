@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
     from distcheck.evidence.collect import CollectedRun
@@ -70,3 +70,21 @@ class Target(Protocol):
     def check_collected(self, run: CollectedRun, end_reason: str) -> None: ...   # UsageError: nothing to judge
 
     def run(self, ctx: RunContext) -> Ran: ...
+
+
+class FromSpec:
+    """A target made of a spec: its name, expectation and description are the spec's."""
+
+    spec: Any
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def expect(self) -> tuple[str, ...]:
+        return self.spec.expect
+
+    @property
+    def description(self) -> str:
+        return self.spec.description

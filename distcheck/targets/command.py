@@ -17,28 +17,16 @@ from distcheck.launch.command import (CommandOutcome, CommandSpec, command_optio
                                      launch_command, launch_generations)
 from distcheck.models import EndReason, ScenarioResult
 from distcheck.options import RunOptions
-from distcheck.targets import Ran, RunContext
+from distcheck.targets import FromSpec, Ran, RunContext
 from distcheck.targets.launching import judged_across_nodes, limits_of, result_of_launch
 
 
 @dataclass(frozen=True)
-class CommandTarget:
+class CommandTarget(FromSpec):
     spec: CommandSpec
     script = True
     shares_launch = False
     forked = False
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def expect(self) -> tuple[str, ...]:
-        return self.spec.expect
-
-    @property
-    def description(self) -> str:
-        return self.spec.description
 
     @property
     def source(self) -> str:

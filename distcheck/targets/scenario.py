@@ -11,7 +11,7 @@ from distcheck.files import run_dir as rundir
 from distcheck.launch.launcher import launch
 from distcheck.options import RunOptions
 from distcheck.scenario import ScenarioSpec, skip_reason
-from distcheck.targets import Ran, RunContext
+from distcheck.targets import FromSpec, Ran, RunContext
 from distcheck.targets.launching import judged_across_nodes, launch_spec, skipped_result, worker_common_args
 
 # Expectations whose scenarios end with a healthy process group.
@@ -30,22 +30,10 @@ def scenario_args(specs: list[ScenarioSpec], options: RunOptions, launch_dir: Pa
 
 
 @dataclass(frozen=True)
-class ScenarioTarget:
+class ScenarioTarget(FromSpec):
     spec: ScenarioSpec
     script = False
     forked = True
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def expect(self) -> tuple[str, ...]:
-        return self.spec.expect
-
-    @property
-    def description(self) -> str:
-        return self.spec.description
 
     @property
     def source(self) -> str:
