@@ -69,12 +69,19 @@ def _line(callsite: str | None) -> str | None:
     return ":".join(callsite.split(":")[:2]) if callsite else None
 
 
+# A finding's rows for the ranks it does not blame: which of them a row lists depends on how far each one's
+# record got before distcheck stopped it (bounded by the launcher's survivor-sync wait), not on the verdict.
+BYSTANDERS = ("majority", "peer")
+
+
 def verdict(s: dict) -> tuple:
-    """What must be the same on every run: observed kinds, and each error's kind, ranks and line."""
+    """What must be the same on every run: observed kinds, and each error's kind, the ranks it blames (odd,
+    tie, waiting, absent) and its line, with the line of every blamed rank's row."""
     errors = sorted(
         (f["kind"], tuple(f.get("odd_ranks") or ()), bool(f.get("tie")), tuple(f.get("waiting_ranks") or ()),
          tuple(f.get("absent_ranks") or ()), _line(f.get("callsite")),
-         tuple(sorted((d["rank"], _line(d.get("callsite"))) for d in f.get("ranks", ()) if d.get("callsite"))))
+         tuple(sorted((d["rank"], _line(d.get("callsite"))) for d in f.get("ranks", ())
+                      if d.get("callsite") and d.get("role") not in BYSTANDERS)))
         for f in s["findings"] if f["severity"] == "error")
     return tuple(s["observed"]), tuple(errors)
 

@@ -104,6 +104,44 @@ def test_the_metric_recorder_frees_metrics_flushes_inputs_and_caps_objects(tmp_p
     assert out["rows"] == out["digests"] == 256
 
 
+COMPUTES = """
+import json, sys, torch
+from pathlib import Path
+from distcheck.rank import guard, metrics
+from distcheck.files.metric_records import with_spilled_computes
+folder = Path(sys.argv[1]) / "metrics"
+metrics.install(folder)
+import torchmetrics.metric
+metrics._patch_metric(torchmetrics.metric)
+from torchmetrics.classification import MulticlassAccuracy
+metric = MulticlassAccuracy(num_classes=3)   # one metric over a long run: an evaluation pass, compute(), reset()
+g = torch.Generator().manual_seed(0)
+values, held = [], 0
+for i in range(300):
+    metric.update(torch.randn(8, 3, generator=g), torch.randint(0, 3, (8,), generator=g))
+    values.append(round(float(metric.compute()), 6))
+    metric.reset()
+    held = max(held, sum(len(e.computes) for e in metrics.RECORDER.entries.values()))
+results = metrics.results()
+kept = len(results["metrics"][0]["computes"])
+read = with_spilled_computes(results, folder)["metrics"][0]
+print(json.dumps({"held": held, "kept": kept, "read": [round(c["value"], 6) for c in read["computes"]],
+                  "epochs": [c["epoch"] for c in read["computes"]], "values": values, "note": read["note"],
+                  "failures": guard.failures()}))
+"""
+
+
+def test_compute_records_go_to_disk_as_a_long_run_makes_them_and_come_back_whole(tmp_path):
+    """A metric computed after each of 300 passes: the rank holds at most SPILL_COMPUTES records; every one
+    comes back, in order, with its value, when its status is read."""
+    from distcheck.rank.metrics import SPILL_COMPUTES
+
+    out = _python(COMPUTES, tmp_path)
+    assert out["held"] <= SPILL_COMPUTES < 300 and out["kept"] < SPILL_COMPUTES
+    assert out["read"] == out["values"] and out["epochs"] == list(range(300))
+    assert out["note"] is None and out["failures"] == {}
+
+
 def test_row_digests_of_the_same_rows_agree_whatever_the_batch_layout_or_copy():
     import torch
 
