@@ -138,6 +138,11 @@ def main() -> None:
           f"(what one shared launch for them could save, minus one start-up)")
     for v in verdicts:
         print(f"  {v}")
+    check(names, per_scenario, verdicts, a, b)
+
+
+def check(names: list[str], per_scenario: dict[str, dict], verdicts: list[str], a: float, b: float) -> None:
+    """The run's figures are numbers, every scenario ended as expected, and every naive launch exited 0."""
     well_formed({"distcheck_s": a, "naive_s": b, "naive_over_distcheck": b / a},
                 {"every scenario as expected in distcheck run": len(per_scenario) == len(names)
                  and all(s["ok"] or s["skipped"] for s in per_scenario.values()),
