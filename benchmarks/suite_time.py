@@ -76,6 +76,19 @@ def first_collective(launch_dir: str) -> float | None:
     return min(starts) if starts else None
 
 
+def scenario_rows(report: dict | None) -> dict[str, dict]:
+    """Per scenario of one ``distcheck run``'s JSON: its expectation, ending, wall time and start-up share."""
+    rows = {}
+    for s in (report or {}).get("scenarios", []):
+        first = first_collective(s["launch_dir"]) if s.get("launch_dir") else None
+        rows[s["name"]] = {
+            "expected": "/".join(s["expected"]), "end": s.get("end_reason") or "-",
+            "ok": s["ok"], "duration": s["duration_s"], "skipped": s.get("skipped"),
+            "startup": (first - s["started_at"]) if first and s.get("started_at") else None,
+        }
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=4)
@@ -101,13 +114,7 @@ def main() -> None:
                 wall, report, code = distcheck_run(args.scenarios, args, "all")
                 walls[mode].append(wall)
                 verdicts.append(f"distcheck run: exit {code}, verdict {report and report.get('verdict')}")
-                for s in (report or {}).get("scenarios", []):
-                    first = first_collective(s["launch_dir"]) if s.get("launch_dir") else None
-                    per_scenario[s["name"]] = {
-                        "expected": "/".join(s["expected"]), "end": s.get("end_reason") or "-",
-                        "ok": s["ok"], "duration": s["duration_s"], "skipped": s.get("skipped"),
-                        "startup": (first - s["started_at"]) if first and s.get("started_at") else None,
-                    }
+                per_scenario.update(scenario_rows(report))
                 print(f"  {mode}: {wall:.1f} s (exit {code})", flush=True)
             else:
                 total = 0.0
