@@ -75,6 +75,28 @@ def run_group(cmds: list[list[str]], envs: list[dict], timeout: float, cwd: Path
     return results
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``, its process group and every descendant, whatever session it runs in (torch's
+    launcher starts each rank in a session of its own, out of reach of a ``killpg`` of the launcher's), then
+    reap ``proc``."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+
+
 def python() -> str:
     return sys.executable
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, median, parse_args, table, well_formed  # noqa: E402
+from _common import REPO, conditions, kill_tree, median, parse_args, table, well_formed  # noqa: E402
 
 TINY = {"ranks": [2], "repeat": 1}
 JOB = REPO / "tests" / "scripts" / "attach" / "job.py"
@@ -82,8 +81,7 @@ def one(ranks: int) -> dict[str, float]:
                 plain.append((spy_s, max(stopped(folder, ranks, p0, time.time())) - noise))
         finally:
             (folder / "release").touch()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)   # its ranks too: a loaded rank may not see the release before the folder goes
     return {"verdict_s": verdict_s, "rc": rc, "attach_stop_ms": 1000 * max(0.0, attach_stop),
             "noise_ms": 1000 * noise, "spy_s": plain[0][0], "spy_stop_ms": 1000 * max(0.0, plain[0][1]),
             "nonblock_stop_ms": 1000 * max(0.0, plain[1][1]), "native_stop_ms": 1000 * max(0.0, plain[2][1])}

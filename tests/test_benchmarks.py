@@ -21,7 +21,7 @@ import sys
 import psutil
 import pytest
 
-from conftest import HARD_TIMEOUT_S, REPO, kill_tree
+from conftest import HARD_TIMEOUT_S, REPO, kill_tree, survivors
 
 BENCHMARKS = REPO / "benchmarks"
 SCENARIO_PREFIX = "hang_scenario"
@@ -73,16 +73,20 @@ def _finite(value) -> bool:
 @pytest.mark.timeout(HARD_TIMEOUT_S + 60)
 @pytest.mark.parametrize("name", [_param(n) for n in benchmark_names()])
 def test_tiny_configuration_runs_and_checks_its_output(name, tmp_path):
+    # TMPDIR: every folder the benchmark makes is under tmp_path, and so is any command line that names one
     proc = subprocess.Popen([sys.executable, str(BENCHMARKS / f"{name}.py"), "--tiny"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                                 "TMPDIR": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=HARD_TIMEOUT_S)
-        left = _session_left(proc.pid)
+        left = _session_left(proc.pid) + survivors(str(tmp_path))
     finally:
         kill_tree(proc)
+        for p in survivors(str(tmp_path)):
+            p.kill()
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-    assert not left, [p.info for p in left]
+    assert not left, [p.cmdline() for p in left]
     lines = [line for line in out.splitlines() if line.startswith("well formed: ")]
     assert len(lines) == 1, out[-3000:]
     said = json.loads(lines[0].removeprefix("well formed: "))
