@@ -174,6 +174,7 @@ def compare_checkouts(args: argparse.Namespace) -> None:
     print(table(["checkout", "wall s (median)", "runs"], [[k, f"{median(v):.1f}", len(v)] for k, v in walls.items()],
                 title=f"The catalogue at {args.nproc_per_node} ranks, default options: this / against = "
                       f"{new / old:.2f}×"))
+    well_formed({"this_s": new, "against_s": old, "this_over_against": new / old})
 
 
 if __name__ == "__main__":
