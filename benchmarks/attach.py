@@ -6,14 +6,13 @@ The stop is measured from inside each rank (tests/scripts/attach/job.py --ticks:
 at a time logs every gap): the gaps while the reader runs, less the gaps of an equal window with no reader
 (the machine's own scheduling noise), summed per rank.
 
-    python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2]
+    python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,8 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, median, table  # noqa: E402
+from _common import REPO, conditions, kill_tree, median, parse_args, table, well_formed  # noqa: E402
 
+TINY = {"ranks": [2], "repeat": 1}
 JOB = REPO / "tests" / "scripts" / "attach" / "job.py"
 
 
@@ -81,8 +81,7 @@ def one(ranks: int) -> dict[str, float]:
                 plain.append((spy_s, max(stopped(folder, ranks, p0, time.time())) - noise))
         finally:
             (folder / "release").touch()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_tree(proc)   # its ranks too: a loaded rank may not see the release before the folder goes
     return {"verdict_s": verdict_s, "rc": rc, "attach_stop_ms": 1000 * max(0.0, attach_stop),
             "noise_ms": 1000 * noise, "spy_s": plain[0][0], "spy_stop_ms": 1000 * max(0.0, plain[0][1]),
             "nonblock_stop_ms": 1000 * max(0.0, plain[1][1]), "native_stop_ms": 1000 * max(0.0, plain[2][1])}
@@ -92,11 +91,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--repeat", type=int, default=1)
-    args = ap.parse_args()
-    rows = []
+    args = parse_args(ap, TINY)
+    rows, figures, named = [], {}, {}
     for ranks in args.ranks:
         runs = [one(ranks) for _ in range(args.repeat)]
         m = {k: median(r[k] for r in runs) for k in runs[0]}
+        figures[f"{ranks} ranks"] = {k: v for k, v in m.items() if k != "rc"}
+        named[f"{ranks} ranks: attach exited 1 (the hang)"] = all(r["rc"] == 1 for r in runs)
         rows.append([ranks, f"{m['verdict_s']:.2f}", int(m["rc"]), f"{m['attach_stop_ms']:.1f}",
                      f"{m['spy_s']:.2f}", f"{m['spy_stop_ms']:.1f}", f"{m['nonblock_stop_ms']:.1f}",
                      f"{m['native_stop_ms']:.1f}", f"{m['noise_ms']:.1f}"])
@@ -105,6 +106,7 @@ def main() -> None:
                  "py-spy dump: stopped ms", "--nonblocking: ms", "--native: ms", "noise ms"], rows,
                 title="distcheck attach vs py-spy by hand (planted hang; median; stops: the worst rank, "
                       "noise subtracted)"))
+    well_formed(figures, named)
 
 
 if __name__ == "__main__":
