@@ -45,6 +45,7 @@ class _State:
     # What an interrupt before the run began leaves in the run dir already made (its report); none: no run dir yet.
     before_start: Callable[[str], None] | None = None
     ending: Any = None           # the EndReason, once asked (``end_reason``)
+    own: bool = False            # the request is distcheck's own (``request_stop``), not a signal
 
 
 _state = _State()
@@ -59,7 +60,7 @@ def install() -> None:
 
 def handler(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
-    if _state.requested_at is not None and _same_request(name):
+    if _state.requested_at is not None and (_same_request(name) or (_state.own and name == "SIGTERM")):
         return
     if _state.requested_at is not None and _state.installed:
         _stop_at_once(name)
@@ -80,6 +81,7 @@ def begin_run(stop_everything: Callable[[], None] = lambda: None) -> None:
     ``stop_everything`` kills whatever distcheck started, should a second signal come."""
     if not _state.installed:
         _state.requested_at = _state.signal_name = _state.ending = None
+        _state.own = False
     _state.running = True
     _state.stop_everything = stop_everything
 
@@ -88,6 +90,14 @@ def on_interrupt_before_start(write: Callable[[str], None]) -> None:
     """A run dir now exists before the run begins (a --run-dir checked with the flags): an interrupt from here
     to ``begin_run`` calls ``write(signal name)`` so the run dir holds a report saying so."""
     _state.before_start = write
+
+
+def request_stop(name: str) -> None:
+    """distcheck's own request to stop the run, from any thread (Slurm's time limit is near): recorded as a
+    first signal would be, without raising; the watchdog and the run loop poll it. A SIGTERM after it is the
+    same request (Slurm's own at the limit), a Ctrl-C a second one."""
+    if _state.running and _state.requested_at is None:
+        _state.requested_at, _state.signal_name, _state.own = time.time(), name, True
 
 
 def requested() -> bool:

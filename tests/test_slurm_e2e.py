@@ -4,6 +4,7 @@ ending Slurm causes (scancel, the time limit). Each test has a hard timeout and 
 
 from __future__ import annotations
 
+import datetime
 import json
 import random
 import subprocess
@@ -15,7 +16,8 @@ import psutil
 import pytest
 
 from conftest import REPO, kill_tree, process_groups_initialized, wait_for
-from slurm_cluster import SlurmCluster, SlurmUnavailable
+from distcheck.launch.slurm import OWN_STOP
+from slurm_cluster import KILL_WAIT_S, SlurmCluster, SlurmUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -126,14 +128,14 @@ def endings(slurm, tmp_path_factory) -> dict[str, Job]:
         "per_node_time_limit": Job(slurm, root / "pn_tl", _per_node(["stuck"], "--time=1")),
         # the batch step wrapping srun, stuck until the time limit
         "batch_time_limit": Job(slurm, root / "batch_tl", [
-            "sbatch", "-W", "-N", "1", "--time=1", "-o", str(root / "batch_tl" / "out.txt"), "--wrap",
+            "sbatch", "-W", "-N", "1", "-n", "2", "--time=1", "-o", str(root / "batch_tl" / "out.txt"), "--wrap",
             " ".join([*DISTCHECK, "--json", "report.json", "--stall-timeout", "600", "--", "srun", "-n", "2",
-                      sys.executable, str(JOB), "stuck"])]),
+                      sys.executable, str(JOB), "stuck"])], env=_master()),
         "per_node_scancel": Job(slurm, root / "pn_cancel", _per_node(["stuck"])),
         # distcheck outside the job: srun makes the job, scancel ends it; distcheck gets no signal
         "wrapped_scancel": Job(slurm, root / "wrapped_cancel", [
             *DISTCHECK, "--json", "report.json", "--stall-timeout", "600", "--", "srun", "-N", "1", "-n", "2",
-            sys.executable, str(JOB), "stuck"]),
+            sys.executable, str(JOB), "stuck"], env=_master()),
     }
     yield jobs
     for job in jobs.values():
@@ -173,7 +175,7 @@ def test_scancel_of_a_wrapped_srun_is_an_interruption_not_a_crash(endings):
 def test_srun_started_ranks(slurm, tmp_path, mode, code):
     job = Job(slurm, tmp_path, [*DISTCHECK, "--json", "report.json", "--stall-timeout", "5", "--", "srun", "-N", "1",
                                 "-n", "3", sys.executable, str(JOB), mode],
-              env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+              env=_master())
     assert job.finish() == code, job.output[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["scenarios"][0]["ranks"] and len(report["scenarios"][0]["ranks"]) == 3
@@ -213,8 +215,6 @@ def test_a_multi_node_batch_step_is_refused_with_the_per_node_command(slurm, tmp
     assert "Traceback" not in text and len([line for line in text.splitlines() if line.strip()]) <= 3, text
 
 
-@pytest.mark.xfail(reason="needs issue 42's item 1 (stacks without SIGUSR1, being merged from another branch): "
-                          "until then distcheck's stack probe fires Lightning's auto-requeue handler", strict=False)
 def test_lightning_under_slurm_is_never_requeued_and_its_hang_is_named(slurm, tmp_path):
     """Lightning DDP under SLURMEnvironment (auto-requeue on SIGUSR1) with rank 0 stuck in a barrier."""
     pytest.importorskip("lightning")
@@ -250,6 +250,13 @@ def test_the_time_limit_in_the_per_node_pattern_leaves_a_report_naming_the_stuck
         assert report["end_reason"] == "slurm_time_limit" and report["run"]["slurm"]["nodelist"] == "n[1-2]"
         assert f"job.py:{BARRIER_LINE}" in _the_hang(report) and "barrier" in _the_hang(report)
     assert "interrupted: Slurm time limit" in job.output and "stopped at once" not in job.output
+    # distcheck stopped itself ahead of the limit (its own request, not Slurm's SIGTERM) ...
+    assert f"interrupted: {OWN_STOP}" in job.output, job.output[-3000:]
+    # ... and node 0's report was on disk before Slurm's SIGKILL could come (KillWait after its end time)
+    ends = datetime.datetime.fromisoformat(reports[0]["run"]["slurm"]["ends_at"]).timestamp()
+    written = max(path.stat().st_mtime for path in job.folder.rglob("report.json"))
+    print(f"the per-node time limit: the last report was written {ends - written:.1f} s before the job's end time")
+    assert written < ends + KILL_WAIT_S, (written, ends)
     assert time.monotonic() - started < TIME_LIMIT_S + 60
 
 
@@ -274,7 +281,8 @@ def _running(slurm: SlurmCluster, job_id: str) -> bool:
     return slurm.job_field(job_id, "JobState") in ("RUNNING", "PENDING", "COMPLETING", "REQUEUED")
 
 
-def _free_port() -> int:
+def _master() -> dict[str, str]:
+    """What a batch script exports for ranks srun starts itself (the script reads SLURM_PROCID/SLURM_NTASKS)."""
     from conftest import free_port
 
-    return free_port()
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
