@@ -175,3 +175,39 @@ def test_outside_slurm_nothing_is_known_and_no_stop_is_planned():
     with stop_before_end({}, lead_s=1e9) as end:
         assert end is None and known_end() is None
     assert run_metadata() == {} or "SLURM_JOB_ID" in os.environ
+
+
+@pytest.mark.parametrize("held", ["endpoint", "store"])
+def test_a_port_in_use_is_named_with_where_it_came_from_and_how_to_choose_another(held):
+    import socket
+
+    from distcheck.errors import LaunchError
+    from distcheck.launch.node_config import check_endpoint_address
+
+    job = next(j for j in range(5000, 6000) if _free(endpoint_port(str(j))) and _free(endpoint_port(str(j)) + 1))
+    node0 = {**STEP, "SLURM_JOB_ID": str(job), "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1"}
+    cfg = config(node0)
+    assert (cfg.port, cfg.port_from_job) == (endpoint_port(str(job)), str(job))
+    port = cfg.port if held == "endpoint" else cfg.port + 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        with pytest.raises(LaunchError) as refused:
+            check_endpoint_address(cfg)
+    assert f"127.0.0.1:{port} is already in use" in refused.value.message
+    assert f"derived from Slurm job {job}'s id" in refused.value.hint and "--rdzv-endpoint 127.0.0.1:PORT" \
+        in refused.value.hint
+    check_endpoint_address(cfg)   # free again: no error
+    # a port the user chose is not "derived": the hint says to choose another, not why it was picked
+    assert config({**node0, "MASTER_PORT": str(port)}).port_from_job is None
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

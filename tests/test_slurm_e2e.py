@@ -196,8 +196,12 @@ def test_the_per_node_pattern_names_a_hang_with_no_flags(slurm, tmp_path):
 
 
 def test_two_jobs_sharing_a_first_node_both_run(slurm, tmp_path):
+    """Each job's endpoint port comes from its id; the second gives --nnodes alone (half the flags): its node
+    rank still comes from SLURM_NODEID."""
+    half_given = [[], ["--nnodes", "2"]]
     jobs = [Job(slurm, tmp_path / f"job{i}", ["srun", "-N", "2", "--ntasks-per-node=1", *DISTCHECK, str(JOB),
-                                              "--nproc-per-node", "1", "--", "healthy"]) for i in range(2)]
+                                              "--nproc-per-node", "1", *half_given[i], "--", "healthy"])
+            for i in range(2)]
     codes = [job.finish() for job in jobs]
     assert codes == [0, 0], [job.output[-2000:] for job in jobs]
     ids = {r["run"]["slurm"]["job_id"] for job in jobs for r in job.reports()}
