@@ -133,13 +133,18 @@ def endings(slurm, tmp_path_factory) -> dict[str, Job]:
                       sys.executable, str(JOB), "stuck"])], env=_master()),
         "per_node_scancel": Job(slurm, root / "pn_cancel", _per_node(["stuck"])),
         # distcheck outside the job: srun makes the job, scancel ends it; distcheck gets no signal
-        "wrapped_scancel": Job(slurm, root / "wrapped_cancel", [
-            *DISTCHECK, "--json", "report.json", "--stall-timeout", "600", "--", "srun", "-N", "1", "-n", "2",
-            sys.executable, str(JOB), "stuck"], env=_master()),
+        "wrapped_scancel": Job(slurm, root / "wrapped_cancel", _wrapped_srun()),
+        # the same, ended by srun's own --time: only srun's output says it was the time limit
+        "wrapped_time_limit": Job(slurm, root / "wrapped_tl", _wrapped_srun("--time=1")),
     }
     yield jobs
     for job in jobs.values():
         job.cleanup()
+
+
+def _wrapped_srun(*srun: str) -> list[str]:
+    return [*DISTCHECK, "--json", "report.json", "--stall-timeout", "600", "--", "srun", "-N", "1", "-n", "2", *srun,
+            sys.executable, str(JOB), "stuck"]
 
 
 def _cancel_once_started(job: Job, ranks: int) -> None:
@@ -163,10 +168,15 @@ def test_scancel_of_a_wrapped_srun_is_an_interruption_not_a_crash(endings):
     job = endings["wrapped_scancel"]
     _cancel_once_started(job, 2)
     assert job.finish() == 130, job.output[-3000:]
+    _interrupted_not_crashed(job, "slurm_cancelled")
+
+
+def _interrupted_not_crashed(job: Job, end_reason: str) -> None:
     report = json.loads((job.folder / "report.json").read_text())
-    assert report["end_reason"] == "slurm_cancelled", job.output[-3000:]
+    assert report["end_reason"] == end_reason, job.output[-3000:]
     assert not [f for s in report["scenarios"] for f in s["findings"] if f["kind"] == "crash"], job.output[-3000:]
     assert "CRASH" not in job.output
+    assert f"job.py:{BARRIER_LINE}" in _the_hang(report)
 
 
 # -- the patterns --
@@ -253,9 +263,10 @@ def test_the_time_limit_in_the_per_node_pattern_leaves_a_report_naming_the_stuck
     for report in reports:
         assert report["end_reason"] == "slurm_time_limit" and report["run"]["slurm"]["nodelist"] == "n[1-2]"
         assert f"job.py:{BARRIER_LINE}" in _the_hang(report) and "barrier" in _the_hang(report)
-    assert "interrupted: Slurm time limit" in job.output and "stopped at once" not in job.output
+    said = " ".join(job.output.split())   # srun's output is no terminal: rich wraps it at 80 columns
+    assert "interrupted: Slurm time limit" in said and "stopped at once" not in said
     # distcheck stopped itself ahead of the limit (its own request, not Slurm's SIGTERM) ...
-    assert f"interrupted: {OWN_STOP}" in job.output, job.output[-3000:]
+    assert f"interrupted: {OWN_STOP}" in said, job.output[-3000:]
     # ... and node 0's report was on disk before Slurm's SIGKILL could come (KillWait after its end time)
     ends = datetime.datetime.fromisoformat(reports[0]["run"]["slurm"]["ends_at"]).timestamp()
     written = max(path.stat().st_mtime for path in job.folder.rglob("report.json"))
@@ -273,6 +284,12 @@ def test_the_time_limit_of_a_batch_step_wrapping_srun_is_told_as_such(endings):
     assert report["run"]["slurm"]["step"].endswith(".batch")
     assert f"job.py:{BARRIER_LINE}" in _the_hang(report)
     assert "interrupted: Slurm time limit" in out and "CRASH" not in out
+
+
+def test_the_time_limit_of_a_wrapped_srun_is_an_interruption_not_a_crash(endings):
+    job = endings["wrapped_time_limit"]
+    assert job.finish(timeout=TIME_LIMIT_S + 120) == 130, job.output[-3000:]
+    _interrupted_not_crashed(job, "slurm_time_limit")
 
 
 def _left_in(folder: Path) -> list[psutil.Process]:
