@@ -233,10 +233,14 @@ def test_lightning_under_slurm_is_never_requeued_and_its_hang_is_named(slurm, tm
     """Lightning DDP under SLURMEnvironment (auto-requeue on SIGUSR1) with rank 0 stuck in a barrier."""
     pytest.importorskip("lightning")
     out = tmp_path / "out.txt"
-    wrap = " ".join([*DISTCHECK, "--json", "report.json", "--stall-timeout", "5", "--", "srun", "-n", "2",
+    wrap = " ".join([*DISTCHECK, "--json", "report.json", "--stall-timeout", "5", "--", "srun",
                      sys.executable, str(SCRIPTS / "lit_stuck.py")])
-    submitted = slurm.command("sbatch", "--parsable", "-N", "1", "--requeue", "-D", str(tmp_path), "-o", str(out),
-                              "--export", f"ALL,PYTHONPATH={REPO}", "--wrap", wrap)
+    # Lightning refuses --ntasks (it wants --ntasks-per-node); its main address is the first node's name, which
+    # only this test's Slurm cannot resolve (n1 is 127.0.0.1): MASTER_ADDR/PORT, which Lightning reads first.
+    master = ",".join(f"{k}={v}" for k, v in _master().items())
+    submitted = slurm.command("sbatch", "--parsable", "-N", "1", "--ntasks-per-node=2", "--requeue", "-D",
+                              str(tmp_path), "-o", str(out), "--export", f"ALL,PYTHONPATH={REPO},{master}",
+                              "--wrap", wrap)
     job_id = submitted.stdout.strip().split(";")[0]
     assert job_id, submitted.stderr
     try:
