@@ -14,7 +14,9 @@ Three stages, one handler:
   that follows the first within ``SAME_REQUEST_S``: at its time limit Slurm sends SIGTERM, SIGCONT and
   SIGTERM again ~3 ms later, one request to stop, which must still end with a report.
 
-Under Slurm, ``end_reason`` tells which of Slurm's endings it was (``launch.slurm.ending``).
+Under Slurm, ``end_reason`` tells which of Slurm's endings it was (``launch.slurm.ending``). Before a job's
+time limit distcheck asks itself to stop (``request_stop``, from ``launch.slurm.stop_before_end``'s timer): a
+first request like a signal's, after which Slurm's own SIGTERMs are the same request.
 
 Exit 130 on every path. The handler replaces an inherited SIG_IGN (a job started with ``&`` from a
 script ignores SIGINT), so Ctrl-C and ``kill -INT`` are honoured however distcheck was started.
