@@ -133,9 +133,9 @@ def endings(slurm, tmp_path_factory) -> dict[str, Job]:
                       sys.executable, str(JOB), "stuck"])], env=_master()),
         "per_node_scancel": Job(slurm, root / "pn_cancel", _per_node(["stuck"])),
         # distcheck outside the job: srun makes the job, scancel ends it; distcheck gets no signal
-        "wrapped_scancel": Job(slurm, root / "wrapped_cancel", _wrapped_srun()),
+        "wrapped_scancel": Job(slurm, root / "wrapped_cancel", _wrapped_srun(), env=_master()),
         # the same, ended by srun's own --time: only srun's output says it was the time limit
-        "wrapped_time_limit": Job(slurm, root / "wrapped_tl", _wrapped_srun("--time=1")),
+        "wrapped_time_limit": Job(slurm, root / "wrapped_tl", _wrapped_srun("--time=1"), env=_master()),
     }
     yield jobs
     for job in jobs.values():
