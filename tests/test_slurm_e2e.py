@@ -58,7 +58,10 @@ def slurm(tmp_path_factory) -> SlurmCluster:
     except SlurmUnavailable as exc:
         pytest.skip(f"no Slurm to test under: {exc}")
     yield cluster
+    left = not wait_for(lambda: not cluster.jobs(), timeout=30, poll=0.5)   # every test's job ended: squeue is empty
+    jobs = cluster.jobs()
     cluster.stop()
+    assert not left, f"jobs left in the queue: {jobs}"
 
 
 class Job:
@@ -118,7 +121,7 @@ def _the_hang(report: dict) -> str:
     return hangs[0]
 
 
-# -- every ending Slurm causes: the four slow jobs start together, their tests read them as they end --
+# -- every ending Slurm causes: the five slow jobs start together, their tests read them as they end --
 
 @pytest.fixture(scope="module")
 def endings(slurm, tmp_path_factory) -> dict[str, Job]:
@@ -161,7 +164,7 @@ def test_scancel_in_the_per_node_pattern_is_told_with_a_report_on_both_nodes(end
     reports = job.reports()
     assert len(reports) == 2 and all(r["end_reason"] == "slurm_cancelled" for r in reports), job.output
     assert f"job.py:{BARRIER_LINE}" in _the_hang(reports[0])
-    assert "interrupted: cancelled by Slurm" in job.output
+    assert "interrupted: cancelled by Slurm" in " ".join(job.output.split())
 
 
 def test_scancel_of_a_wrapped_srun_is_an_interruption_not_a_crash(endings):
