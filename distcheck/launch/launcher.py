@@ -456,6 +456,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         finally:
             watchdog.stop()
             watchdog.join(timeout=15)
+            end_on_every_node(spec.channel, watchdog)
             if output is not None:
                 output.stop()
             procs.kill_descendants()
@@ -469,6 +470,14 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
 
 
 # -- multi-node: each node launches its own ranks; node 0 merges what the others report --
+
+
+def end_on_every_node(channel: NodeChannel | None, watchdog: Watchdog) -> None:
+    """Node 0's launch ended by itself, no decision taken (torch's agent gave up after a rank failed before the
+    watchdog judged, or the job is done): the other nodes' ranks may wait for ones that are gone, so node 0 tells
+    every node to end too (a non-leader's watchdog ends on any decision node 0 posts; a released one ignores it)."""
+    if channel is not None and channel.is_leader and watchdog.result.decision is Decision.CONTINUE:
+        channel.post_decision(Decision.RELEASE.value, None, time.time())
 
 
 def node_summary(outcome: LaunchOutcome) -> dict[str, Any]:
