@@ -235,6 +235,17 @@ def test_the_generated_wrapper_is_one_frame_of_distchecks_own(tmp_path):
     assert tracer.slow_calls == 1 and tracer.count == 2
 
 
+def test_fast_path_tells_devices_apart_at_one_site(tmp_path):
+    # The fast key reads a CPU tensor's device as True (no torch.device made); any other device is in it as itself.
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    for device in ("cpu", "meta", "cpu", "meta"):
+        traced(torch.ones(2, device=device))
+    ev = parse_trace(0, path.read_bytes()).events
+    assert [e.device for e in ev] == ["cpu", "meta", "cpu", "meta"] and tracer.slow_calls == 2
+
+
 def test_exception_inside_the_collective_is_recorded_and_raised(tmp_path):
     path = tmp_path / "rank0.trace"
     tracer = _fake_tracer(path)

@@ -118,7 +118,8 @@ def _write(writer: Any, w0: int, key: int, t: int) -> None:
 # here; any other takes ``slow`` (``Tracer._enter``), which caches the fingerprint it wrote under the key.
 # The key's site is the calling function's code and instruction where that function is the user's own and no
 # module method (``CallsiteResolver.plain_user``: its site is then its own line), else ``CallsiteResolver.key``.
-# Reduce ops are in the key by id, only while ``op_ids`` keeps the op alive (its id cannot be reused).
+# Reduce ops are in the key by id, only while ``op_ids`` keeps the op alive (its id cannot be reused), or the
+# signature's default op (``op_default``: kept alive by the signature).
 _FAST_SOURCE = '''
 def traced(*args, **kwargs):
     if local.active:
@@ -137,7 +138,7 @@ def traced(*args, **kwargs):
                     seen = (id(code), frame.f_lasti, {seen})
                 else:
                     seen = (site_key(frame), None, {seen})
-                if op is None or (op_ids.get(id(op)) or NO_OP)[0] is op:
+                if op is None or op is op_default or (op_ids.get(id(op)) or NO_OP)[0] is op:
                     fp = fast.get(seen)
             if fp is not None:
                 entry = groups.get(id(default_group() if pg is None else pg))
@@ -196,7 +197,8 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
     reads = {"pg": read("group"), "t": read(tensor), "op": read(spec.reduce_op), "root": read(spec.root),
              "group_root": read(spec.group_root), "async_op": read("async_op")}
     seen = (["id(op)"] if spec.reduce_op else []) + (["root"] if spec.root else []) + ["async_op"]
-    seen += ["t.shape", "t.dtype", "t.device"] if tensor else []
+    # A CPU tensor's device as True, read without making a torch.device (the fingerprint keeps the device's type).
+    seen += ["t.shape", "t.dtype", "t.is_cpu or t.device"] if tensor else []
     usable = "group_root is None" + (" and t is not None" if tensor else "")
     source = _FAST_SOURCE.format(reads="\n".join(f"            {var} = {expr}" for var, expr in reads.items()),
                                  seen=", ".join(seen), usable=usable)
@@ -205,12 +207,21 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         local=tracer._local, original=original, tracer=tracer, writer=writer, append=writer.append,
         pack=SLOT_STRUCT.pack, CHECK=CHECK, X_OK=X_OK, exit_check=X_OK ^ CHECK, time_ns=time_ns,
         getframe=sys._getframe, plain_user=tracer.resolver.plain_user, site_key=tracer.resolver.key,
-        op_ids=tracer._op_ids, NO_OP=(None,), fast=tracer._fast.setdefault(name, {}), groups=tracer._groups,
+        op_ids=tracer._op_ids, NO_OP=(None,), op_default=_default_op(params, spec), fast=tracer._fast.setdefault(name, {}), groups=tracer._groups,
         default_group=tracer._default_group, seqs=tracer._seq, failed=failed, Hook=Hook,
         slow=_slow(tracer, name, spec, extract))
     # Named as a file of distcheck's (``hot_path.py<all_reduce>``), so stacks and tracebacks leave its frame out.
     exec(compile(source, f"{_HERE}<{name}>", "exec"), namespace)  # noqa: S102 - from the op's signature
     return namespace["traced"]
+
+
+def _default_op(params: list[inspect.Parameter], spec: OpSpec) -> Any:
+    """The signature's default reduce op (``ReduceOp.SUM``), known by identity without a lookup: the signature keeps
+    it alive, so its id in the fast path's key stays its own. A stand-in object where there is none."""
+    for p in params:
+        if p.name == spec.reduce_op and p.default is not p.empty and p.default is not None:
+            return p.default
+    return object()
 
 
 def _slow(tracer: Tracer, name: str, spec: OpSpec, extract: Callable) -> Callable[..., int]:
