@@ -63,6 +63,32 @@ def test_the_analysis_reads_a_handle_still_waited_on_as_the_blocking_call_the_ra
         (1, True, True), (2, True, True)]
 
 
+def test_torchs_own_wait_is_in_place_while_no_handle_is_held(process_group, tmp_path):
+    # Every blocking collective calls its handle's wait() from Python: the wrapper is there only while an async
+    # call's handle is held, and a wait on a held handle is still written (W records) after it came back.
+    path = tmp_path / "rank0.trace"
+    tracer = Tracer(path, 0)
+    own = dist.Work.wait
+    tracer.install()
+    try:
+        dist.all_reduce(torch.ones(2))
+        assert dist.Work.wait is own   # no handle held: torch's own wait, untouched
+        handle = dist.all_reduce(torch.ones(2), async_op=True)
+        assert dist.Work.wait.__distcheck_original__ is own
+        assert handle.wait() is True
+        del handle   # the handle is gone: the next wait on another handle gives torch its wait back
+        dist.all_reduce(torch.ones(2))
+        assert dist.Work.wait is own
+        again = dist.all_reduce(torch.ones(2), async_op=True)
+        assert dist.Work.wait.__distcheck_original__ is own
+        again.wait()
+    finally:
+        tracer.uninstall()
+        tracer.close()
+    assert dist.Work.wait is own
+    assert TraceTail(path).read().records == 4 * 2 + 2 * 2   # 4 calls x (E, X), 2 waits x (in, out)
+
+
 def test_the_tracer_writes_a_wait_on_an_async_calls_handle_and_leaves_other_handles_alone(process_group, tmp_path):
     path = tmp_path / "rank0.trace"
     tracer = Tracer(path, 0)

@@ -212,6 +212,40 @@ def test_fast_path_notices_every_fingerprint_change(tmp_path):
     assert ev[6].async_op and not ev[5].async_op
 
 
+def test_the_generated_wrapper_is_one_frame_of_distchecks_own(tmp_path):
+    # The fast wrapper is generated per op: in a traceback through it, and to the call-site walk, its frame
+    # must read as distcheck's (left out of what the user is shown), and it must be the only one distcheck adds.
+    import traceback
+
+    from distcheck.files.stacks import SKIP, classify_file, torch_dir
+    from distcheck.report.frames import is_own_frame
+
+    tracer = _fake_tracer(tmp_path / "rank0.trace")
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        raise ValueError("the user's own")
+
+    traced = tracer.wrap("all_reduce", all_reduce)
+    for _ in range(2):   # the second call takes the fast path
+        with pytest.raises(ValueError, match="the user's own") as info:
+            traced(torch.ones(2))
+    frames = traceback.extract_tb(info.tb)[1:]   # after the test's own frame
+    assert [f.name for f in frames] == ["traced", "all_reduce"]   # the wrapper, then the user's collective
+    assert is_own_frame(frames[0].filename) and classify_file(frames[0].filename, torch_dir()) == SKIP
+    assert tracer.slow_calls == 1 and tracer.count == 2
+
+
+def test_fast_path_tells_devices_apart_at_one_site(tmp_path):
+    # The fast key reads a CPU tensor's device as True (no torch.device made); any other device is in it as itself.
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    for device in ("cpu", "meta", "cpu", "meta"):
+        traced(torch.ones(2, device=device))
+    ev = parse_trace(0, path.read_bytes()).events
+    assert [e.device for e in ev] == ["cpu", "meta", "cpu", "meta"] and tracer.slow_calls == 2
+
+
 def test_exception_inside_the_collective_is_recorded_and_raised(tmp_path):
     path = tmp_path / "rank0.trace"
     tracer = _fake_tracer(path)

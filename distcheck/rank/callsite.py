@@ -78,6 +78,9 @@ class CallsiteResolver:
         self._wrapped: dict[tuple[type, int], str] = {}
         self._torch_dir = torch_dir()
         self._module_type: type | None = None
+        # id(code) -> code of the user's functions without a module ``self``: called from one of them, a
+        # collective's site is that function's own line, whatever the stack around it (the hot path's shortcut)
+        self.plain_user: dict[int, CodeType] = {}
 
     def _code_info(self, code: CodeType) -> list:
         kind = classify_file(code.co_filename, self._torch_dir)
@@ -86,6 +89,8 @@ class CallsiteResolver:
         has_self = (code.co_argcount > 0 and code.co_varnames[:1] == ("self",)) or "self" in code.co_freevars
         info = [code, kind, _SELF_UNKNOWN if has_self and kind != SKIP else _NO_SELF, {}]
         self._codes[id(code)] = info
+        if kind == USER and info[2] == _NO_SELF:
+            self.plain_user[id(code)] = code
         return info
 
     def _module(self) -> type:
@@ -168,6 +173,8 @@ class CallsiteResolver:
         """Whether a frame's code, which has a ``self`` of unknown type, is a module method (decided once:
         a method's ``self`` is of its class)."""
         info[2] = _SELF_MODULE if isinstance(frame.f_locals.get("self"), self._module()) else _NO_SELF
+        if info[1] == USER and info[2] == _NO_SELF:
+            self.plain_user[id(info[0])] = info[0]
         return info[2] == _SELF_MODULE
 
     def _label(self, target: object, frame: FrameType) -> str:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from functools import partial
+from operator import attrgetter
 from typing import Any, Callable
 
 
 def c10d_default_group() -> Callable[[], Any]:
-    """Returns the current default group, or None before init_process_group (cheap: one property)."""
+    """Returns the current default group, or None before init_process_group. Called on every traced call
+    without ``group=``: it reads the attribute behind ``_World.default_pg`` in C (no Python frame), where
+    the installed torch has it."""
     import torch.distributed.distributed_c10d as c10d
 
     world = c10d._world
+    if "_default_pg" in vars(world):
+        return partial(attrgetter("_default_pg"), world)
     return lambda: world.default_pg
 
 

@@ -1,7 +1,13 @@
-"""The tracer's hot path: the function every traced collective runs (``traced_call``) and its enter step for a
-call like one seen before (``fast_enter``: one dict lookup, one 32-byte slot). Everything else a call can need
-(first calls, P2P, tensor lists, definitions) is ``Tracer``'s slow path. Its cost is measured side by side with
-the bare collective by ``benchmarks/tracer_overhead.py``.
+"""The tracer's hot path: the function every traced collective runs (``traced_call``).
+
+A collective on one tensor (or none) on a process group — ``all_reduce``, ``broadcast``, ``barrier``... — gets a
+wrapper generated from the op's own signature (``_FAST_SOURCE``), in which a call like one seen before costs one
+Python frame: its arguments read in place, one dict lookup for its fingerprint, the group's counter for its
+number, and one 32-byte slot before and after the call. Why one frame: after a blocking collective the rank's
+caches are cold (other processes ran while it waited), and there every extra frame, call or object costs a few
+times what it costs in a warm loop (``benchmarks/tracer_overhead.py`` measures it beside the real call).
+Everything else a call can need (first calls, P2P, tensor lists, definitions) is ``Tracer``'s slow path, which
+P2P and list collectives take every time through ``_traced``.
 """
 
 from __future__ import annotations
@@ -9,16 +15,19 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from pathlib import Path
 from time import time_ns
 from typing import TYPE_CHECKING, Any, Callable
 
 from distcheck.files.trace import CHECK, SLOT_STRUCT, X_OK
 from distcheck.knowledge.library_shapes import NUMBERED_APART
 from distcheck.rank.guard import Hook, failed
-from distcheck.rank.ops import MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, make_extractor
+from distcheck.rank.ops import MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, arg_reader, make_extractor
 
 if TYPE_CHECKING:
     from distcheck.rank.tracer import Tracer
+
+_HERE = str(Path(__file__).resolve())
 
 
 def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | None = None,
@@ -26,14 +35,32 @@ def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | No
     """``original`` traced as collective ``name``; ``signature_of``: read argument positions from this function
     instead (a stand-in collective with the real one's signature)."""
     spec = spec or OPS[name]
-    extract = make_extractor(name, spec, list(inspect.signature(signature_of or original).parameters.values()))
-    local, enter, writer = tracer._local, fast_enter(tracer, name, spec), tracer.writer
-    append, pack, exit_check, getframe = writer.append, SLOT_STRUCT.pack, X_OK ^ CHECK, sys._getframe
+    params = list(inspect.signature(signature_of or original).parameters.values())
+    extract = make_extractor(name, spec, params)
+    if has_fast_path(name, spec):
+        traced = _fast_traced(tracer, name, spec, original, extract, params)
+    else:
+        traced = _traced(tracer, name, spec, original, extract)
+    functools.update_wrapper(traced, original)
+    traced.__distcheck_original__ = original  # type: ignore[attr-defined]
+    return traced
+
+
+def has_fast_path(name: str, spec: OpSpec) -> bool:
+    """Whether a call of this op can be recorded from what it shows alone: one tensor or none, numbered by its
+    group's counter (not P2P, not several collectives in one, not ``new_group``), nothing read on the side."""
+    return not (spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED
+                or spec.extra or spec.shape_unless or spec.object_list or name in NUMBERED_APART)
+
+
+def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract: Callable) -> Callable:
+    """The wrapper of an op without a fast path: every call takes ``Tracer._enter``."""
+    local, writer, enter = tracer._local, tracer.writer, functools.partial(tracer._enter, name, spec)
     multi, waited, p2p = name in MULTI_SEQ, name in WAITED_HANDLES, spec.p2p is not None   # waited: isend, irecv
     apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
+    getframe = sys._getframe
 
     # Rule 0: distcheck's own error is counted, never raised into the user's call (a try is free until it raises).
-    @functools.wraps(original)
     def traced(*args: Any, **kwargs: Any) -> Any:
         if local.active:
             return original(*args, **kwargs)   # a collective inside a traced one
@@ -55,12 +82,7 @@ def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | No
                 raise   # the user's exception, as it was
             if key is not None:
                 try:
-                    t = time_ns()
-                    record = pack(X_OK, key, t, exit_check ^ key ^ t)
-                    try:
-                        append(record)
-                    except ValueError:    # the mapping is full: grow it
-                        writer.write(record)
+                    _write(writer, X_OK, key, time_ns())
                     if waited or (values[6] and result is not None):   # a handle: its wait() is recorded
                         tracer._hold((result,), (key,))
                 except Exception as exc:
@@ -79,78 +101,143 @@ def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | No
                 failed(Hook.TRACER, exc)
             local.active = False
 
-    traced.__distcheck_original__ = original  # type: ignore[attr-defined]
     return traced
 
 
-def fast_enter(tracer: Tracer, name: str, spec: OpSpec) -> Callable[[tuple, Any], int]:
-    """The enter step for one op: a fast path for a call like one seen before (known group and fingerprint: one
-    dict lookup, one slot), ``Tracer._enter`` for everything else (first calls, p2p, tensor lists, group ranks).
-    The fast path's cache is keyed by a flat tuple of what the call shows (cheaper to build and hash than the
-    fingerprint key): a key not seen yet takes ``_enter``, and the fingerprint it wrote is cached under it."""
-    slow = functools.partial(tracer._enter, name, spec)
-    if (spec.p2p or spec.tensor_lists or len(spec.tensors) > 1 or name in MULTI_SEQ or name in UNCOUNTED
-            or spec.extra):
-        return slow
-    groups, seqs, op_ids, local = tracer._groups, tracer._seq, tracer._op_ids, tracer._local
-    fast, site_key, default_group = tracer._fast.setdefault(name, {}), tracer.resolver.key, tracer._default_group
-    writer = tracer.writer
-    append, pack = writer.append, SLOT_STRUCT.pack
-    learn = _learner(slow, fast, op_ids, site_key, local)
+def _write(writer: Any, w0: int, key: int, t: int) -> None:
+    record = SLOT_STRUCT.pack(w0, key, t, w0 ^ key ^ t ^ CHECK)
+    try:
+        writer.append(record)
+    except ValueError:    # the mapping is full: grow it
+        writer.write(record)
 
-    def enter(values: tuple, frame: Any) -> int:
-        pg, tensors, _, op, root, group_root, async_op, shape_unless, _, _ = values
-        if group_root is not None:
-            return slow(values, frame)
-        entry = groups.get(id(default_group() if pg is None else pg))
-        if op is not None:   # by identity: hashing a ReduceOp costs 0.1 µs
-            named = op_ids.get(id(op))
-            op = named[1] if named is not None and named[0] is op else None
-            if op is None:
-                return learn(values, frame)
-        t = tensors[0] if tensors else None
-        site = site_key(frame)
-        # _seen's key, inline (a call costs 0.07 µs)
-        seen = ((site, op, root, async_op, shape_unless is None) if t is None else
-                (site, op, root, async_op, shape_unless is None, t.shape, t.dtype, t.device))
-        fp = fast.get(seen)
-        if fp is None or entry is None or (pg is not None and entry.pg is not pg):
-            key = slow(values, frame)
-            fast[seen] = local.last_fp
-            return key
-        group, counter = entry.key, entry.counter
-        seq = (seqs[group] if counter is None else counter() - entry.base) + 1
-        seqs[group] = seq
-        entry.written.append(seq)
-        tracer.busy_group = group
-        tracer.count += 1
-        key = entry.key_base + seq - entry.skew
-        w0 = fp | entry.e_word
-        t = time_ns()
-        record = pack(w0, key, t, w0 ^ key ^ t ^ CHECK)
+
+# The wrapper of an op with a fast path, generated per op: {reads} reads its arguments in place, {seen} is the
+# fast path's key for a call (what the call shows, flat: cheaper to build and hash than a fingerprint), {usable}
+# whether the call can have one. A call whose key is cached, on a group already defined, is numbered and written
+# here; any other takes ``slow`` (``Tracer._enter``), which caches the fingerprint it wrote under the key.
+# The key's site is the calling function's code and instruction where that function is the user's own and no
+# module method (``CallsiteResolver.plain_user``: its site is then its own line), else ``CallsiteResolver.key``.
+# Reduce ops are in the key by id, only while ``op_ids`` keeps the op alive (its id cannot be reused), or the
+# signature's default op (``op_default``: kept alive by the signature).
+_FAST_SOURCE = '''
+def traced(*args, **kwargs):
+    if local.active:
+        return original(*args, **kwargs)   # a collective inside a traced one
+    local.active = True
+    key = unrecorded = None
+    try:
         try:
-            append(record)
-        except ValueError:    # the mapping is full: grow it
-            writer.write(record)
+            n = len(args)
+{reads}
+            frame = getframe(1)
+            seen = fp = entry = None
+            if {usable}:
+                code = frame.f_code
+                if plain_user.get(id(code)) is code:
+                    seen = (id(code), frame.f_lasti, {seen})
+                else:
+                    seen = (site_key(frame), None, {seen})
+                if op is None or op is op_default or (op_ids.get(id(op)) or NO_OP)[0] is op:
+                    fp = fast.get(seen)
+            if fp is not None:
+                entry = groups.get(id(default_group() if pg is None else pg))
+            if entry is None:
+                key = slow(args, kwargs, frame, seen, op)
+            else:
+                group, counter = entry.key, entry.counter
+                seq = (seqs[group] if counter is None else counter() - entry.base) + 1
+                seqs[group] = seq
+                entry.written.append(seq)
+                tracer.busy_group = group
+                tracer.count += 1
+                k = entry.key_base + seq - entry.skew
+                w0 = fp | entry.e_word
+                t = time_ns()
+                record = pack(w0, k, t, w0 ^ k ^ t ^ CHECK)
+                try:
+                    append(record)
+                except ValueError:    # the mapping is full: grow it
+                    writer.write(record)
+                key = k
+        except Exception as exc:
+            key, unrecorded = None, exc
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            if key is not None:
+                tracer._exit_guarded(key, exc)
+            raise   # the user's exception, as it was
+        if key is not None:
+            try:
+                t = time_ns()
+                record = pack(X_OK, key, t, exit_check ^ key ^ t)
+                try:
+                    append(record)
+                except ValueError:    # the mapping is full: grow it
+                    writer.write(record)
+                if async_op and result is not None:   # a handle: its wait() is recorded
+                    tracer._hold((result,), (key,))
+            except Exception as exc:
+                failed(Hook.TRACER, exc)
+        elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
+            failed(Hook.TRACER, unrecorded)
+        return result
+    finally:
+        tracer.busy_group = None   # after the numbers: the sidecar reads it first
+        local.active = False
+'''
+
+
+def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract: Callable,
+                 params: list[inspect.Parameter]) -> Callable:
+    """The generated wrapper of an op with a fast path (``_FAST_SOURCE``)."""
+    read, namespace = arg_reader(params)
+    tensor = spec.tensors[0] if spec.tensors else None
+    reads = {"pg": read("group"), "t": read(tensor), "op": read(spec.reduce_op), "root": read(spec.root),
+             "group_root": read(spec.group_root), "async_op": read("async_op")}
+    seen = (["id(op)"] if spec.reduce_op else []) + (["root"] if spec.root else []) + ["async_op"]
+    # A CPU tensor's device as True, read without making a torch.device (the fingerprint keeps the device's type).
+    seen += ["t.shape", "t.dtype", "t.is_cpu or t.device"] if tensor else []
+    usable = "group_root is None" + (" and t is not None" if tensor else "")
+    source = _FAST_SOURCE.format(reads="\n".join(f"            {var} = {expr}" for var, expr in reads.items()),
+                                 seen=", ".join(seen), usable=usable)
+    writer = tracer.writer
+    namespace.update(
+        local=tracer._local, original=original, tracer=tracer, writer=writer, append=writer.append,
+        pack=SLOT_STRUCT.pack, CHECK=CHECK, X_OK=X_OK, exit_check=X_OK ^ CHECK, time_ns=time_ns,
+        getframe=sys._getframe, plain_user=tracer.resolver.plain_user, site_key=tracer.resolver.key,
+        op_ids=tracer._op_ids, NO_OP=(None,), op_default=_default_op(params, spec), fast=tracer._fast.setdefault(name, {}), groups=tracer._groups,
+        default_group=tracer._default_group, seqs=tracer._seq, failed=failed, Hook=Hook,
+        slow=_slow(tracer, name, spec, extract))
+    # Named as a file of distcheck's (``hot_path.py<all_reduce>``), so stacks and tracebacks leave its frame out.
+    exec(compile(source, f"{_HERE}<{name}>", "exec"), namespace)  # noqa: S102 - from the op's signature
+    return namespace["traced"]
+
+
+def _default_op(params: list[inspect.Parameter], spec: OpSpec) -> Any:
+    """The signature's default reduce op (``ReduceOp.SUM``), known by identity without a lookup: the signature keeps
+    it alive, so its id in the fast path's key stays its own. A stand-in object where there is none."""
+    for p in params:
+        if p.name == spec.reduce_op and p.default is not p.empty and p.default is not None:
+            return p.default
+    return object()
+
+
+def _slow(tracer: Tracer, name: str, spec: OpSpec, extract: Callable) -> Callable[..., int]:
+    """The fast wrapper's other path: ``Tracer._enter``, then the fingerprint it wrote cached under the call's key
+    (``seen``: None where the call cannot have one), where the key's reduce op is one ``op_ids`` keeps alive."""
+    enter, fast, op_ids, local = functools.partial(tracer._enter, name, spec), tracer._fast.setdefault(name, {}), \
+        tracer._op_ids, tracer._local
+    plain_user = tracer.resolver.plain_user
+
+    def slow(args: tuple, kwargs: dict, frame: Any, seen: tuple | None, op: Any) -> int:
+        key = enter(extract(args, kwargs), frame)
+        if seen is not None and (op is None or (op_ids.get(id(op)) or (None,))[0] is op):
+            fp = fast[seen] = local.last_fp
+            code = frame.f_code
+            if plain_user.get(id(code)) is code:   # a function first seen now: its next call's key is the short one
+                fast[(id(code), frame.f_lasti) + seen[2:]] = fp
         return key
 
-    return enter
-
-
-def _learner(slow: Callable, fast: dict, op_ids: dict, site_key: Callable, local: Any) -> Callable[[tuple, Any], int]:
-    def learn(values: tuple, frame: Any) -> int:
-        """A reduce op not seen yet: ``_enter`` names it, then the call is cached like any other."""
-        key = slow(values, frame)
-        named = op_ids.get(id(values[3]))
-        if named is not None:
-            _, tensors, _, _, root, _, async_op, shape_unless, _, _ = values
-            fast[_seen(site_key(frame), named[1], root, async_op, shape_unless, tensors)] = local.last_fp
-        return key
-    return learn
-
-
-def _seen(site: tuple, op: str | None, root: Any, async_op: Any, shape_unless: Any, tensors: tuple) -> tuple:
-    """The fast path's key for a call: what it shows, flat (cheaper to build and hash than a fingerprint)."""
-    t = tensors[0] if tensors else None
-    return ((site, op, root, async_op, shape_unless is None) if t is None else
-            (site, op, root, async_op, shape_unless is None, t.shape, t.dtype, t.device))
+    return slow

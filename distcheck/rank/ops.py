@@ -126,11 +126,26 @@ def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> 
     Generated once per op (like ``collections.namedtuple``), so a call reads
     each argument by position or keyword without binding the whole signature.
     """
+    read, namespace = arg_reader(params)
+    group = "None" if name == "new_group" else read("group")
+    tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
+    lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
+    values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
+              read("async_op"), read(spec.shape_unless), read(spec.object_list),
+              "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None")
+    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)", f"    return ({', '.join(values)})"]
+    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
+    return namespace[f"extract_{name}"]
+
+
+def arg_reader(params: list[inspect.Parameter]) -> tuple[Callable[[str | None], str], dict[str, Any]]:
+    """(``read``, its namespace) for generated code: ``read(param)`` is an expression that reads ``param`` from
+    ``args`` (``n = len(args)``) or ``kwargs``, else its default (a name bound in the namespace); "None" for a
+    parameter the signature does not have."""
     index = {p.name: i for i, p in enumerate(params)
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
     defaults = {p.name: (None if p.default is p.empty else p.default) for p in params}
     namespace: dict[str, Any] = {}
-    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)"]
 
     def read(param: str | None) -> str:
         if param is None or param not in defaults:
@@ -142,15 +157,7 @@ def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> 
             return f"(args[{i}] if n > {i} else kwargs.get({param!r}, {var}))"
         return f"kwargs.get({param!r}, {var})"
 
-    group = "None" if name == "new_group" else read("group")
-    tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
-    lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
-    values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
-              read("async_op"), read(spec.shape_unless), read(spec.object_list),
-              "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None")
-    lines.append(f"    return ({', '.join(values)})")
-    exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
-    return namespace[f"extract_{name}"]
+    return read, namespace
 
 
 def extra_fields(name: str, extra: tuple | None, pg: Any) -> tuple[tuple | None, tuple[int, ...] | None]:

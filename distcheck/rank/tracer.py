@@ -107,7 +107,9 @@ class Tracer(Numbering, Handles):
         # id(work) -> (a weak reference to it, the call keys it completes): the handles of P2P calls, whose
         # ``wait()`` is written as W records (the rank is blocked in those calls while it waits)
         self._handles: dict[int, HeldHandle] = {}
-        self._work_wait: tuple[Any, Callable] | None = None   # (torch's Work class, its own wait)
+        self._work_wait: tuple[Any, Callable, Callable] | None = None   # (torch's Work class, its own wait, ours)
+        self._wait_armed = False   # ours in place: while a handle is held (rank.handles)
+        self._wait_lock = threading.Lock()
         self.count = 0
         self.slow_calls = 0   # calls that took ``_enter`` (first of their kind, p2p, lists...): a cost to watch
 
@@ -160,8 +162,7 @@ class Tracer(Numbering, Handles):
         work = getattr(c10d, "Work", None)
         original = getattr(work, "wait", None)
         if original is not None and self._work_wait is None:
-            self._work_wait = (work, original)
-            work.wait = self._wrap_wait(original)
+            self._install_wait(work, original)
 
     def uninstall(self) -> None:
         import torch.distributed as dist
@@ -172,8 +173,7 @@ class Tracer(Numbering, Handles):
             setattr(dist, name, original)
         self._originals.clear()
         if self._work_wait is not None:
-            work, original = self._work_wait
-            work.wait = original
+            self._give_back_wait(unless_held=False)
             self._work_wait = None
 
     def close(self) -> None:
@@ -235,6 +235,7 @@ class Tracer(Numbering, Handles):
 
     def _after_fork(self) -> None:
         self._defining = threading.Lock()   # another thread of the parent may have held it
+        self._wait_lock = threading.Lock()
 
     def _enter(self, name: str, spec: OpSpec, values: tuple, frame: Any, claim: bool = True) -> int:
         """Write the enter record and its new definitions; return the call key its exit record repeats.
