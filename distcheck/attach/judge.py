@@ -27,6 +27,9 @@ GROUP, SEQ = "0", 1          # the call open now, on the default group: what att
 # A rank blocked in one collective sleeps in the backend's wait: its main thread does not wake. One that
 # wakes while seen in "the same" call is completing calls one after another (a healthy loop).
 MAX_WAKEUPS_WAITING = 2
+# I/O below this rate is a log line now and then (a heartbeat thread, a logger's flush), not work that brings
+# the rank to the call: 32 idle ranks whose ticker thread logged 81 B in 10 s read as late, and the hang was missed.
+IO_FLOOR_BPS = 1024
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def progress(view: RankView) -> str | None:
     act = view.activity
     if act is not None and act.cores >= BUSY_CPU:
         said.append(f"its processes used {act.cores:.1f} cores")
-    if act is not None and act.io_bytes:
+    if act is not None and act.io_bytes >= IO_FLOOR_BPS * act.span:
         said.append(f"read or wrote {size(act.io_bytes)} in {act.span:.1f} s")
     if len({p.digest for p in view.positions if p.kind != "unreadable"}) > 1:
         said.append("its stack moved")
@@ -81,7 +84,8 @@ def progress(view: RankView) -> str | None:
 def idle_words(view: RankView) -> str:
     act = view.activity
     woke = f", its main thread woke {act.wakeups} times" if act and act.wakeups else ""
-    return f"idle (no CPU, no I/O, the same stack in {len(view.positions)} samples{woke})"
+    io = f"only {size(act.io_bytes)} of I/O in {act.span:.1f} s" if act and act.io_bytes else "no I/O"
+    return f"idle (no CPU, {io}, the same stack in {len(view.positions)} samples{woke})"
 
 
 def _event(view: RankView, at: Position, world: int, t: float) -> Event:
@@ -111,15 +115,18 @@ def _progress_of(view: RankView, event: Event | None, members: tuple[int, ...]) 
                         entered={GROUP: SEQ} if event else {}, settled=True)
 
 
-def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mapping[int, str]
+def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mapping[int, str], world_size: int
          ) -> tuple[EndReason, str | None]:
-    """How the job stands, and the evidence the verdict rests on."""
+    """How the job stands, and the evidence the verdict rests on. A rank nobody read (another node's, one whose
+    attach never came) may be anywhere: while one is awaited, nothing is decided."""
     if not events:
         return EndReason.COMPLETED, None
-    members = tuple(sorted(views))
+    members = tuple(range(max(world_size, max(views) + 1)))
     certain = certain_hang({r: _progress_of(v, events.get(r), members) for r, v in views.items()})
     if certain is not None:
         return EndReason.CERTAIN_HANG, certain.evidence
+    if unread(views, world_size):
+        return EndReason.COMPLETED, None
     absent = [r for r in views if r not in events]
     if any(r in late for r in absent):
         return EndReason.COMPLETED, None
@@ -127,7 +134,7 @@ def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mappi
     if not absent:
         return EndReason.STALL, f"every rank in it, none out of it in {samples} samples"
     return EndReason.STALL, (f"certain from outside: {rank_list(absent)} idle outside every collective "
-                             f"(no CPU, no I/O, the same stack in {samples} samples); "
+                             f"(no CPU, no I/O beyond {size(IO_FLOOR_BPS)}/s, the same stack in {samples} samples); "
                              f"{rank_list(sorted(events))} in the same call in every sample")
 
 
@@ -152,15 +159,16 @@ def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Ma
 
 
 def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *, started: float, ended: float,
-          notes: Sequence[str] = ()) -> Judged:
-    """The verdict on the job as attach saw it, through ``diagnose.verdict`` like every other path."""
+          notes: Sequence[str] = (), unread_why: str = "") -> Judged:
+    """The verdict on the job as attach saw it, through ``diagnose.verdict`` like every other path.
+    ``unread_why`` says why ranks of the job were not read (another node's attach never came)."""
     events = {}
     for r, v in views.items():
         at = waiting_in(v)
         if at is not None:
             events[r] = _event(v, at, world_size, started)
     late = {r: words for r, v in views.items() if r not in events and v.state.alive and (words := progress(v))}
-    end, why = _end(views, events, late)
+    end, why = _end(views, events, late, world_size)
     stuck = end in (EndReason.STALL, EndReason.CERTAIN_HANG)
     outcomes = {r: _outcome(v, None, events.get(r), stuck, late.get(r)) for r, v in views.items()}
     facts = RunFacts(world_size=world_size, end_reason=end, evidence=why, late_evidence=late,
@@ -170,7 +178,10 @@ def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *,
     evidence = Evidence(events=compared, outcomes=outcomes, facts=facts,
                         started_at=started, ended_at=ended)
     result = scenario_result(scenario, evidence, ended - started)
+    missing = unread(views, world_size)
     extra = (late_finding(events, late, views),) if events and end == EndReason.COMPLETED and late else ()
+    extra += (unread_finding(events, missing, unread_why),) if events and end == EndReason.COMPLETED and missing \
+        else ()
     findings = tuple(attach_words(f) for f in result.findings) + extra
     from distcheck.diagnose.rules import behaved_as_expected, observed_kinds
 
@@ -180,6 +191,28 @@ def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *,
                                  ok=behaved_as_expected(scenario.expected, observed), script=True,
                                  end_reason=EndReason.ATTACHED)   # the job was read, not ended
     return Judged(result, {r: [e] for r, e in events.items()})
+
+
+def unread(views: Mapping[int, RankView], world_size: int) -> list[int]:
+    """The job's ranks nobody read (they run on other nodes, or their node's attach never came)."""
+    return [r for r in range(world_size) if r not in views]
+
+
+def unread_finding(events: Mapping[int, Event], missing: Sequence[int], why: str) -> Finding:
+    """Ranks wait in a call, and some ranks of the job were not read: the hang is not decided (they may be on
+    their way), said as a coverage warning naming the waiting ranks' call and the ranks to read."""
+    ref = events[min(events)]
+    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
+    verb = "waits" if len(events) == 1 else "wait"
+    summary = (f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called}, and {rank_list(missing)} "
+               f"{'was' if len(missing) == 1 else 'were'} not read ({why or 'they run on other nodes'}): "
+               f"not decided. Run one distcheck attach per node of the job (--nnodes, --node-rank, "
+               f"--rdzv-endpoint; under Slurm: srun --overlap --jobid J --ntasks-per-node=1 distcheck attach).")
+    details = tuple(RankDetail(rank=r, role="waiting", op=e.op, label=e.label, callsite=e.callsite)
+                    for r, e in sorted(events.items()))
+    return Finding(kind="coverage", severity="warning", summary=summary, op=ref.op, label=ref.label,
+                   callsite=ref.callsite, waiting_ranks=tuple(sorted(events)), ranks=details,
+                   data={"unread_ranks": list(missing)})
 
 
 def attach_words(f: Finding) -> Finding:
