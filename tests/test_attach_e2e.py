@@ -5,6 +5,7 @@ end; nothing it started may survive."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,17 +32,18 @@ def line_of(marker: str) -> str:
     return f"job.py:{n}"
 
 
-def _torchrun(mode: str, folder: Path, nproc: int, *extra: str) -> subprocess.Popen:
+def _torchrun(mode: str, folder: Path, nproc: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                              str(nproc), str(JOB), mode, str(folder), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 @contextmanager
-def job(mode: str, folder: Path, nproc: int = 3, *extra: str):
+def job(mode: str, folder: Path, nproc: int = 3, *extra: str, env: dict | None = None):
     """A torchrun job whose ranks all stand where the mode wants them; killed whole afterwards."""
     folder.mkdir(parents=True, exist_ok=True)
-    proc = _torchrun(mode, folder, nproc, *extra)
+    proc = _torchrun(mode, folder, nproc, *extra, env=env)
     try:
         ready = wait_for(lambda: all((folder / f"ready{r}").exists() for r in range(nproc)) or proc.poll() is not None,
                          timeout=READY_S)
@@ -206,3 +208,19 @@ def test_two_nodes_node0_judges_the_whole_job_and_names_a_node_that_never_joins(
     assert line_of("waits for ranks that never come") in hang["callsite"]
     assert line_of("the user's line the hang report names") in hang["summary"]   # both lines
     assert not (tmp_path / "attach1.json").exists()           # node 0 alone writes the report
+
+
+def test_flight_recorder_dumps_are_joined_by_sequence_number(tmp_path):
+    """Rank 0 waits on an async all_reduce (#6) its Python stack does not show; every rank's dump is on disk."""
+    folder = tmp_path / "job"
+    env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(folder / "fr_")}
+    with job("frdump", folder, 3, env=env) as proc:
+        done, s = attach(tmp_path, str(proc.pid))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    hang = _hang(s)
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1, 2] and hang["op"] == "all_reduce"
+    assert hang["seq"] == 6 and "all_reduce #6" in hang["summary"]
+    assert line_of("waits in all_reduce #6") in hang["callsite"]
+    assert line_of("the user's line the hang report names") in hang["summary"]
+    assert "Flight Recorder dumps of every rank, joined by sequence number" in hang["summary"]   # what it rests on
+    assert "joined by sequence number" in s["description"]

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from distcheck.attach.flight import FrCall, FrState, members, open_call
 from distcheck.attach.position import Position
 from distcheck.attach.read import ProcState
 from distcheck.diagnose.common import RunFacts
@@ -44,6 +45,7 @@ class RankView:
     state: ProcState
     host: str = ""
     node: int = 0
+    fr: FrState | None = None          # its Flight Recorder dump, where the job left one
 
 
 @dataclass(frozen=True)
@@ -56,14 +58,21 @@ def waiting_in(view: RankView) -> Position | None:
     """The collective the rank waits in: the same one, at the same stack, in every sample, without waking.
     A native wait is read only in the last sample (it pauses the rank): the Python stack of the others,
     the same, stands for it."""
-    last = view.positions[-1] if view.positions else None
-    if not view.state.alive or last is None or last.kind != "collective":
+    seen = readable(view)
+    last = seen[-1] if seen else None
+    if not view.state.alive or len(seen) < 2 or last.kind != "collective":
         return None
-    if any(p.digest != last.digest or (p.op != last.op and last.native_wait is None) for p in view.positions):
+    if any(p.digest != last.digest or (p.op != last.op and last.native_wait is None) for p in seen):
         return None
     if view.activity is not None and view.activity.wakeups > MAX_WAKEUPS_WAITING:
         return None
-    return view.positions[-1]
+    return last
+
+
+def readable(view: RankView) -> list[Position]:
+    """The samples py-spy could read: on a loaded node one read of 32 may time out, and an unreadable sample
+    is no evidence that the rank moved (it made rank 0 of a 32-rank hang look like it had left its call)."""
+    return [p for p in view.positions if p.kind != "unreadable"]
 
 
 def progress(view: RankView) -> str | None:
@@ -95,7 +104,7 @@ def _event(view: RankView, at: Position, world: int, t: float) -> Event:
 
 
 def _outcome(view: RankView, at: Position | None, event: Event | None, stuck: bool, late: str | None) -> RankOutcome:
-    last = view.positions[-1] if view.positions else Position("unreadable")
+    last = (readable(view) or list(view.positions) or [Position("unreadable")])[-1]
     common = dict(rank=view.rank, host=view.host, node=view.node, pid=view.pid, stack=last.stack or None,
                   phase=Phase.RUNNING)
     if not view.state.alive:
@@ -108,11 +117,16 @@ def _outcome(view: RankView, at: Position | None, event: Event | None, stuck: bo
     return RankOutcome(state=RankState.RUNNING, where=where, busy_at=where if late else None, **common)
 
 
-def _progress_of(view: RankView, event: Event | None, members: tuple[int, ...]) -> RankProgress:
-    """What the wait-for graph reads of a rank: waiting in the open call, or running (it may yet come)."""
-    waits = ((GROUP, SEQ, members, f"{event.op} {members}"),) if event else ()
+def _progress_of(view: RankView, event: Event | None, world: tuple[int, ...], joined: bool) -> RankProgress:
+    """What the wait-for graph reads of a rank: waiting in the open call, or running (it may yet come); with
+    the Flight Recorder joined, how far it went in each group."""
+    group_ranks = (event.group_ranks or world) if event else ()
+    waits = ((event.group, event.seq, group_ranks, f"{event.op} {group_ranks}"),) if event else ()
+    entered = dict(view.fr.entered) if joined and view.fr else {}
+    if event:
+        entered[event.group] = max(entered.get(event.group, 0), event.seq)
     return RankProgress(phase=Phase.RUNNING, alive=view.state.alive, open_collectives=len(waits), waits=waits,
-                        entered={GROUP: SEQ} if event else {}, settled=True)
+                        entered=entered, settled=True)
 
 
 def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mapping[int, str], world_size: int
@@ -121,8 +135,9 @@ def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mappi
     attach never came) may be anywhere: while one is awaited, nothing is decided."""
     if not events:
         return EndReason.COMPLETED, None
-    members = tuple(range(max(world_size, max(views) + 1)))
-    certain = certain_hang({r: _progress_of(v, events.get(r), members) for r, v in views.items()})
+    world = tuple(range(max(world_size, max(views) + 1)))
+    joined = fr_joined(views)
+    certain = certain_hang({r: _progress_of(v, events.get(r), world, joined) for r, v in views.items()})
     if certain is not None:
         return EndReason.CERTAIN_HANG, certain.evidence
     if unread(views, world_size):
@@ -135,7 +150,67 @@ def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mappi
         return EndReason.STALL, f"every rank in it, none out of it in {samples} samples"
     return EndReason.STALL, (f"certain from outside: {rank_list(absent)} idle outside every collective "
                              f"(no CPU, no I/O beyond {size(IO_FLOOR_BPS)}/s, the same stack in {samples} samples); "
-                             f"{rank_list(sorted(events))} in the same call in every sample")
+                             f"{rank_list(sorted(events))} in the same call in every sample{_fr_words(views, events)}")
+
+
+def _fr_words(views: Mapping[int, RankView], events: Mapping[int, Event]) -> str:
+    """Which evidence the verdict rests on besides the stacks: the Flight Recorder, joined by sequence number."""
+    if not fr_joined(views):
+        return " (stacks and /proc only: no Flight Recorder dump to join)"
+    ref = events[min(events)]
+    behind = sorted(r for r, v in views.items() if v.fr and v.fr.entered.get(ref.group, 0) < ref.seq)
+    return (f"; the Flight Recorder dumps of every rank, joined by sequence number: {ref.op} #{ref.seq} "
+            f"[group {ref.group}] in flight on {rank_list(sorted(events))}"
+            + (f", never entered by {rank_list(behind)}" if behind else ""))
+
+
+def fr_joined(views: Mapping[int, RankView]) -> bool:
+    """Whether the Flight Recorder is joined: every rank read has a dump, and every rank whose stack waits in a
+    collective has that call in flight in it (else the dumps are older than the hang)."""
+    states = {r: v.fr for r, v in views.items() if v.fr is not None}
+    if not views or len(states) != len(views):
+        return False
+    return all(open_call(r, states) is not None for r, v in views.items() if waiting_in(v) is not None)
+
+
+def _events(views: Mapping[int, RankView], world_size: int, started: float) -> dict[int, Event]:
+    """The call each waiting rank is in: from its stack (the default group's open call), or, with the Flight
+    Recorder joined, the call in flight in its dump (its group and number), also for a rank whose Python thread
+    is past it (an async op's ``wait()``, NCCL's kernels) and sits idle."""
+    joined = fr_joined(views)
+    states = {r: v.fr for r, v in views.items() if v.fr is not None} if joined else {}
+    out = {}
+    for r, v in views.items():
+        at = waiting_in(v)
+        call = open_call(r, states) if joined else None
+        if call is not None and (at is not None or (v.state.alive and progress(v) is None)):
+            out[r] = _fr_event(v, at, call, members(call.group, states, world_size), started)
+        elif at is not None and not joined:
+            out[r] = _event(v, at, world_size, started)
+    return out
+
+
+def _compared(views: Mapping[int, RankView], events: Mapping[int, Event]) -> dict[int, list[Event]]:
+    out = {r: [e] for r, e in events.items()}
+    if not events or not fr_joined(views):
+        return out
+    group = events[min(events)].group
+    for r, v in views.items():
+        call = v.fr.last.get(group) if v.fr else None
+        if r not in events and call is not None:
+            ranks = events[min(events)].group_ranks
+            out[r] = [Event(rank=r, group=group, seq=call.seq, op=call.op, t_enter=0.0, t_exit=0.0, shapes=call.shapes,
+                            dtypes=call.dtypes, callsite=call.callsite, group_ranks=ranks, native=True)]
+    return out
+
+
+def _fr_event(view: RankView, at: Position | None, call: FrCall, group_ranks: tuple[int, ...], t: float) -> Event:
+    last = (readable(view) or [Position("unreadable")])[-1]
+    op = at.op if at is not None and at.op not in (None, "collective") else call.op
+    return Event(rank=view.rank, group=call.group, seq=call.seq, op=op, t_enter=t, shapes=call.shapes,
+                 dtypes=call.dtypes, callsite=(at or last).callsite or call.callsite,
+                 library_callsite=at.library_callsite if at else None, label=at.label if at else None,
+                 group_ranks=group_ranks, native=at is None or at.native_wait is not None)
 
 
 def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Mapping[int, RankView]) -> Finding:
@@ -143,7 +218,7 @@ def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Ma
     waiting for a busy rank), said as a warning with where the late ranks are busy."""
     ref = events[min(events)]
     ranks = sorted(late)
-    where = {r: views[r].positions[-1].callsite for r in ranks}
+    where = {r: (readable(views[r]) or [Position("unreadable")])[-1].callsite for r in ranks}
     called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
     verb = "waits" if len(events) == 1 else "wait"
     summary = (f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called} for {rank_list(ranks)}, which "
@@ -162,19 +237,16 @@ def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *,
           notes: Sequence[str] = (), unread_why: str = "") -> Judged:
     """The verdict on the job as attach saw it, through ``diagnose.verdict`` like every other path.
     ``unread_why`` says why ranks of the job were not read (another node's attach never came)."""
-    events = {}
-    for r, v in views.items():
-        at = waiting_in(v)
-        if at is not None:
-            events[r] = _event(v, at, world_size, started)
+    events = _events(views, world_size, started)
     late = {r: words for r, v in views.items() if r not in events and v.state.alive and (words := progress(v))}
     end, why = _end(views, events, late, world_size)
     stuck = end in (EndReason.STALL, EndReason.CERTAIN_HANG)
     outcomes = {r: _outcome(v, None, events.get(r), stuck, late.get(r)) for r, v in views.items()}
     facts = RunFacts(world_size=world_size, end_reason=end, evidence=why, late_evidence=late,
                      detected_at=ended)   # no onset: attach did not see the last progress
-    # A job caught mid-run has no whole records to compare: the rules get the open calls only for a hang.
-    compared = {r: [e] for r, e in events.items()} if end != EndReason.COMPLETED else {}
+    # A job caught mid-run has no whole records to compare: the rules get the open calls only for a hang (with
+    # the Flight Recorder joined, also how far every other rank went in that group: its newest call there).
+    compared = _compared(views, events) if end != EndReason.COMPLETED else {}
     evidence = Evidence(events=compared, outcomes=outcomes, facts=facts,
                         started_at=started, ended_at=ended)
     result = scenario_result(scenario, evidence, ended - started)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from distcheck.attach.flight import FrState
 from distcheck.attach.judge import RankView
 from distcheck.attach.position import Position
 from distcheck.attach.read import ProcState
@@ -36,13 +37,14 @@ def view_to_dict(v: RankView) -> dict[str, Any]:
     return {"rank": v.rank, "pid": v.pid, "host": v.host, "node": v.node,
             "positions": [dataclasses.asdict(p) for p in v.positions],
             "activity": list(v.activity) if v.activity is not None else None,
-            "state": dataclasses.asdict(v.state)}
+            "state": dataclasses.asdict(v.state), "fr": v.fr.to_dict() if v.fr is not None else None}
 
 
 def view_from_dict(d: Mapping[str, Any]) -> RankView:
     activity = Activity(*d["activity"]) if d.get("activity") is not None else None
     return RankView(int(d["rank"]), int(d["pid"]), tuple(Position(**p) for p in d["positions"]), activity,
-                    ProcState(**d["state"]), host=str(d.get("host", "")), node=int(d.get("node", 0)))
+                    ProcState(**d["state"]), host=str(d.get("host", "")), node=int(d.get("node", 0)),
+                    fr=FrState.from_dict(d["fr"]) if d.get("fr") else None)
 
 
 class Meeting:

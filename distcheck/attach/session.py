@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from distcheck.attach import discover
-from distcheck.attach.judge import Judged, RankView, judge, unread
+from distcheck.attach import discover, flight
+from distcheck.attach.judge import Judged, RankView, fr_joined, judge, unread
 from distcheck.attach.nodes import Gathered, Meeting
 from distcheck.attach.position import Position, position
 from distcheck.attach.read import DENIED_HINT, StackRead, proc_state, read_stacks, reader
@@ -140,8 +140,10 @@ def _views(job: discover.Job, options: AttachOptions) -> tuple[dict[int, RankVie
     reads, meter = sample(job.ranks, max(2, options.samples), options.interval_s)
     paused = _native_reads(job.ranks, reads)
     host, node = socket.gethostname(), options.nodes.node_rank
+    dumps = {r.rank: flight.read_state(r.pid, r.rank, job.world_size, r.env) for r in job.ranks}
     views = {r.rank: RankView(r.rank, r.pid, tuple(position(x) for x in reads[r.rank]), meter.latest.get(r.rank),
-                              proc_state(r.pid), host=host, node=node) for r in job.ranks}
+                              proc_state(r.pid), host=host, node=node,
+                              fr=d if isinstance(d := dumps[r.rank], flight.FrState) else None) for r in job.ranks}
     denied = tuple(sorted(r for r, rs in reads.items() if any(x.denied for x in rs)))
     return views, paused, denied
 
@@ -187,6 +189,12 @@ def _notes(job: discover.Job, gathered: Gathered, denied: tuple[int, ...], pause
            options: AttachOptions) -> list[str]:
     notes = [f"evidence: {max(2, options.samples)} stack samples {options.interval_s:g} s apart (py-spy, "
              "non-blocking) and /proc counters (CPU, I/O, wake-ups of the main thread, state, wchan)"]
+    dumps = sorted(r for r, v in gathered.views.items() if v.fr is not None)
+    if dumps:
+        joined = fr_joined(gathered.views)
+        notes.append(f"Flight Recorder dumps ({flight.DUMP_PREFIX}) of {rank_list(dumps)} read"
+                     + (", joined by sequence number" if joined else
+                        ": not joined (every rank needs a dump that holds the call its stack waits in)"))
     if paused:
         worst = max(paused.values())
         notes.append(f"native frames read from {len(paused)} rank(s), each paused at most {worst * 1000:.0f} ms")

@@ -2,7 +2,8 @@
 
 Modes: ``allreduce`` rank 0 waits in an all_reduce while the others poll for a file;
 ``auroc`` rank 0 alone calls BinaryAUROC.compute() (the first seed's bug); ``ddp`` rank 0 runs one more
-DDP backward (the reducer's C++ all_reduce) than the others; ``busy`` rank 0 waits in an all_reduce while
+DDP backward (the reducer's C++ all_reduce) than the others; ``frdump`` rank 0 alone issues an async all_reduce
+(#6) and waits on it, every rank having written its Flight Recorder dump to ``TORCH_FR_DUMP_TEMP_FILE<rank>``; ``busy`` rank 0 waits in an all_reduce while
 rank 1 computes in Python (late, not stuck); ``healthy`` every rank runs all_reduce steps and exits 0.
 Each rank writes ``<dir>/ready<rank>`` when it stands where the test wants it; every waiting rank
 leaves once ``<dir>/release`` exists (the test's own clean-up), so the job never outlives its test.
@@ -54,6 +55,30 @@ def ticker(path: Path) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
+def wait_retired(limit_s: float = 30.0) -> None:
+    """gloo retires a Flight Recorder entry on its worker thread just after waking the caller: wait until every
+    entry so far is retired, so the dump does not catch a finished call in that instant."""
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if all(e["retired"] for e in pickle.loads(_dump_fr_trace())["entries"]):   # our own dump: trusted
+            return
+        time.sleep(0.001)
+
+
+def dump_flight_recorder(rank: int) -> None:
+    """What PyTorch writes on a time-out, written by the job itself: ``TORCH_FR_DUMP_TEMP_FILE<rank>``."""
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    path = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)
+    with open(path + ".tmp", "wb") as f:
+        f.write(_dump_fr_trace())
+    os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
@@ -92,6 +117,18 @@ def main() -> None:
         ready(args.folder, rank)
         if rank == 0:
             print(metric.compute(), flush=True)   # only rank 0 computes: its sync waits for the others
+        else:
+            poll_for(release)
+    elif args.mode == "frdump":
+        t = torch.ones(4)
+        for _ in range(5):
+            dist.all_reduce(t)   # the default group's #1-#5, on every rank
+        wait_retired()
+        work = dist.all_reduce(t, async_op=True) if rank == 0 else None   # #6: rank 0 alone
+        dump_flight_recorder(rank)
+        ready(args.folder, rank)
+        if rank == 0:
+            work.wait()   # waits in all_reduce #6, which its Python stack does not show
         else:
             poll_for(release)
     elif args.mode == "ddp":
