@@ -85,11 +85,16 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--ticks", action="store_true", help="record this rank's stops in <folder>/ticks<rank>")
+    ap.add_argument("--backend", default="gloo", help="nccl: tensors on cuda:<local rank> (tests/gpu)")
     args = ap.parse_args()
     if args.ticks:
         ticker(args.folder / f"ticks{os.environ['RANK']}")
     release = args.folder / "release"
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=120))
+    dev = torch.device("cpu")
+    if args.backend == "nccl":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     rank = dist.get_rank()
     if args.mode == "healthy":
         total = torch.zeros(1)
@@ -104,7 +109,7 @@ def main() -> None:
     elif args.mode in ("allreduce", "busy"):
         ready(args.folder, rank)
         if rank == 0:
-            dist.all_reduce(torch.ones(4))   # waits for ranks that never come
+            dist.all_reduce(torch.ones(4, device=dev))   # waits for ranks that never come
         elif args.mode == "busy":
             busy_until(release)
         else:
@@ -120,7 +125,7 @@ def main() -> None:
         else:
             poll_for(release)
     elif args.mode == "frdump":
-        t = torch.ones(4)
+        t = torch.ones(4, device=dev)
         for _ in range(5):
             dist.all_reduce(t)   # the default group's #1-#5, on every rank
         wait_retired()
@@ -129,6 +134,8 @@ def main() -> None:
         ready(args.folder, rank)
         if rank == 0:
             work.wait()   # waits in all_reduce #6, which its Python stack does not show
+            if dev.type == "cuda":
+                torch.cuda.synchronize()   # NCCL: wait() returned at once, the GPU waits; the thread waits here
         else:
             poll_for(release)
     elif args.mode == "ddp":
