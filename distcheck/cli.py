@@ -327,7 +327,8 @@ def env_cmd(
 
 
 @app.command("attach", epilog="Exits 0 when nothing is wrong, 1 with findings (a hang), 2 usage (no job, several "
-             "jobs), 3 the ranks could not be read (py-spy missing, permission denied). " + EXIT_CODES_HELP)
+             "jobs), 3 the ranks could not be read (py-spy missing, permission denied, another node's attach never came). "
+             + EXIT_CODES_HELP)
 def attach_cmd(
     pids: list[int] = typer.Argument(None, help="Ranks' pids or their launcher's (torchrun, srun, mp.spawn's parent); none: the one torch.distributed job on this node."),
     job: Optional[str] = typer.Option(None, "--job", help="Only ranks of this SLURM_JOB_ID."),
@@ -353,6 +354,9 @@ def attach_cmd(
     if samples < 2 or interval <= 0:
         raise UsageError(f"--samples must be at least 2 and --interval above 0 (got {samples}, {interval:g})")
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}   # the job's port: never attach's store
+    if (nnodes or 1) > 1 and rdzv_endpoint is None and "SLURM_JOB_ID" not in env:
+        raise UsageError("distcheck attach on several nodes needs --rdzv-endpoint HOST:PORT",
+                         "give every node's attach the same one: node 0's host and a free port")
     nodes = node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id or "attach", "c10d", rdzv_timeout, None, None,
                         store_port, env=env)
     done = attach(AttachOptions(pids=tuple(pids or ()), slurm_job=job, samples=samples, interval_s=interval,
