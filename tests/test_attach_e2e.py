@@ -224,3 +224,17 @@ def test_flight_recorder_dumps_are_joined_by_sequence_number(tmp_path):
     assert line_of("the user's line the hang report names") in hang["summary"]
     assert "Flight Recorder dumps of every rank, joined by sequence number" in hang["summary"]   # what it rests on
     assert "joined by sequence number" in s["description"]
+
+
+def test_ddp_hung_in_the_reducer_with_dumps_is_named_by_number_without_a_native_read(tmp_path):
+    """The Flight Recorder says which call the reducer has in flight: no rank is stopped for a native read."""
+    folder = tmp_path / "job"
+    env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(folder / "fr_")}
+    with job("ddp", folder, 2, env=env) as proc:
+        done, s = attach(tmp_path, str(proc.pid))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    hang = _hang(s)
+    assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1] and hang["op"] == "all_reduce"
+    assert hang["seq"] and f"all_reduce #{hang['seq']}" in hang["summary"]
+    assert line_of("the reducer's all_reduce waits") in hang["callsite"]
+    assert "joined by sequence number" in hang["summary"] and "native frames" not in s["description"]

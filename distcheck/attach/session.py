@@ -138,9 +138,12 @@ def attach(options: AttachOptions) -> Attached:
 def _views(job: discover.Job, options: AttachOptions) -> tuple[dict[int, RankView], dict[int, float], tuple[int, ...]]:
     """This node's ranks read: a view per rank, how long a native read held each, the ranks it may not read."""
     reads, meter = sample(job.ranks, max(2, options.samples), options.interval_s)
-    paused = _native_reads(job.ranks, reads)
-    host, node = socket.gethostname(), options.nodes.node_rank
     dumps = {r.rank: flight.read_state(r.pid, r.rank, job.world_size, r.env) for r in job.ranks}
+    # A native read stops its rank for a second or more (measured): not where the Flight Recorder already says
+    # which call each rank has in flight (every rank here has a dump, and this one's holds its call).
+    told = all(isinstance(d, flight.FrState) for d in dumps.values())
+    paused = _native_reads([r for r in job.ranks if not (told and dumps[r.rank].open is not None)], reads)
+    host, node = socket.gethostname(), options.nodes.node_rank
     views = {r.rank: RankView(r.rank, r.pid, tuple(position(x) for x in reads[r.rank]), meter.latest.get(r.rank),
                               proc_state(r.pid), host=host, node=node,
                               fr=d if isinstance(d := dumps[r.rank], flight.FrState) else None) for r in job.ranks}

@@ -79,6 +79,18 @@ def dump_flight_recorder(rank: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def dump_later(folder: Path, rank: int, after_s: float) -> None:
+    """A thread that writes the dump (then ``ready``) once the main thread has been waiting ``after_s``."""
+    import threading
+
+    def run() -> None:
+        time.sleep(after_s)
+        dump_flight_recorder(rank)
+        ready(folder, rank)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode")
@@ -142,10 +154,19 @@ def main() -> None:
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
         for _ in range(2):   # the second step rebuilds the buckets; from the third on only the reducer syncs
             model(torch.ones(2, 4)).sum().backward()
-        ready(args.folder, rank)
+        dumps = "TORCH_FR_DUMP_TEMP_FILE" in os.environ   # then every rank leaves its Flight Recorder dump
+        if dumps:
+            wait_retired()
         if rank == 0:
+            if dumps:   # dumped while the reducer waits, as PyTorch's own dump on a time-out would be
+                dump_later(args.folder, rank, 2.0)
+            else:
+                ready(args.folder, rank)
             model(torch.ones(2, 4)).sum().backward()   # one step more: the reducer's all_reduce waits
         else:
+            if dumps:
+                dump_flight_recorder(rank)
+            ready(args.folder, rank)
             poll_for(release)
     os._exit(0) if args.mode != "healthy" else dist.destroy_process_group()
 
