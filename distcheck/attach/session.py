@@ -67,7 +67,8 @@ class Attached:
                     f"{DENIED_HINT}")
         if self.unread:
             why = (f"node(s) {', '.join(map(str, self.missing_nodes))} never joined" if self.missing_nodes
-                   else "they run on other nodes: run one distcheck attach per node (--nnodes, --node-rank)")
+                   else "no process of theirs here: they run on other nodes (run one distcheck attach per node: "
+                        "--nnodes, --node-rank) or have exited")
             return f"{rank_list(self.unread)} {'was' if len(self.unread) == 1 else 'were'} not read ({why})"
         return None
 
@@ -124,7 +125,7 @@ def attach(options: AttachOptions) -> Attached:
     gathered = meeting.gather(local, options.nodes.rdzv_timeout) if meeting else Gathered(local)
     notes = _notes(job, gathered, denied, paused, options)
     why = (f"the distcheck attach of node(s) {', '.join(map(str, gathered.missing))} never came"
-           if gathered.missing else "they run on other nodes")
+           if gathered.missing else "no process of theirs on the nodes read: they run on other nodes, or have exited")
     scenario = Scenario(name=SCENARIO, source=job.key, description=f"attached to {job.key} "
                         f"({len(gathered.views)} of {job.world_size} ranks read, on {_nodes_read(gathered)}), "
                         "the job left running")
