@@ -11,9 +11,9 @@ from distcheck.attach.read import ProcState
 from distcheck.diagnose.verdict import Scenario
 from distcheck.launch.procs import Activity
 
-WAIT = Position("collective", "all_reduce", None, "job.py:82:main", None, None, 11, "stack of rank 0")
-POLL = Position("outside", None, None, "job.py:27:poll_for", None, None, 22, "stack of a polling rank")
-PAST = Position("outside", None, None, "job.py:131:main", None, None, 33, "in work.wait()")
+WAIT = Position("collective", "all_reduce", None, "job.py:82:main", None, None, 11, "stack of rank 0", calls=1)
+POLL = Position("outside", None, None, "job.py:28:poll_for", None, None, 22, "stack of a polling rank", calls=2)
+PAST = Position("outside", None, None, "job.py:131:main", None, None, 33, "in work.wait()", calls=3)
 SCENARIO = Scenario(name="attach", source="job")
 
 
@@ -100,3 +100,15 @@ def test_a_view_crosses_to_node_0_unchanged():
     assert view_from_dict(view_to_dict(v)) == v
     bare = view(2, POLL)
     assert view_from_dict(view_to_dict(bare)) == bare
+
+
+def test_a_loop_polling_in_one_function_is_idle_a_move_between_functions_is_progress():
+    """Under load a sample finds a polling rank on its loop's other line (``while not release.exists()``)."""
+    other_line = Position("outside", None, None, "job.py:27:poll_for", None, None, 23, "on the while line", calls=2)
+    poller = RankView(1, 1001, (POLL, other_line, POLL), Activity(10.0, 2.0, 0.0, 0, 40), ProcState(True, "S"))
+    [hang] = kinds(verdict({0: view(0, WAIT), 1: poller}, 2))["hang"]
+    assert hang.absent_ranks == (1,) and "in the same functions in 3 samples" in hang.summary
+    elsewhere = Position("outside", None, None, "job.py:40:load", None, None, 24, "loading", calls=4)
+    mover = RankView(1, 1001, (POLL, elsewhere, POLL), Activity(10.0, 2.0, 0.0, 0, 40), ProcState(True, "S"))
+    result = verdict({0: view(0, WAIT), 1: mover}, 2)
+    assert "hang" not in kinds(result) and "its stack moved" in kinds(result)["straggler"][0].summary
