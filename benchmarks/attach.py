@@ -136,8 +136,9 @@ def main() -> None:
         runs = [one(ranks) for _ in range(args.repeat)]
         m = {k: median(r[k] for r in runs) for k in runs[0]}
         exits = ",".join(str(int(r["rc"])) for r in runs)
-        rows.append([ranks, f"{m['verdict_s']:.2f}", exits, f"{m['attach_stop_ms']:.1f}", f"{m['spy_s']:.2f}", f"{m['spy_stop_ms']:.1f}", f"{m['nonblock_stop_ms']:.1f}",
-                     f"{m['native_stop_ms']:.1f}", f"{m['noise_ms']:.1f}"])
+        rows.append([ranks, f"{m['verdict_s']:.2f}", exits, f"{m['attach_stop_ms']:.1f}", f"{m['spy_s']:.2f}",
+                     f"{m['spy_stop_ms']:.1f}", f"{m['nonblock_stop_ms']:.1f}", f"{m['native_stop_ms']:.1f}",
+                     f"{m['noise_ms']:.1f}"])
     print(conditions())
     print(table(["ranks", "attach→verdict s", "exit (each run)", "attach: worst rank stopped ms", "py-spy dump all s",
                  "py-spy dump: stopped ms", "--nonblocking: ms", "--native: ms", "noise ms"], rows,

@@ -112,3 +112,17 @@ def test_a_loop_polling_in_one_function_is_idle_a_move_between_functions_is_prog
     mover = RankView(1, 1001, (POLL, elsewhere, POLL), Activity(10.0, 2.0, 0.0, 0, 40), ProcState(True, "S"))
     result = verdict({0: view(0, WAIT), 1: mover}, 2)
     assert "hang" not in kinds(result) and "its stack moved" in kinds(result)["straggler"][0].summary
+
+
+def test_a_rank_running_in_most_samples_is_late_though_a_crowded_node_gives_it_little_cpu():
+    running = Position("outside", None, None, "job.py:33:busy_until", None, None, 44, "computing", calls=5,
+                       active=True)
+    starved = RankView(1, 1001, (running,) * 3, Activity(10.0, 2.0, 0.05, 0, 0), ProcState(True, "R"))
+    result = verdict({0: view(0, WAIT), 1: starved}, 2)
+    assert "hang" not in kinds(result)
+    assert "its main thread was running in 3 of 3 samples" in kinds(result)["straggler"][0].summary
+    awake = Position("outside", None, None, "job.py:27:poll_for", None, None, 23, "on the while line", calls=2,
+                     active=True)   # a polling rank caught once between its sleeps
+    caught_once = RankView(1, 1001, (POLL, awake, POLL), Activity(10.0, 2.0, 0.0, 0, 40), ProcState(True, "S"))
+    [hang] = kinds(verdict({0: view(0, WAIT), 1: caught_once}, 2))["hang"]
+    assert hang.absent_ranks == (1,)

@@ -31,6 +31,7 @@ MAX_WAKEUPS_WAITING = 2
 # I/O below this rate is a log line now and then (a heartbeat thread, a logger's flush), not work that brings
 # the rank to the call: 32 idle ranks whose ticker thread logged 81 B in 10 s read as late, and the hang was missed.
 IO_FLOOR_BPS = 1024
+RUNNING_CPU = 0.01   # with the main thread running in most samples: a starved busy rank, not a poll loop
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,14 @@ def progress(view: RankView) -> str | None:
         said.append(f"its processes used {act.cores:.1f} cores")
     if act is not None and act.io_bytes >= IO_FLOOR_BPS * act.span:
         said.append(f"read or wrote {size(act.io_bytes)} in {act.span:.1f} s")
-    if len({p.calls for p in readable(view)}) > 1:
+    seen = readable(view)
+    ran = sum(p.active for p in seen)
+    if ran and 2 * ran >= len(seen) and act is not None and act.cores >= RUNNING_CPU:
+        # A rank computing on a crowded node gets a few hundredths of a core (under BUSY_CPU) but runs whenever
+        # it is read; a polling rank sleeps in nearly every read, and one waiting for a core after each sleep
+        # (runnable, so "running" to py-spy) uses next to no CPU.
+        said.append(f"its main thread was running in {ran} of {len(seen)} samples ({act.cores:.2f} cores)")
+    if len({p.calls for p in seen}) > 1:
         said.append("its stack moved")   # from one function to another: a line polled in a loop is not work
     return ", ".join(said) or None
 

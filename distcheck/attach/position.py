@@ -44,6 +44,7 @@ class Position:
     # The functions of the user's and libraries' code on the main thread (no line numbers, no standard library,
     # no torch): a loop polling in one function (``while not done(): time.sleep``) keeps them, work moves them.
     calls: int = 0
+    active: bool = False               # the main thread was running (or runnable) when read
 
 
 def frame_kind(filename: str) -> int:
@@ -69,7 +70,8 @@ def position(read: StackRead) -> Position:
     calls = zlib.crc32("|".join(f"{f.file}:{f.function}" for f in py if frame_kind(f.file) in (USER, LIBRARY))
                        .encode())
     return Position(kind, op, _label(py) if op else None, str(user) if user else None,
-                    str(library) if library and op else None, native, digest, _text(read.threads), calls)
+                    str(library) if library and op else None, native, digest, _text(read.threads), calls,
+                    bool(main and main.active))
 
 
 def _sites(frames: list[Frame]) -> tuple[Frame | None, Frame | None]:

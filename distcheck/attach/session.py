@@ -35,6 +35,7 @@ from distcheck.text import rank_list
 
 SCENARIO = "attach"
 READERS = 8          # py-spy processes at once (each reads one rank)
+NATIVE_S = 15.0      # a native read: py-spy loads libtorch's symbols first (4.8 s measured on a crowded node)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,8 @@ def _native_reads(ranks: Sequence[discover.RankProc], reads: dict[int, list[Stac
     if not chosen:
         return {}
     with ThreadPoolExecutor(max_workers=min(READERS, len(chosen))) as pool:
-        native = list(pool.map(lambda r: read_stacks(r.pid, native=True, with_locals=True), chosen))
+        native = list(pool.map(lambda r: read_stacks(r.pid, native=True, with_locals=True, timeout_s=NATIVE_S),
+                               chosen))
     out = {}
     for r, got in zip(chosen, native):
         if got.error is None:
