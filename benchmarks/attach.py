@@ -42,6 +42,19 @@ def start_job(folder: Path, ranks: int, mode: str = "allreduce") -> subprocess.P
     return proc
 
 
+def end_job(folder: Path, proc: subprocess.Popen) -> None:
+    """The job's launcher and every rank that wrote its pid: a rank may sit in a session of its own, out of the
+    launcher's reach (one hung in DDP's reducer outlived a killed torchrun)."""
+    (folder / "release").touch()
+    for ready in folder.glob("ready*"):
+        try:
+            os.kill(int(ready.read_text()), signal.SIGKILL)
+        except (ValueError, OSError):
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def stopped(folder: Path, ranks: int, t0: float, t1: float) -> list[float]:
     """Seconds each rank was stopped (gaps over 10 ms) between wall times t0 and t1."""
     out = []
@@ -83,9 +96,7 @@ def one(ranks: int) -> dict[str, float]:
                 spy_s = sum(timed(["py-spy", "dump", "--pid", str(pid), *mode])[0] for pid in pids(folder, ranks))
                 plain.append((spy_s, max(stopped(folder, ranks, p0, time.time())) - noise))
         finally:
-            (folder / "release").touch()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            end_job(folder, proc)
     return {"verdict_s": verdict_s, "rc": rc, "attach_stop_ms": 1000 * max(0.0, attach_stop),
             "noise_ms": 1000 * noise, "spy_s": plain[0][0], "spy_stop_ms": 1000 * max(0.0, plain[0][1]),
             "nonblock_stop_ms": 1000 * max(0.0, plain[1][1]), "native_stop_ms": 1000 * max(0.0, plain[2][1])}
@@ -114,9 +125,7 @@ def native_reads(repeat: int) -> None:
                     stop.append(stopped(folder, 1, t0, time.time())[0])
                 rows.append([name, f"{median(took):.2f}", f"{1000 * median(stop):.0f}", f"{1000 * max(stop):.0f}"])
         finally:
-            (folder / "release").touch()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            end_job(folder, proc)
     print(table(["reader", "took s", "rank stopped ms (median)", "worst ms"], rows,
                 title=f"one read of a rank hung in DDP's reducer ({repeat} reads each; the ticker's gaps)"))
 
