@@ -347,18 +347,13 @@ def attach_cmd(
 ) -> None:
     """Diagnose a running job distcheck did not launch (hung right now?), read-only from outside: every
     rank's stacks (py-spy) and /proc counters, judged by the same rules as 'distcheck run'."""
+    from distcheck.attach.nodes import attach_nodes
     from distcheck.attach.session import AttachOptions, attach
-    from distcheck.launch.node_config import node_config
     from distcheck.report import terminal
 
     if samples < 2 or interval <= 0:
         raise UsageError(f"--samples must be at least 2 and --interval above 0 (got {samples}, {interval:g})")
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}   # the job's port: never attach's store
-    if (nnodes or 1) > 1 and rdzv_endpoint is None and "SLURM_JOB_ID" not in env:
-        raise UsageError("distcheck attach on several nodes needs --rdzv-endpoint HOST:PORT",
-                         "give every node's attach the same one: node 0's host and a free port")
-    nodes = node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id or "attach", "c10d", rdzv_timeout, None, None,
-                        store_port, env=env)
+    nodes = attach_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout, store_port, os.environ)
     done = attach(AttachOptions(pids=tuple(pids or ()), slurm_job=job, samples=samples, interval_s=interval,
                                 run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]), nodes=nodes))
     if done.report is None:   # another node: node 0 judged the whole job

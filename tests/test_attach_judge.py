@@ -3,9 +3,13 @@ sample, the Flight Recorder join by sequence number, and a view's round trip bet
 
 from __future__ import annotations
 
+import pytest
+
 from distcheck.attach.flight import FrCall, FrState
 from distcheck.attach.judge import IO_FLOOR_BPS, RankView, judge
-from distcheck.attach.nodes import view_from_dict, view_to_dict
+from distcheck.attach.nodes import attach_nodes, view_from_dict, view_to_dict
+from distcheck.errors import UsageError
+from distcheck.launch.slurm import endpoint_port
 from distcheck.attach.position import Position
 from distcheck.attach.read import ProcState
 from distcheck.diagnose.verdict import Scenario
@@ -126,3 +130,20 @@ def test_a_rank_running_in_most_samples_is_late_though_a_crowded_node_gives_it_l
     caught_once = RankView(1, 1001, (POLL, awake, POLL), Activity(10.0, 2.0, 0.0, 0, 40), ProcState(True, "S"))
     [hang] = kinds(verdict({0: view(0, WAIT), 1: caught_once}, 2))["hang"]
     assert hang.absent_ranks == (1,)
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "8812", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "1",
+              "SLURM_STEP_NODELIST": "127.0.0.1,127.0.0.2", "SLURM_STEP_NUM_TASKS": "2", "MASTER_PORT": "29500"}
+
+
+def test_under_srun_each_node_s_attach_meets_node_0_by_slurm_s_variables_never_on_the_job_s_port():
+    nodes = attach_nodes(None, None, None, None, 60.0, None, SLURM_STEP)
+    assert (nodes.nnodes, nodes.node_rank) == (2, 1)
+    assert nodes.rdzv_endpoint == f"127.0.0.1:{endpoint_port('8812')}" and nodes.store_address[1] != 29500
+
+
+def test_several_nodes_without_an_endpoint_is_one_clear_line():
+    with pytest.raises(UsageError, match="needs --rdzv-endpoint HOST:PORT"):
+        attach_nodes(2, 0, None, None, 60.0, None, {})
+    one = attach_nodes(None, None, None, None, 60.0, None, {"MASTER_PORT": "29500"})
+    assert not one.multi

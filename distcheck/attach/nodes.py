@@ -18,10 +18,26 @@ from distcheck.attach.flight import FrState
 from distcheck.attach.judge import RankView
 from distcheck.attach.position import Position
 from distcheck.attach.read import ProcState
-from distcheck.errors import LaunchError
+from distcheck.errors import LaunchError, UsageError
 from distcheck.launch.cluster import ClusterStore, _put, _take, wait_for_keys
-from distcheck.launch.node_config import NodeConfig
+from distcheck.launch.node_config import NodeConfig, node_config
+from distcheck.launch.slurm import slurm_job
 from distcheck.launch.procs import Activity
+
+DEFAULT_ID = "attach"
+
+
+def attach_nodes(nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str | None,
+                 rdzv_timeout: float, store_port: int | None, env: Mapping[str, str]) -> NodeConfig:
+    """Where this node's attach meets the others': ``run``'s flags and Slurm's variables (``node_config``), except
+    the job's own ``MASTER_PORT``, which is the job's store and never attach's."""
+    env = {k: v for k, v in env.items() if k != "MASTER_PORT"}
+    if (nnodes or 1) > 1 and rdzv_endpoint is None and slurm_job(env) is None:
+        raise UsageError("distcheck attach on several nodes needs --rdzv-endpoint HOST:PORT",
+                         "give every node's attach the same one: node 0's host and a free port")
+    return node_config(nnodes, node_rank, rdzv_endpoint, rdzv_id or DEFAULT_ID, "c10d", rdzv_timeout, None, None,
+                       store_port, env=env)
+
 
 VERDICT = "verdict"          # node 0's {"code": int, "summary": str, "run_dir": str}
 READ_BY_S = 15.0             # how long node 0 keeps its store up for the other nodes to read the verdict
