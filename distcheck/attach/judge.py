@@ -100,13 +100,6 @@ def progress(view: RankView) -> str | None:
     return ", ".join(said) or None
 
 
-def idle_words(view: RankView) -> str:
-    act = view.activity
-    woke = f", its main thread woke {act.wakeups} times" if act and act.wakeups else ""
-    io = f"only {size(act.io_bytes)} of I/O in {act.span:.1f} s" if act and act.io_bytes else "no I/O"
-    return f"idle (no CPU, {io}, in the same functions in {len(view.positions)} samples{woke})"
-
-
 def _event(view: RankView, at: Position, world: int, t: float) -> Event:
     return Event(rank=view.rank, group=GROUP, seq=SEQ, op=at.op or "collective", t_enter=t, callsite=at.callsite,
                  library_callsite=at.library_callsite, label=at.label, group_ranks=tuple(range(world)),
