@@ -12,7 +12,7 @@
    of building the ``Event`` objects alone is shown as the floor. Target:
    1M events/s or more for each.
 
-    python benchmarks/analysis_scale.py [--ranks 1024] [--collectives 1000] [--profile]
+    python benchmarks/analysis_scale.py [--ranks 1024] [--collectives 1000] [--profile] [--tiny]
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import conditions, median, table  # noqa: E402
+from _common import conditions, median, parse_args, table, well_formed  # noqa: E402
 
+# The smallest run that still plants both findings (the mismatch's call, 20 // 2 + 1, is an all_reduce).
+TINY = {"ranks": 8, "collectives": 20, "parse_calls": 400, "parse_rounds": 1}
 SITES = [(f"/home/user/train.py:{100 + i}:evaluate", f"/site-packages/torchmetrics/utilities/distributed.py:{90 + i}:gather",
           "BinaryAUROC.compute") for i in range(4)]
 
@@ -73,15 +75,21 @@ def run_analysis(traces, outcomes, ranks):
     return analyze(traces, outcomes, facts, {})
 
 
-def check(findings, ranks, collectives) -> str:
-    kinds = {f.kind for f in findings}
+def planted(findings, ranks, collectives) -> dict[str, bool]:
+    """Whether each planted finding was named, on the ranks and at the call it was planted at."""
     hang = [f for f in findings if f.kind == "hang"]
     mism = [f for f in findings if f.kind == "mismatch"]
     ok_hang = bool(hang) and hang[0].waiting_ranks == (0,) and len(hang[0].absent_ranks) == ranks - 1 \
         and hang[0].seq == collectives
     ok_mism = bool(mism) and mism[0].odd_ranks == (ranks // 2 + 1,) and mism[0].seq == collectives // 2 + 1 \
         and "reduce_op" in mism[0].fields
-    return f"hang {'found' if ok_hang else 'MISSED'}, mismatch {'found' if ok_mism else 'MISSED'} (kinds: {sorted(kinds)})"
+    return {"hang": ok_hang, "mismatch": ok_mism}
+
+
+def check(findings, ranks, collectives) -> str:
+    found = planted(findings, ranks, collectives)
+    said = ", ".join(f"{kind} {'found' if ok else 'MISSED'}" for kind, ok in found.items())
+    return f"{said} (kinds: {sorted({f.kind for f in findings})})"
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -113,7 +121,8 @@ def real_trace_file(path: Path, calls: int) -> None:
     tracer.close()
 
 
-def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list]:
+def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> tuple[list[list], dict[str, float]]:
+    """The table's rows, and each rate in events (or calls) per second."""
     from distcheck.models import Event
     from distcheck.files.trace_reader import parse_trace, read_trace_dir
     from distcheck.files.trace_tail import TraceTail
@@ -141,6 +150,7 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
                 res[name].append(n / (time.perf_counter() - t0))
     rows = [[name, f"{n:,}", f"{median(v) / 1e6:.2f} M/s", f"{len(whole) / n:.0f}" if name == "trace file" else ""]
             for name, v in res.items()]
+    rates = {"parse_trace_per_s": median(res["trace file"]), "event_objects_per_s": median(res["Event objects only"])}
     # a run dir of `files` ranks, each with `per_file` calls written by the real tracer
     real_trace_file(tmp / "small.trace", per_file)
     one = (tmp / "small.trace").read_bytes()
@@ -154,6 +164,7 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
     dt = time.perf_counter() - t0
     total = sum(len(t.events) for t in traces.values())
     rows.append([f"read_trace_dir, {files} files", f"{total:,}", f"{total / dt / 1e6:.2f} M/s ({dt:.1f} s)", ""])
+    rates["read_trace_dir_per_s"] = total / dt
     # the watchdog's view: one TraceTail per rank, each file read as far as it goes
     gc.collect()
     t0 = time.perf_counter()
@@ -162,7 +173,8 @@ def parse_rates(calls: int, rounds: int, files: int, per_file: int) -> list[list
     calls = sum(t.records for t in tails) // 2   # an enter and an exit record per call
     rows.append([f"TraceTail.read (watchdog), {files} files", f"{calls:,}", f"{calls / dt / 1e6:.2f} M/s ({dt:.1f} s)",
                  ""])
-    return rows
+    rates["trace_tail_calls_per_s"] = calls / dt
+    return rows, rates
 
 
 def main() -> None:
@@ -172,7 +184,7 @@ def main() -> None:
     p.add_argument("--parse-calls", type=int, default=100_000)
     p.add_argument("--parse-rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="print where analyze spends its time")
-    args = p.parse_args()
+    args = parse_args(p, TINY)
     print(f"conditions: {conditions()}")
     t0 = time.perf_counter()
     traces, outcomes = synthetic(args.ranks, args.collectives)
@@ -183,6 +195,7 @@ def main() -> None:
     findings = run_analysis(traces, outcomes, args.ranks)
     analyze_s = time.perf_counter() - t0
     verdict = check(findings, args.ranks, args.collectives)
+    found = planted(findings, args.ranks, args.collectives)
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     gc.collect()
     tracemalloc.start()
@@ -205,11 +218,12 @@ def main() -> None:
         print("\n".join(out.getvalue().splitlines()[4:34]))
     del traces, outcomes, findings
     gc.collect()
-    rows = parse_rates(args.parse_calls, args.parse_rounds, args.ranks, args.collectives)
+    rows, rates = parse_rates(args.parse_calls, args.parse_rounds, args.ranks, args.collectives)
     print()
     print(table(["parse_trace", "events", "rate (median)", "bytes/event"], rows,
                 title=f"Trace parsing: the same {args.parse_calls:,} calls written by the real tracer, "
                       f"{args.parse_rounds} interleaved rounds"))
+    well_formed({"analyze_s": analyze_s, "events": n, "peak_gib": peak / 2**30, **rates}, found)
 
 
 if __name__ == "__main__":

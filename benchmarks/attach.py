@@ -9,14 +9,13 @@ at a time logs every gap): the gaps while the reader runs, less the gaps of an e
 With ``--native``: how long one native read stops a rank hung in DDP's reducer (the C++ all_reduce attach reads
 native frames for), py-spy's ``--native`` beside pystack's ``remote --native`` and their Python-only reads.
 
-    python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2] [--native]
+    python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2] [--tiny] [--native]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,8 +23,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, median, table  # noqa: E402
+from _common import REPO, conditions, kill_tree, median, parse_args, table, well_formed  # noqa: E402
 
+TINY = {"ranks": [2], "repeat": 1}
 JOB = REPO / "tests" / "scripts" / "attach" / "job.py"
 
 
@@ -43,16 +43,8 @@ def start_job(folder: Path, ranks: int, mode: str = "allreduce") -> subprocess.P
 
 
 def end_job(folder: Path, proc: subprocess.Popen) -> None:
-    """The job's launcher and every rank that wrote its pid: a rank may sit in a session of its own, out of the
-    launcher's reach (one hung in DDP's reducer outlived a killed torchrun)."""
     (folder / "release").touch()
-    for ready in folder.glob("ready*"):
-        try:
-            os.kill(int(ready.read_text()), signal.SIGKILL)
-        except (ValueError, OSError):
-            pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)   # its ranks too: a loaded rank may not see the release before the folder goes
 
 
 def stopped(folder: Path, ranks: int, t0: float, t1: float) -> list[float]:
@@ -135,15 +127,17 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--native", action="store_true", help="measure the native readers instead")
-    args = ap.parse_args()
+    args = parse_args(ap, TINY)
     if args.native:
         print(conditions())
         native_reads(max(3, args.repeat))
         return
-    rows = []
+    rows, figures, named = [], {}, {}
     for ranks in args.ranks:
         runs = [one(ranks) for _ in range(args.repeat)]
         m = {k: median(r[k] for r in runs) for k in runs[0]}
+        figures[f"{ranks} ranks"] = {k: v for k, v in m.items() if k != "rc"}
+        named[f"{ranks} ranks: attach exited 1 (the hang)"] = all(r["rc"] == 1 for r in runs)
         exits = ",".join(str(int(r["rc"])) for r in runs)
         rows.append([ranks, f"{m['verdict_s']:.2f}", exits, f"{m['attach_stop_ms']:.1f}", f"{m['spy_s']:.2f}",
                      f"{m['spy_stop_ms']:.1f}", f"{m['nonblock_stop_ms']:.1f}", f"{m['native_stop_ms']:.1f}",
@@ -153,6 +147,7 @@ def main() -> None:
                  "py-spy dump: stopped ms", "--nonblocking: ms", "--native: ms", "noise ms"], rows,
                 title="distcheck attach vs py-spy by hand (planted hang; median; stops: the worst rank, "
                       "noise subtracted)"))
+    well_formed(figures, named)
 
 
 if __name__ == "__main__":

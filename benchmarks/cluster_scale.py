@@ -20,6 +20,7 @@ landed; ``hang_named_after_onset_s`` is node 0's decision time minus the onset.
 
     python benchmarks/cluster_scale.py --nodes 8,64,512 --ranks-per-node 8 --records-per-rank 10000 \\
         --json cluster_scale.json
+    python benchmarks/cluster_scale.py --tiny     # 2 nodes of 2 ranks: the same code, in seconds
 
 What is not simulated: a real network (loopback only), real NCCL or gloo, real ranks' CPU and the
 rendezvous of torch's agent. ``--node-poll-s`` is the simulated nodes' watchdog poll interval
@@ -44,17 +45,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import conditions, free_port, median, table  # noqa: E402
+from _common import conditions, free_port, median, parse_args, table, well_formed  # noqa: E402
 
 BARRIER_LINE = 412
 STEP_LINE = 380
 SYNTHETIC_FILE = "/synthetic/train.py"
 LAUNCH = "bench"
-FINISHED_LOCAL_RANK = 3        # of the last node: the planted rank that finished
+FINISHED_LOCAL_RANK = 3        # of the last node: the planted rank that finished (its last rank on a smaller node)
 # The simulated nodes' processes run at a lower priority than node 0's. On a cluster node 0 has a machine of
 # its own, and the other nodes' polls and uploads never take its CPU; here they share two cores with it, and
 # at 512 nodes their burst when the hang begins held node 0's poll off the cores for up to 0.4 s.
 WORKER_NICE = 10
+# --tiny: node 0 and one simulated node in one worker, 2 ranks each, the same planted hang and judgment
+TINY = {"nodes": "2", "ranks_per_node": 2, "records_per_rank": 20, "workers": 1, "settle_s": 0.3}
+FIGURES = ("hang_named_after_onset_s", "node0_peak_rss_mib", "report_after_decision_s", "poll_s_median",
+           "store_bytes_total", "upload_bytes_per_node", "gather_s", "judge_s", "reports_s")
 
 
 # -- synthetic ranks, written by the real tracer -------------------------------------------------
@@ -101,6 +106,12 @@ def templates(world: int, calls: int) -> tuple[bytes, bytes]:
     inside, used = seen["inside"], used_bytes(prefix)
     assert inside.startswith(prefix[:used]) and len(inside) > used
     return prefix, inside[used:]
+
+
+def finished_rank(nodes: int, rpn: int) -> int:
+    """The planted rank that finished: of the last node, never past its last rank (with none finished, every
+    rank would wait in the barrier: a hang no wait-for graph can call certain)."""
+    return (nodes - 1) * rpn + min(FINISHED_LOCAL_RANK, rpn - 1)
 
 
 def write_ranks(files: Any, ranks: range, node: int, prefix: bytes, pid: int) -> None:
@@ -320,7 +331,7 @@ def worker(args: argparse.Namespace) -> None:
     bench.wait(["bench/onset_at"])
     at = float(bench.get("bench/onset_at"))
     time.sleep(max(0.0, at - time.time()))
-    finished = (nodes - 1) * rpn + FINISHED_LOCAL_RANK
+    finished = finished_rank(nodes, rpn)
     for n in mine:
         plant(dirs[n], range(n * rpn, (n + 1) * rpn), n, barrier, finished)
     bench.set(f"bench/planted/{args.first}", repr(time.time()))
@@ -442,8 +453,7 @@ def node0(args: argparse.Namespace) -> dict[str, Any]:
     last_published = max(published_at) if len(published_at) == nodes - 1 else None
     idle.kill()
     hang = next((f for f in result.findings if f.kind == "hang"), None)
-    finished_rank = (nodes - 1) * rpn + FINISHED_LOCAL_RANK
-    named = hang is not None and finished_rank in hang.absent_ranks \
+    named = hang is not None and finished_rank(nodes, rpn) in hang.absent_ranks \
         and f"{hang.callsite}:".startswith(f"{SYNTHETIC_FILE}:{BARRIER_LINE}:")
     # Where the time from the onset to the decision went: until node 0 saw every rank but the planted one
     # waiting (the simulated nodes polling their files and publishing), then node 0's own polls.
@@ -639,7 +649,7 @@ def main() -> None:
         p.add_argument(name, type=int, help=argparse.SUPPRESS)
     for name in ("--root", "--tpl-prefix", "--tpl-barrier", "--row-json"):
         p.add_argument(name, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_args(p, TINY)
     if args.worker:
         worker(args)
         return
@@ -663,6 +673,9 @@ def main() -> None:
                 title=f"Cluster scale: {args.ranks_per_node} ranks per node, {args.records_per_rank:,} records per rank"))
     if args.json:
         args.json.write_text(json.dumps({"conditions": cond, "rows": rows}, indent=1))
+    well_formed({f"{r['nodes']} nodes": {k: r.get(k) for k in FIGURES} for r in rows},
+                {f"{r['nodes']} nodes: the planted hang named, no node's error": r.get("planted_named") is True
+                 and not r.get("errors") for r in rows})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ and both busbw values from nccl-tests' formula. ``--json`` writes the same numbe
     python benchmarks/comm_health_overhead.py                      # 4 gloo ranks, 4 MiB
     python benchmarks/comm_health_overhead.py --ranks 2 --size 1M --ops all_gather
     python benchmarks/comm_health_overhead.py --nccl --ranks 1     # one rank on a GPU
+    python benchmarks/comm_health_overhead.py --tiny               # one gloo rank, 4 KiB, one round: seconds
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, free_port, median, python, run_group, table  # noqa: E402
+from _common import REPO, conditions, free_port, median, parse_args, python, run_group, table, well_formed  # noqa: E402
 
 OPS = ("all_gather", "all_reduce", "all_to_all")
 
@@ -149,7 +150,7 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_args(p, {"ranks": 1, "size": 4096, "iters": 2, "warmup": 1, "rounds": 1})
     if args.worker:
         worker(args)
         return
@@ -167,6 +168,8 @@ def main() -> None:
                       "busbw in GB/s; target harness / plain <= 1.05)"))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    well_formed({r["op"]: {k: r[k] for k in ("harness_us", "plain_us", "ratio", "harness_busbw", "plain_busbw")}
+                 for r in rows}, {f"{r['op']}: every timed result right": r["wrong"] == 0 for r in rows})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ Each run has a hard timeout and its whole process group is killed afterwards;
 a process left behind is reported as a failure.
 
     python benchmarks/detection_latency.py [--sizes 2 4 8 16] [--stall-timeout 30] [--repeats 3]
-        [--hang python cpp dead cycle stuck] [--load K]
+        [--hang python cpp dead cycle stuck] [--load K] [--tiny]
+
+``--tiny``: every hang once, at 2 ranks, ``--stall-timeout 2`` (the runs of every ``hang_scenario*.py``).
 
 Certain hangs (peers finished or dead, a cycle) are judged against 1 s, whatever the stall timeout;
 the uncertain one (a silent rank) against the stall timeout + 1 s.
@@ -42,7 +44,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, median, run_group, table  # noqa: E402
+from _common import REPO, conditions, median, parse_args, run_group, table, well_formed  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 from load import cpu_hogs  # noqa: E402
@@ -123,14 +125,19 @@ def main() -> None:
                         "reducer all_reduce, issued from C++); dead: for a peer that died; cycle: every rank sends "
                         "before it receives; stuck: rank 0 blocks on an Event (uncertain: the stall timeout's case)")
     p.add_argument("--load", type=int, default=0, help="CPU hogs (busy loops) running beside the job")
-    args = p.parse_args()
+    args = parse_args(p, {"sizes": [2], "repeats": 1, "stall_timeout": 2.0, "hang": sorted(SCENARIOS),
+                          "hard_timeout": 120.0})
     print(f"conditions: {conditions()}")
+    figures, found = {}, {}
     with (cpu_hogs(args.load) if args.load else contextlib.nullcontext()):
         for hang in args.hang:
-            measure(args, hang)
+            figures[hang], found[f"{hang}: every run named it right, no survivor"] = measure(args, hang)
+    well_formed(figures, found)
 
 
-def measure(args: argparse.Namespace, hang: str) -> None:
+def measure(args: argparse.Namespace, hang: str) -> tuple[dict[str, float], bool]:
+    """Runs one kind of hang at every size, prints its table; the median seconds from onset to detection at
+    each size, and whether every run named it right and left no process behind."""
     scenario, certain, what = SCENARIOS[hang]
     runs: dict[int, list[dict]] = {w: [] for w in args.sizes}
     for r in range(args.repeats):
@@ -168,8 +175,11 @@ def measure(args: argparse.Namespace, hang: str) -> None:
                 title=f"{hang} hang ({'certain' if certain else 'uncertain'}: {what}): onset → detected / reported / "
                       f"torn down, --stall-timeout {s:g}, load {args.load} hogs, {args.repeats} runs per size "
                       f"(medians, max)"))
-    if any(x.get("survivors") for rs in runs.values() for x in rs):
+    every = [x for rs in runs.values() for x in rs]
+    if any(x.get("survivors") for x in every):
         print("\nWARNING: processes survived some runs (killed by this script).")
+    detected = {f"{world} ranks": median(x["detected"] for x in rs if "error" not in x) for world, rs in runs.items()}
+    return detected, all("error" not in x and x["ok"] and not x["survivors"] for x in every)
 
 
 if __name__ == "__main__":

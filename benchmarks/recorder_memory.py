@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, free_port, table  # noqa: E402
+from _common import REPO, conditions, free_port, parse_args, table, well_formed  # noqa: E402
 
 FLAT_KIB_PER_1000 = 256
 RSS_SLACK_MB = 16.0
@@ -157,13 +157,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=FULL["steps"])
     p.add_argument("--evals", type=int, default=FULL["evals"])
     p.add_argument("--every", type=int, default=FULL["every"])
-    p.add_argument("--tiny", action="store_true", help="a few seconds: the quick lane's configuration")
     p.add_argument("--json", help="write the samples and the verdict here")
     p.add_argument("--distcheck-path", default=str(REPO), help="the distcheck checkout to measure")
-    args = p.parse_args()
+    args = parse_args(p, TINY)
     if args.job:
         return job(args)
-    cfg = dict(TINY) if args.tiny else {"steps": args.steps, "evals": args.evals, "every": args.every}
+    cfg = {"steps": args.steps, "evals": args.evals, "every": args.every}
     with tempfile.TemporaryDirectory() as tmp:
         runs = {kind: _run(kind, cfg, Path(tmp), Path(args.distcheck_path)) for kind in ("plain", "distcheck")}
     rows = []
@@ -181,6 +180,10 @@ def main() -> None:
     print(f"conditions: {conditions()}")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": cfg, "runs": runs, "verdict": word, **figures}, indent=1))
+    sampled = {f"{kind}: 3 samples or more, each with its RSS": len(run["samples"]) >= 3
+               and all(x["rss_mb"] and x["rss_mb"] > 0 for x in run["samples"]) for kind, run in runs.items()}
+    well_formed({**figures, "distcheck_own_mb": runs["distcheck"]["tracemalloc_distcheck_mb"],
+                 "seconds": {kind: run["seconds"] for kind, run in runs.items()}}, sampled)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Runs go one at a time, healthy and faulty interleaved, each with a hard timeout 
 no-survivor check.
 
     python benchmarks/soak.py [--runs 100] [--load 4] [--stall-timeout 5] [--only ddp_recipe ...]
+    python benchmarks/soak.py --tiny    # one run each of a healthy and a faulty 2-rank script, no hogs
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, median, run_group, table  # noqa: E402
+from _common import REPO, conditions, median, parse_args, run_group, table, well_formed  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 from load import cpu_hogs  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
     p.add_argument("--stall-timeout", type=float, default=5.0)
     p.add_argument("--hard-timeout", type=float, default=300.0)
     p.add_argument("--only", nargs="+", choices=sorted(CASES), default=sorted(CASES))
-    args = p.parse_args()
+    args = parse_args(p, {"runs": 1, "load": 0, "only": ["fsdp2_train", "ddp_uneven"]})
     print(f"conditions: {conditions()}; {args.load} CPU hogs beside the jobs")
     results: dict[str, list[dict]] = {name: [] for name in args.only}
     with (cpu_hogs(args.load) if args.load else contextlib.nullcontext()):
@@ -106,6 +107,9 @@ def main() -> None:
     print()
     print(table(["script", "kind", "runs", "false alarms", "misses", "detected s after onset", "run s (median)"],
                 rows, title=f"soak: {args.runs} runs each, {args.load} CPU hogs, --stall-timeout {args.stall_timeout:g}"))
+    well_formed({name: median(r.get("seconds", float("nan")) for r in rs) for name, rs in results.items()},
+                {f"{name}: no {'false alarm' if CASES[name][2] else 'miss'}": all(r["ok"] for r in rs)
+                 for name, rs in results.items()})
 
 
 if __name__ == "__main__":

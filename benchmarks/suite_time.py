@@ -19,6 +19,9 @@ default options, against another checkout's (an older commit, ``git worktree add
 interleaved over the repeats, and prints new / old.
 
     python benchmarks/suite_time.py --against /tmp/old [--repeats 1]
+
+``--scenarios NAME ...`` times those built-in scenarios instead of the whole catalogue; ``--tiny`` two of them
+at 2 ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, median, run_group, table  # noqa: E402
+from _common import REPO, conditions, median, parse_args, run_group, table, well_formed  # noqa: E402
+
+# --tiny: one passing and one hanging scenario of the catalogue, 2 ranks, each way once
+TINY = {"nproc_per_node": 2, "scenarios": ["collectives_sanity", "uneven_shards_allreduce"]}
 
 
 def catalogue() -> list[str]:
@@ -70,6 +76,19 @@ def first_collective(launch_dir: str) -> float | None:
     return min(starts) if starts else None
 
 
+def scenario_rows(report: dict | None) -> dict[str, dict]:
+    """Per scenario of one ``distcheck run``'s JSON: its expectation, ending, wall time and start-up share."""
+    rows = {}
+    for s in (report or {}).get("scenarios", []):
+        first = first_collective(s["launch_dir"]) if s.get("launch_dir") else None
+        rows[s["name"]] = {
+            "expected": "/".join(s["expected"]), "end": s.get("end_reason") or "-",
+            "ok": s["ok"], "duration": s["duration_s"], "skipped": s.get("skipped"),
+            "startup": (first - s["started_at"]) if first and s.get("started_at") else None,
+        }
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc-per-node", type=int, default=4)
@@ -77,11 +96,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--hard-timeout", type=float, default=1800.0, help="per distcheck invocation, seconds")
     p.add_argument("--against", type=Path, help="another checkout: compare the catalogue's run, default options")
-    args = p.parse_args()
+    p.add_argument("--scenarios", nargs="+", default=[], help="these built-in scenarios, not the whole catalogue")
+    args = parse_args(p, TINY)
     if args.against:
         compare_checkouts(args)
         return
-    names = catalogue()
+    names = args.scenarios or catalogue()
     print(f"conditions: {conditions()}")
     print(f"catalogue: {len(names)} scenarios: {', '.join(names)}", flush=True)
     walls: dict[str, list[float]] = {"distcheck run (all)": [], "naive (one launch per scenario)": []}
@@ -91,16 +111,10 @@ def main() -> None:
         order = list(walls) if r % 2 == 0 else list(walls)[::-1]
         for mode in order:
             if mode.startswith("distcheck"):
-                wall, report, code = distcheck_run([], args, "all")
+                wall, report, code = distcheck_run(args.scenarios, args, "all")
                 walls[mode].append(wall)
                 verdicts.append(f"distcheck run: exit {code}, verdict {report and report.get('verdict')}")
-                for s in (report or {}).get("scenarios", []):
-                    first = first_collective(s["launch_dir"]) if s.get("launch_dir") else None
-                    per_scenario[s["name"]] = {
-                        "expected": "/".join(s["expected"]), "end": s.get("end_reason") or "-",
-                        "ok": s["ok"], "duration": s["duration_s"], "skipped": s.get("skipped"),
-                        "startup": (first - s["started_at"]) if first and s.get("started_at") else None,
-                    }
+                per_scenario.update(scenario_rows(report))
                 print(f"  {mode}: {wall:.1f} s (exit {code})", flush=True)
             else:
                 total = 0.0
@@ -125,12 +139,22 @@ def main() -> None:
     startup_pass = sum(s["startup"] or 0 for s in passing)
     print()
     print(table(["way", "wall s (median)", "runs"], [[k, f"{median(v):.1f}", len(v)] for k, v in walls.items()],
-                title=f"Whole catalogue ({len(names)} scenarios, {args.nproc_per_node} ranks, --stall-timeout "
+                title=f"{'The chosen scenarios' if args.scenarios else 'Whole catalogue'} ({len(names)} scenarios, {args.nproc_per_node} ranks, --stall-timeout "
                       f"{args.stall_timeout:g}): naive / distcheck = {b / a:.2f}×"))
     print(f"\nstart-up spent in the {len(passing)} pass-expected scenarios: {startup_pass:.1f} s of {a:.1f} s "
           f"(what one shared launch for them could save, minus one start-up)")
     for v in verdicts:
         print(f"  {v}")
+    check(names, per_scenario, verdicts, a, b)
+
+
+def check(names: list[str], per_scenario: dict[str, dict], verdicts: list[str], a: float, b: float) -> None:
+    """The run's figures are numbers, every scenario ended as expected, and every naive launch exited 0."""
+    well_formed({"distcheck_s": a, "naive_s": b, "naive_over_distcheck": b / a},
+                {"every scenario as expected in distcheck run": len(per_scenario) == len(names)
+                 and all(s["ok"] or s["skipped"] for s in per_scenario.values()),
+                 "every naive launch exited 0": all(v.startswith(f"naive: {len(names)}/") for v in verdicts
+                                                    if v.startswith("naive"))})
 
 
 def compare_checkouts(args: argparse.Namespace) -> None:
@@ -140,7 +164,8 @@ def compare_checkouts(args: argparse.Namespace) -> None:
     walls: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.repeats):
         for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-            wall, report, code = distcheck_run([], args, name.split()[0], checkout=sides[name], defaults=True)
+            wall, report, code = distcheck_run(args.scenarios, args, name.split()[0], checkout=sides[name],
+                                               defaults=True)
             walls[name].append(wall)
             ok = sum(s["ok"] for s in (report or {}).get("scenarios", []))
             print(f"  {name}: {wall:.1f} s, exit {code}, {ok} scenarios as expected", flush=True)
@@ -149,6 +174,7 @@ def compare_checkouts(args: argparse.Namespace) -> None:
     print(table(["checkout", "wall s (median)", "runs"], [[k, f"{median(v):.1f}", len(v)] for k, v in walls.items()],
                 title=f"The catalogue at {args.nproc_per_node} ranks, default options: this / against = "
                       f"{new / old:.2f}×"))
+    well_formed({"this_s": new, "against_s": old, "this_over_against": new / old})
 
 
 if __name__ == "__main__":

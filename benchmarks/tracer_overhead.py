@@ -42,7 +42,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, conditions, free_port, median, python, run_group, table  # noqa: E402
+from _common import REPO, conditions, free_port, median, parse_args, python, run_group, table, well_formed  # noqa: E402
+
+# --tiny: part 1 and part 2 once each, part 2 on one gloo rank (the same worker, modes and Flight Recorder set)
+TINY = {"ranks": [1], "rounds": 1, "block": 4, "hot_rounds": 1, "hot_block": 50}
 
 # -- part 1: the hot path in isolation ------------------------------------------------
 
@@ -264,7 +267,7 @@ def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = Fals
             for op in OPS}
 
 
-def side_by_side(worlds: list[int], args: argparse.Namespace) -> None:
+def side_by_side(worlds: list[int], args: argparse.Namespace) -> list[list]:
     """Part 2: tracer off / on / on with the Flight Recorder / DETAIL, and the control, in one table."""
     rows = []
     for world in worlds:
@@ -293,6 +296,7 @@ def side_by_side(worlds: list[int], args: argparse.Namespace) -> None:
         "  time, which leaves the recorder's own cost out.\n"
         f"  control: each call wrapped in {args.spin_us:.2f} µs of plain busy work (the tracer's CPU time per call,\n"
         "  part 1), i.e. what any work that long on the calling thread costs here.")))
+    return rows
 
 
 def main() -> None:
@@ -309,7 +313,7 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_args(p, TINY)
     if args.worker:
         worker(args)
         return
@@ -320,11 +324,13 @@ def main() -> None:
                  "added µs (thread CPU time)"], rows,
                 title=f"Tracer hot path in isolation: medians of {args.hot_rounds} interleaved rounds × "
                       f"{args.hot_block} calls"))
-    if args.hot_only:
-        return
-    if args.spin_us is None:   # the control burns what the tracer costs an all_reduce here
-        args.spin_us = float(rows[0][3])
-    side_by_side([1] if args.nccl else args.ranks, args)
+    figures = {"hot_added_us": {row[0]: float(row[3]) for row in rows if row[3]}}
+    if not args.hot_only:
+        if args.spin_us is None:   # the control burns what the tracer costs an all_reduce here
+            args.spin_us = float(rows[0][3])
+        real = side_by_side([1] if args.nccl else args.ranks, args)
+        figures["ratios"] = [float(cell) for row in real for cell in row[3:-1]]
+    well_formed(figures)
 
 
 if __name__ == "__main__":

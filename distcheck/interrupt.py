@@ -14,7 +14,9 @@ Three stages, one handler:
   that follows the first within ``SAME_REQUEST_S``: at its time limit Slurm sends SIGTERM, SIGCONT and
   SIGTERM again ~3 ms later, one request to stop, which must still end with a report.
 
-Under Slurm, ``end_reason`` tells which of Slurm's endings it was (``launch.slurm.ending``).
+Under Slurm, ``end_reason`` tells which of Slurm's endings it was (``launch.slurm.ending``). Before a job's
+time limit distcheck asks itself to stop (``request_stop``, from ``launch.slurm.stop_before_end``'s timer): a
+first request like a signal's, after which Slurm's own SIGTERMs are the same request.
 
 Exit 130 on every path. The handler replaces an inherited SIG_IGN (a job started with ``&`` from a
 script ignores SIGINT), so Ctrl-C and ``kill -INT`` are honoured however distcheck was started.
@@ -45,6 +47,7 @@ class _State:
     # What an interrupt before the run began leaves in the run dir already made (its report); none: no run dir yet.
     before_start: Callable[[str], None] | None = None
     ending: Any = None           # the EndReason, once asked (``end_reason``)
+    own: bool = False            # the request is distcheck's own (``request_stop``), not a signal
 
 
 _state = _State()
@@ -59,7 +62,7 @@ def install() -> None:
 
 def handler(signum: int, frame: Any) -> None:
     name = signal.Signals(signum).name
-    if _state.requested_at is not None and _same_request(name):
+    if _state.requested_at is not None and (_same_request(name) or (_state.own and name == "SIGTERM")):
         return
     if _state.requested_at is not None and _state.installed:
         _stop_at_once(name)
@@ -80,6 +83,7 @@ def begin_run(stop_everything: Callable[[], None] = lambda: None) -> None:
     ``stop_everything`` kills whatever distcheck started, should a second signal come."""
     if not _state.installed:
         _state.requested_at = _state.signal_name = _state.ending = None
+        _state.own = False
     _state.running = True
     _state.stop_everything = stop_everything
 
@@ -88,6 +92,14 @@ def on_interrupt_before_start(write: Callable[[str], None]) -> None:
     """A run dir now exists before the run begins (a --run-dir checked with the flags): an interrupt from here
     to ``begin_run`` calls ``write(signal name)`` so the run dir holds a report saying so."""
     _state.before_start = write
+
+
+def request_stop(name: str) -> None:
+    """distcheck's own request to stop the run, from any thread (Slurm's time limit is near): recorded as a
+    first signal would be, without raising; the watchdog and the run loop poll it. A SIGTERM after it is the
+    same request (Slurm's own at the limit), a Ctrl-C a second one."""
+    if _state.running and _state.requested_at is None:
+        _state.requested_at, _state.signal_name, _state.own = time.time(), name, True
 
 
 def requested() -> bool:

@@ -26,7 +26,7 @@ from distcheck.errors import LaunchError, UsageError
 from distcheck.files import user_code
 from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.saved_runs import REPORT_FILE
-from distcheck.launch import forkserver, procs
+from distcheck.launch import forkserver, procs, slurm
 from distcheck.launch.cluster import ClusterStore
 from distcheck.launch.node_config import check_endpoint_address
 from distcheck.launch.launcher import quiet_native_warnings, workers_torch_environment
@@ -103,15 +103,16 @@ def run_targets(targets: list[Target], options: RunOptions, hooks: RunHooks | No
     # Every node must name its launches alike for torch's rendezvous to pair them.
     launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
     check_endpoint_address(options.nodes)
-    cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None
-    started = time.time()
-    targets = unique_names([t.at_world_size(options.world_size) for t in targets])
-    state = _run_all(targets, RunContext(options, run_dir, launch_base, cluster, hooks.on_poll, hooks.rank_output),
-                     hooks)
-    reported, output = targets[0].as_reported(options, run_dir)
-    report = Report(run=run_info(reported, run_dir, started, output), scenarios=tuple(state.results),
-                    interrupted=state.interrupted)
-    write_json_atomic(run_dir / REPORT_FILE, report.to_dict())
+    with slurm.stop_before_end():   # inside a Slurm job with a time limit: the report is written before it
+        cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None
+        started = time.time()
+        targets = unique_names([t.at_world_size(options.world_size) for t in targets])
+        state = _run_all(targets, RunContext(options, run_dir, launch_base, cluster, hooks.on_poll,
+                                             hooks.rank_output), hooks)
+        reported, output = targets[0].as_reported(options, run_dir)
+        report = Report(run=run_info(reported, run_dir, started, output), scenarios=tuple(state.results),
+                        interrupted=state.interrupted)
+        write_json_atomic(run_dir / REPORT_FILE, report.to_dict())
     if cluster is not None and cluster.liveness.lost:
         raise lost_nodes_error(cluster.liveness.lost, state.results[-1].name, len(targets) - len(state.results),
                                run_dir)
@@ -181,7 +182,6 @@ def unique_names(targets: list[Target]) -> list[Target]:
 def run_info(options: RunOptions, run_dir: Path, started: float, command_output: str | None = None) -> RunInfo:
     import torch
 
-    from distcheck.launch.slurm import slurm_job
     from distcheck.torch_features import features
 
     info = build_run_info(
@@ -190,5 +190,4 @@ def run_info(options: RunOptions, run_dir: Path, started: float, command_output:
         command=options.command or shlex.join(sys.argv), run_dir=str(run_dir), seed=options.seed,
         started=started, ended=time.time(), versions=library_versions(), command_output=command_output,
     )
-    job = slurm_job()
-    return dataclasses.replace(info, torch_features=features().flags(), slurm=job.metadata() if job else {})
+    return dataclasses.replace(info, torch_features=features().flags(), slurm=slurm.run_metadata())

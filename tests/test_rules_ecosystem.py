@@ -362,3 +362,14 @@ def test_a_symmetric_cycle_has_no_rank_out_of_step():
     traces = {0: [ev(0, 1, members=a[1], done=False)._replace(group=a[0])],
               1: [ev(1, 1, members=b[1], done=False)._replace(group=b[0])]}
     assert out_of_step_ranks(traces) == {}
+
+
+def test_full_tensor_against_fsdp2_peers_whose_sidecar_sampled_no_user_line_still_names_rank_0():
+    """A C++-issued call's line comes from a stack its sidecar sampled later, so one peer may have none (seen
+    beside CPU hogs): the peers still agree on their call, and rank 0 is out of step, never a tie."""
+    traces, outcomes = _fsdp_peers_and_rank_0([])
+    traces[2][-1] = traces[2][-1]._replace(callsite=None, label="C++-issued all_gather")
+    found = analyze(traces, outcomes, RunFacts(world_size=3, end_reason="crash"))
+    m = next(f for f in found if f.kind == "mismatch")
+    assert m.odd_ranks == (0,) and not m.tie and m.callsite == SITE.format(34)
+    assert "cannot be told" not in m.summary and "a tie" not in m.summary

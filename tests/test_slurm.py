@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,8 @@ import pytest
 from conftest import REPO
 from distcheck.errors import UsageError
 from distcheck.launch.node_config import node_config
-from distcheck.launch.slurm import endpoint_port, ending_in_output, expand_hostlist, slurm_job
+from distcheck.launch.slurm import (OWN_STOP, classify, endpoint_port, ending_in_output, expand_hostlist, known_end,
+                                    run_metadata, slurm_job, stop_before_end)
 from distcheck.models import EndReason, Report, RunInfo
 
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4",
@@ -119,3 +122,92 @@ def test_slurms_second_sigterm_is_the_same_request(signals, one_request):
         assert (done.returncode, done.stdout.strip()) == (0, "still running SIGTERM"), done.stderr
     else:
         assert done.returncode == 130 and "interrupted again" in done.stderr
+
+
+@pytest.mark.parametrize("state, reason, at, ending", [
+    ("COMPLETING", "TimeLimit", 100.0, EndReason.SLURM_TIME_LIMIT),   # measured at a time limit (22.05)
+    ("COMPLETING", "None", 100.0, EndReason.SLURM_CANCELLED),         # measured at a scancel: far from the end
+    ("COMPLETING", "None", 997.0, EndReason.SLURM_TIME_LIMIT),        # no reason, but the end time had come
+    ("COMPLETING", "None", 1020.0, EndReason.SLURM_TIME_LIMIT),       # Slurm checks its limits late
+    ("TIMEOUT", None, 100.0, EndReason.SLURM_TIME_LIMIT), ("CANCELLED", None, 999.0, EndReason.SLURM_CANCELLED),
+    ("PREEMPTED", None, 100.0, EndReason.SLURM_PREEMPTED),
+    ("RUNNING", "None", 100.0, None),                                  # a plain kill: the job goes on
+    (None, None, 100.0, None), (None, None, 999.0, EndReason.SLURM_TIME_LIMIT),   # no scontrol: the end time
+])
+def test_a_sigterm_is_told_by_the_jobs_state_reason_and_end_time(state, reason, at, ending):
+    assert classify(state, reason, 1000.0, at) is ending
+
+
+def test_a_cancel_is_not_taken_for_a_time_limit_without_an_end_time():
+    assert classify("COMPLETING", "None", None, 100.0) is EndReason.SLURM_CANCELLED
+    assert classify(None, None, None, 100.0) is None
+
+
+OWN_STOP_JOB = textwrap.dedent("""
+    import json, os, signal, time
+    from distcheck import interrupt
+    from distcheck.launch import slurm
+    interrupt.install()
+    interrupt.begin_run()
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_JOB_END_TIME": str(int(time.time()) + 3)}
+    with interrupt.watched(), slurm.stop_before_end(env, lead_s=1.5) as end:
+        deadline = time.time() + 30
+        while not interrupt.requested() and time.time() < deadline:
+            time.sleep(0.01)
+        asked = time.time()
+        os.kill(os.getpid(), signal.SIGTERM)   # Slurm's own SIGTERM at the limit, after distcheck's own stop
+        print(json.dumps({"lead": end - asked, "name": interrupt.signal_name(), "known": slurm.known_end() == end,
+                          "ending": slurm.requested_ending().value}))
+    print(json.dumps({"known_after": slurm.known_end()}))
+""")
+
+
+def test_distcheck_stops_itself_before_the_time_limit_and_slurms_sigterm_then_is_the_same_request():
+    done = subprocess.run([sys.executable, "-c", OWN_STOP_JOB], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0 and "interrupted again" not in done.stderr, done.stderr
+    during, after = (json.loads(line) for line in done.stdout.splitlines())
+    assert (during["name"], during["known"], during["ending"]) == (OWN_STOP, True, "slurm_time_limit")
+    assert 1.0 < during["lead"] <= 1.5   # asked lead_s before the end, not at once
+    assert after == {"known_after": None}
+
+
+def test_outside_slurm_nothing_is_known_and_no_stop_is_planned():
+    with stop_before_end({}, lead_s=1e9) as end:
+        assert end is None and known_end() is None
+    assert run_metadata() == {} or "SLURM_JOB_ID" in os.environ
+
+
+@pytest.mark.parametrize("held", ["endpoint", "store"])
+def test_a_port_in_use_is_named_with_where_it_came_from_and_how_to_choose_another(held):
+    import socket
+
+    from distcheck.errors import LaunchError
+    from distcheck.launch.node_config import check_endpoint_address
+
+    job = next(j for j in range(5000, 6000) if _free(endpoint_port(str(j))) and _free(endpoint_port(str(j)) + 1))
+    node0 = {**STEP, "SLURM_JOB_ID": str(job), "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1"}
+    cfg = config(node0)
+    assert (cfg.port, cfg.port_from_job) == (endpoint_port(str(job)), str(job))
+    port = cfg.port if held == "endpoint" else cfg.port + 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        with pytest.raises(LaunchError) as refused:
+            check_endpoint_address(cfg)
+    assert f"127.0.0.1:{port} is already in use" in refused.value.message
+    assert f"derived from Slurm job {job}'s id" in refused.value.hint and "--rdzv-endpoint 127.0.0.1:PORT" \
+        in refused.value.hint
+    check_endpoint_address(cfg)   # free again: no error
+    # a port the user chose is not "derived": the hint says to choose another, not why it was picked
+    assert config({**node0, "MASTER_PORT": str(port)}).port_from_job is None
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

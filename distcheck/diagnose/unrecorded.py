@@ -19,6 +19,7 @@ the peers were broken off. Every run then names the same rank, number and lines.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Mapping
 
 from distcheck.diagnose.common import GroupKey, Table, detail, is_peer_failure, majority, who
@@ -141,6 +142,14 @@ def with_unrecorded_calls(outcomes: Mapping[int, RankOutcome], table: Table) -> 
     return out
 
 
+def _reference(peers: Mapping[int, Event]) -> Event:
+    """The peers' call as the report names it: the line most of them were sampled at (a peer whose sidecar
+    sampled no user frame has none), the lowest rank among those."""
+    lines = Counter(e.callsite for e in peers.values() if e.callsite)
+    line = min(lines, key=lambda site: (-lines[site], site)) if lines else None
+    return next(e for _, e in sorted(peers.items()) if e.callsite == line)
+
+
 def _api(e: Event) -> str:
     return (e.label or e.op).removesuffix(f" ({UNRECORDED})")
 
@@ -151,10 +160,13 @@ def unrecorded_finding(inside: Event, receivers: Mapping[int, tuple[int, int]], 
     only their stack knew — met the peers' calls at its (group, seq). The peers agree among themselves,
     so the rank out of step is the one alone in another call (by majority; two sides alike are a tie)."""
     calls = {r: e for r, e in peers.items()} | {inside.rank: inside}
-    sigs = {r: (wire_op(e.op) if e.op != "?" else None, e.callsite, e.shapes) for r, e in calls.items()}
+    # Compared as the rules compare C++-issued calls: by what the backend runs. A peer's line and label come from
+    # a stack its sidecar sampled a little later (none at all when it sampled no user frame), never compared.
+    sigs = {r: (wire_op(e.op) if e.op != "?" else None, e.shapes, e.dtypes) for r, e in peers.items()}
+    sigs[inside.rank] = (UNRECORDED,)   # only its stack knew the call: alone on its side by construction
     peer_sigs = {sigs[r] for r in peers}
     expected, odd, tie = majority(sigs) if len(peer_sigs) == 1 else (None, [], True)
-    ref = None if tie else next(e for r, e in sorted(peers.items()) if sigs[r] == expected)
+    ref = None if tie else _reference(peers)
     same_wire = ref is not None and (inside.op == "?" or wire_op(inside.op) == wire_op(ref.op))
     fields = ("shape",) if same_wire or ref is None else ("op", "shape")
     got = "; ".join(f"rank {r} received {a} bytes where it expected {b}" for r, (a, b) in sorted(receivers.items()))

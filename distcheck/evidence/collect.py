@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from distcheck.diagnose.common import is_peer_failure
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.models import EndReason, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
+from distcheck.files.metric_records import with_spilled_computes
 from distcheck.files.samples import read_samples
 from distcheck.files.stacks import (IDLE_IN_POOL, StackDump, fatal_dump, idle_in_pool, main_stack, read_dumps,
                                     torch_dir, user_top)
@@ -152,7 +154,7 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
     if not EndReason.of(launch.end_reason).interrupted:
         _mark_primary(facts, killed)
     outcomes = {f.rank: _outcome(f, launch, f.rank in killed) for f in facts}
-    results = {f.rank: _results(f.status, files.samples(f.rank)) for f in facts}
+    results = {f.rank: _results(f.status, files.samples(f.rank), files.metrics_dir) for f in facts}
     results = {r: res for r, res in results.items() if res}
     initialized = any(f.status.pg_initialized for f in facts)
     return CollectedRun(world_size=world_size, traces=traces, outcomes=outcomes, results=results,
@@ -186,9 +188,10 @@ def _abort_in_log(path) -> str | None:
     return abort_text(tail) if tail is not None else None
 
 
-def _results(status: RankStatus, samples_file) -> dict[str, Any]:
-    """The scenario's declared results plus the DataLoader passes the rank recorded."""
-    results = dict(status.results or {})
+def _results(status: RankStatus, samples_file, metrics_dir: Path) -> dict[str, Any]:
+    """The scenario's declared results plus the DataLoader passes the rank recorded (and the compute() records
+    its metrics wrote out as they went)."""
+    results = dict(with_spilled_computes(status.results or {}, metrics_dir))
     drawn = read_samples(samples_file)
     if drawn:
         results["samples"] = list(results.get("samples", [])) + drawn

@@ -16,7 +16,7 @@ from distcheck.diagnose.rank_state import classify_rank
 from distcheck.diagnose.verdict import Blame, Evidence, Scenario, scenario_result
 from distcheck.errors import CorruptInputError, UsageError
 from distcheck.files.launch_dir import LaunchFiles, RankStatus, read_json
-from distcheck.files.metric_records import with_saved_reference
+from distcheck.files.metric_records import with_saved_reference, with_spilled_computes
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.files.trace_reader import RankTrace, read_trace_dir
 from distcheck.models import EndReason, Event, Phase, RankOutcome, RankState, ScenarioResult
@@ -41,7 +41,8 @@ def analyze_launch(launch_dir: Path) -> tuple[ScenarioResult, int, dict[int, lis
     all_events = [e for evs in events.values() for e in evs]
     evidence = Evidence(
         events=events, outcomes=outcomes, facts=facts,
-        results=with_saved_reference({r: s.results for r, s in status.items() if s.results}, files.metrics_dir),
+        results=with_saved_reference({r: with_spilled_computes(s.results, files.metrics_dir) for r, s in status.items() if s.results},
+                                     files.metrics_dir),
         started_at=saved.get("started_at") or min((e.t_enter for e in all_events), default=None),
         ended_at=saved.get("ended_at"))
     saved_expected = saved.get("expected")

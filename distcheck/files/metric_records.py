@@ -166,6 +166,47 @@ def chain_key(chain: Mapping[str, Any]) -> str:
     return ",".join(f"{r}:{key}" for r, key in chain["members"])
 
 
+# -- compute records a long run wrote out as it went (``rank.metrics``), read back with the rank's status ----------
+
+
+def spill_name(key: str) -> str:
+    """The file, in the launch's metrics folder, that one recorded object's earlier compute records go to."""
+    return f"{key}-computes.jsonl"
+
+
+def append_computes(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def with_spilled_computes(results: Mapping[str, Any], metrics_dir: Path) -> Mapping[str, Any]:
+    """A rank's results with every recorded object's written-out compute records back in front of the kept ones.
+    A file that cannot be read or parsed leaves its records out, with a note on that object (no replay of it)."""
+    metrics = results.get("metrics")
+    if not metrics or not any(isinstance(m, dict) and m.get("computes_file") for m in metrics):
+        return results
+    return {**results, "metrics": [_unspilled(m, metrics_dir) for m in metrics]}
+
+
+def _unspilled(entry: Mapping[str, Any], metrics_dir: Path) -> Mapping[str, Any]:
+    rel = entry.get("computes_file") if isinstance(entry, dict) else None
+    if not rel:
+        return entry
+    folders = [metrics_dir, *([Path(entry["written_in"])] if entry.get("written_in") else [])]
+    for folder in folders:
+        try:
+            lines = (folder / rel).read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+        try:
+            spilled = [json.loads(line) for line in lines]
+        except ValueError:
+            break
+        return {**entry, "computes": spilled + list(entry.get("computes") or ())}
+    note = entry.get("note") or f"its earlier compute() records ({rel}) could not be read back"
+    return {**entry, "note": note}
+
+
 def entries_by_rank(results: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Mapping[str, Any]]]:
     return {r: {m["id"]: m for m in res.get("metrics", ())} for r, res in sorted(results.items()) if res.get("metrics")}
 

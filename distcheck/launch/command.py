@@ -126,14 +126,6 @@ def _wait_for_end(guard: subprocess.Popen, watchdog: Watchdog) -> None:
         time.sleep(0.05)
 
 
-def _end_on_every_node(channel: Any, watchdog: Watchdog) -> None:
-    """Node 0's command ended by itself (its launcher gave up after a rank failed, or the job is done):
-    the other nodes' ranks may be waiting for ones that are gone, so node 0 tells every node to end too
-    (a non-leader's watchdog ends on any decision node 0 posts)."""
-    if channel is not None and channel.is_leader and watchdog.result.decision is Decision.CONTINUE:
-        channel.post_decision(Decision.RELEASE.value, None, time.time())
-
-
 def _stop(guard: subprocess.Popen, watchdog: Watchdog | None) -> None:
     """Nothing the command started survives: the guard ends its tree on end of file."""
     if watchdog is not None:
@@ -251,7 +243,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
                                 channel=channel)
             watchdog.start()
             _wait_for_end(guard, watchdog)
-            _end_on_every_node(channel, watchdog)
+            launcher.end_on_every_node(channel, watchdog)
     except KeyboardInterrupt:
         interrupted = True
     finally:

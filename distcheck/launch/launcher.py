@@ -27,11 +27,11 @@ from distcheck.launch import memory
 from distcheck.launch import procs
 from distcheck.launch import rendezvous
 from distcheck.launch.rank_output import RankOutput
+from distcheck.launch.survivors import survivors_record_first
 from distcheck.launch.node_config import gloo_interface
 from distcheck.errors import LaunchError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import FATAL_SIGNALS, fatal_dump, read_dumps, signal_of
-from distcheck.files.trace_tail import TraceTail
 from distcheck.launch.progress import RankProgress
 from distcheck.launch.watchdog import Decision, Limits, NodeChannel, Watchdog, WatchdogResult
 from distcheck.models import EndReason, Phase
@@ -296,90 +296,6 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     return EndReason.COMPLETED
 
 
-# How long torch's agent is held at most after a rank failed, for the survivors' records (see below): a
-# survivor already inside a call is let go at its sidecar's next sync; one on its way to the call gets this
-# long to reach it (beside CPU hogs, DTensor's Python between two calls took over 2 s).
-SURVIVOR_SYNC_S = 5.0
-
-
-@contextlib.contextmanager
-def _survivors_record_first(files: LaunchFiles, exit_codes: dict[int, tuple[int, int]]) -> Iterator[None]:
-    """Hold torch's agent, once it saw a rank fail, until the survivors' records hold what they were in.
-    Also fills ``exit_codes`` with every forked rank's (``_forked_exit_codes``).
-
-    The agent's process context stops the other ranks in the very poll (every 0.05 s) that finds a
-    rank failed (``PContext._poll`` calls ``close()``), often before their sidecars wrote the
-    C++-issued call they were waiting in, the very call that explains the failure (DDP's gradient
-    bucket against a peer's logging all_reduce). So ``close()`` after a failure first waits until each
-    survivor's trace is synced after the failure (by its sidecar's next poll, or by its own failure's
-    flush; a poll or two) and shows it inside a call, at most SURVIVOR_SYNC_S, then stops them as before. A close without a
-    failure (every rank finished, Ctrl-C) does not wait.
-    """
-    import torch.multiprocessing as mp
-    from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import PContext
-
-    original_monitor, original_close = LocalElasticAgent._monitor_workers, PContext.close
-
-    def monitor_workers(agent: Any, worker_group: Any) -> Any:
-        result = original_monitor(agent, worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            exit_codes.update(_forked_exit_codes(agent, worker_group))
-        return result
-
-    def close(pcontext: Any, *args: Any, **kwargs: Any) -> None:
-        # SubprocessContext keeps its failures; MultiprocessContext closes while handling the exception
-        failed = getattr(pcontext, "_failures", None) or isinstance(
-            sys.exc_info()[1], (mp.ProcessRaisedException, mp.ProcessExitedException))
-        if failed:
-            _wait_for_synced_records(files, time.time(), SURVIVOR_SYNC_S)
-        original_close(pcontext, *args, **kwargs)
-
-    LocalElasticAgent._monitor_workers, PContext.close = monitor_workers, close
-    try:
-        yield
-    finally:
-        LocalElasticAgent._monitor_workers, PContext.close = original_monitor, original_close
-
-
-def _forked_exit_codes(agent: Any, worker_group: Any) -> dict[int, tuple[int, int]]:
-    """Global rank -> (exit code, pid) of every forked rank that ended by itself. torch's agent reports only the
-    first one its poll found (a peer's "Connection closed" exit 1 may come before the SIGKILL that caused
-    it); the processes it forked still know theirs. A rank the agent terminated itself shows SIGTERM: a
-    consequence, left out. Empty for ranks with processes of their own (the agent reports them all)."""
-    processes = getattr(getattr(getattr(agent, "_pcontext", None), "_pc", None), "processes", None) or []
-    ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
-    return {ranks[i]: (p.exitcode, p.pid) for i, p in enumerate(processes)
-            if i in ranks and p.exitcode not in (None, 0, -signal.SIGTERM)}
-
-
-def _wait_for_synced_records(files: LaunchFiles, since: float, timeout_s: float) -> None:
-    """Until every live rank of this node synced its trace after ``since`` and is inside a call (or has
-    ended), at most ``timeout_s``. A survivor on its way to the call the failed rank was in (still in the
-    Python between two calls) is stopped inside it, not before: otherwise whether its record names that
-    call, and so the majority at it, would depend on the machine's load (issue 41's determinism lane)."""
-    deadline = time.monotonic() + timeout_s
-    tails = {path: TraceTail(path) for path in files.traces.glob("rank*.trace")}
-    while tails and time.monotonic() < deadline:
-        for path, tail in list(tails.items()):
-            rank = int(path.stem.removeprefix("rank"))
-            status = files.read_status(rank)
-            # only a rank in its process group has a sidecar that syncs (one still starting has no calls)
-            done = status is None or not procs.is_alive(status.pid) or status.phase is not Phase.RUNNING
-            if done or _synced_inside_a_call(tail, since):
-                del tails[path]
-        time.sleep(0.02)
-
-
-def _synced_inside_a_call(tail: TraceTail, since: float) -> bool:
-    try:
-        tail.read()
-    except OSError:   # a trace that cannot be read: nothing to wait for
-        return True
-    return (tail.synced_at or 0.0) >= since and tail.newest_open is not None
-
-
 def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
            on_output: Callable[[int, str], None] | None = None) -> LaunchOutcome:
     """Run one job to its end under the watchdog. Never leaves a process behind. ``on_output``: each line
@@ -401,7 +317,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     error = None
     with (procs.environment_with(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
           _restore_signal_handlers(),
-          _survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
+          survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
         entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it
         watchdog.start()
         output = RankOutput(files.root / "logs", on_output) if on_output is not None else None
@@ -420,6 +336,7 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
         finally:
             watchdog.stop()
             watchdog.join(timeout=15)
+            end_on_every_node(spec.channel, watchdog)
             if output is not None:
                 output.stop()
             procs.kill_descendants()
@@ -433,6 +350,14 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
 
 
 # -- multi-node: each node launches its own ranks; node 0 merges what the others report --
+
+
+def end_on_every_node(channel: NodeChannel | None, watchdog: Watchdog) -> None:
+    """Node 0's launch ended by itself, no decision taken (torch's agent gave up after a rank failed before the
+    watchdog judged, or the job is done): the other nodes' ranks may wait for ones that are gone, so node 0 tells
+    every node to end too (a non-leader's watchdog ends on any decision node 0 posts; a released one ignores it)."""
+    if channel is not None and channel.is_leader and watchdog.result.decision is Decision.CONTINUE:
+        channel.post_decision(Decision.RELEASE.value, None, time.time())
 
 
 def node_summary(outcome: LaunchOutcome) -> dict[str, Any]:

@@ -3,6 +3,7 @@ the rendezvous endpoint checked before any launch, and the address a node's stor
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -27,6 +28,7 @@ class NodeConfig:
     rdzv_timeout: float = 300.0
     store_port: int | None = None
     local_addr: str | None = None          # this node's address (torchrun's --local-addr)
+    port_from_job: str | None = None       # the Slurm job whose id the endpoint's port was derived from
 
     @property
     def multi(self) -> bool:
@@ -55,6 +57,7 @@ def node_config(
     ``srun``, whatever of --nnodes/--node-rank was left out taken from the job step."""
     env = os.environ if env is None else env
     job = slurm_job(env)
+    port_from_job = None
     if job is not None and (nnodes is None or node_rank is None):
         if not job.in_step and job.nnodes > 1 and nnodes is None:
             raise _batch_step_refusal(job)
@@ -65,7 +68,9 @@ def node_config(
             rdzv_id = rdzv_id or f"slurm-{job.job_id}.{job.step_id}"
             if nnodes > 1 and rdzv_endpoint is None and master_addr is None:
                 master_addr = env.get("MASTER_ADDR") or _first_host(job)
-                master_port = master_port or _int_or_none(env.get("MASTER_PORT")) or endpoint_port(job.job_id)
+                master_port = master_port or _int_or_none(env.get("MASTER_PORT"))
+                port_from_job = None if master_port else job.job_id
+                master_port = master_port or endpoint_port(job.job_id)
     nnodes = nnodes or 1
     node_rank = node_rank or 0
     if nnodes < 1:
@@ -87,7 +92,7 @@ def node_config(
             raise UsageError("a multi-node run needs --rdzv-id", "give every node the same id, e.g. the job id")
     return NodeConfig(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                       rdzv_backend=rdzv_backend, rdzv_timeout=rdzv_timeout, store_port=store_port,
-                      local_addr=local_addr)
+                      local_addr=local_addr, port_from_job=port_from_job)
 
 
 def _batch_step_refusal(job: SlurmJob) -> UsageError:
@@ -138,7 +143,10 @@ def check_endpoint_address(config: NodeConfig, resolve: Callable[[str], list[str
     torch's stores, listening on every interface, hide it, ours would not be reachable.
     """
     host = config.host
-    if not config.multi or config.node_rank != 0 or host == "localhost" or _is_ip_literal(host):
+    if not config.multi or config.node_rank != 0:
+        return
+    _check_ports_free(config)
+    if host == "localhost" or _is_ip_literal(host):
         return
     resolved = sorted(set((resolve or _addresses)(host)))
     if all(_is_loopback(a) for a in resolved):
@@ -150,6 +158,33 @@ def check_endpoint_address(config: NodeConfig, resolve: Callable[[str], list[str
             f"cannot reach (distcheck listens on the endpoint's address only)",
             "give --rdzv-endpoint as an address of this node that the others reach"
             + (f" ({', '.join(mine)})" if mine else ""))
+
+
+def _check_ports_free(config: NodeConfig) -> None:
+    """Node 0 hosts the rendezvous store on the endpoint's port and distcheck's store on the next (or --store-port):
+    one already taken is named before anything starts, with the way to choose another."""
+    for port in (config.port, config.store_address[1]):
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT leftovers are no owner
+            try:
+                probe.bind((config.host.strip("[]"), port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    which = "the rendezvous port" if port == config.port else "distcheck's store port"
+                    raise LaunchError(f"{which} {config.host}:{port} is already in use by another process",
+                                      _port_hint(config, port)) from None
+                return   # not this node's address, or a name: check_endpoint_address and the launch say so
+
+
+def _port_hint(config: NodeConfig, port: int) -> str:
+    store = " (distcheck's store takes the next port)" if port != config.port else ""
+    if config.port_from_job is not None:
+        return (f"the rendezvous port {config.port} is derived from Slurm job {config.port_from_job}'s id{store}; "
+                f"another program or job holds {port}: give every node another with --rdzv-endpoint "
+                f"{config.host}:PORT (or export MASTER_PORT in the batch script)")
+    return (f"stop the program that holds it, or give every node another --rdzv-endpoint {config.host}:PORT"
+            + (" or --store-port" if store else ""))
 
 
 def gloo_interface(address: str) -> str | None:

@@ -15,13 +15,16 @@ pure-Python host-list expansion and the node name itself are used.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import shutil
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 from distcheck import interrupt
 from distcheck.models import EndReason
@@ -128,15 +131,23 @@ def node_addr(name: str) -> str | None:
 
 
 def end_time(env: Mapping[str, str] | None = None) -> float | None:
-    """When Slurm ends the job (epoch seconds), or None: no limit, not in Slurm, or unknown."""
+    """When Slurm ends the job (epoch seconds), or None: no limit, not in Slurm, or unknown. Read before any
+    ending: after a cancel, Slurm's end time is the cancel's."""
     env = os.environ if env is None else env
     job = slurm_job(env)
     if job is None:
         return None
-    if env.get("SLURM_JOB_END_TIME", "").isdigit():
-        return float(env["SLURM_JOB_END_TIME"])
+    found = env_end_time(env)
+    if found is not None:
+        return found
     out = _slurm_command("squeue", "-h", "-j", job.job_id, "-o", "%e")
     return _parse_time(out.strip()) if out else None
+
+
+def env_end_time(env: Mapping[str, str]) -> float | None:
+    """``SLURM_JOB_END_TIME`` (set for batch jobs by newer Slurms; 22.05 sets none)."""
+    text = env.get("SLURM_JOB_END_TIME", "")
+    return float(text) if text.isdigit() else None
 
 
 # Slurm's job states at the SIGTERM of one of its own endings (``scontrol show job``'s JobState).
@@ -144,26 +155,39 @@ _STATE_ENDINGS = {"TIMEOUT": EndReason.SLURM_TIME_LIMIT, "DEADLINE": EndReason.S
                   "CANCELLED": EndReason.SLURM_CANCELLED, "PREEMPTED": EndReason.SLURM_PREEMPTED,
                   "REQUEUED": EndReason.SLURM_PREEMPTED, "REQUEUE_HOLD": EndReason.SLURM_PREEMPTED,
                   "REQUEUE_FED": EndReason.SLURM_PREEMPTED}
+# The job's ``Reason`` while it completes: measured on Slurm 22.05, a time limit leaves the job COMPLETING with
+# Reason=TimeLimit, scancel leaves it COMPLETING with Reason=None.
+_REASON_ENDINGS = {"TimeLimit": EndReason.SLURM_TIME_LIMIT, "Preempted": EndReason.SLURM_PREEMPTED}
 # What slurmstepd writes to the tasks' stderr (so to srun's) when Slurm ends a job or step.
 _CANCEL_LINE = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))? \*\*\*")
 _CAUSE_ENDINGS = {"TIME LIMIT": EndReason.SLURM_TIME_LIMIT, "PREEMPTION": EndReason.SLURM_PREEMPTED,
                   "JOB REQUEUE": EndReason.SLURM_PREEMPTED}
-TIME_LIMIT_SLACK_S = 5.0   # a SIGTERM this close to the job's end time is its time limit
+TIME_LIMIT_SLACK_S = 5.0   # a SIGTERM this close to the job's end time (or after it) is its time limit
 
 
-def ending(signal_name: str | None, at: float | None, env: Mapping[str, str] | None = None) -> EndReason | None:
-    """Which of Slurm's endings a SIGTERM was: the job's state says so (TIMEOUT, CANCELLED, PREEMPTED...),
-    else the job's end time had come. None outside Slurm, for another signal, or when nothing says."""
+def ending(signal_name: str | None, at: float | None, env: Mapping[str, str] | None = None,
+           known_end: float | None = None) -> EndReason | None:
+    """Which of Slurm's endings a SIGTERM was, by evidence: the job's state and reason (TIMEOUT, CANCELLED,
+    Reason=TimeLimit...); else the job's end time, as known before the signal (``known_end``: once a job is
+    cancelled, Slurm moves its end time to the moment of the cancel), had come; else a job Slurm is ending
+    (COMPLETING) was cancelled. None outside Slurm, for another signal, or when nothing says (a plain
+    ``kill``)."""
     env = os.environ if env is None else env
     job = slurm_job(env)
     if signal_name != "SIGTERM" or job is None:
         return None
-    found = _STATE_ENDINGS.get(job_state(job.job_id) or "")
+    state, reason = job_state(job.job_id)
+    return classify(state, reason, known_end if known_end is not None else env_end_time(env), at)
+
+
+def classify(state: str | None, reason: str | None, end: float | None, at: float | None) -> EndReason | None:
+    """The ending a SIGTERM at ``at`` was, from the job's state and reason and its end time before the signal."""
+    found = _STATE_ENDINGS.get(state or "") or _REASON_ENDINGS.get(reason or "")
     if found is not None:
         return found
-    end = end_time(env)
-    return EndReason.SLURM_TIME_LIMIT if end is not None and at is not None and at >= end - TIME_LIMIT_SLACK_S \
-        else None
+    if end is not None and at is not None and at >= end - TIME_LIMIT_SLACK_S:
+        return EndReason.SLURM_TIME_LIMIT
+    return EndReason.SLURM_CANCELLED if state == "COMPLETING" else None
 
 
 def ending_in_output(text: str) -> EndReason | None:
@@ -174,11 +198,12 @@ def ending_in_output(text: str) -> EndReason | None:
     return found
 
 
-def job_state(job_id: str) -> str | None:
-    """The job's ``JobState`` (RUNNING, TIMEOUT, CANCELLED...) from ``scontrol`` (no accounting needed)."""
-    out = _slurm_command("scontrol", "-o", "show", "job", job_id)
-    found = re.search(r"\bJobState=(\S+)", out or "")
-    return found.group(1) if found else None
+def job_state(job_id: str) -> tuple[str | None, str | None]:
+    """The job's ``JobState`` (RUNNING, COMPLETING, TIMEOUT, CANCELLED...) and ``Reason`` (TimeLimit, None...)
+    from ``scontrol`` (no accounting needed); (None, None) when it does not answer."""
+    out = _slurm_command("scontrol", "-o", "show", "job", job_id) or ""
+    state, reason = re.search(r"\bJobState=(\S+)", out), re.search(r"\bReason=(\S+)", out)
+    return (state.group(1) if state else None), (reason.group(1) if reason else None)
 
 
 def _parse_time(text: str) -> float | None:
@@ -207,8 +232,60 @@ def _int(text: str, default: int) -> int:
         return default
 
 
+STOP_BEFORE_END_S = 15.0    # distcheck stops this long before the job's end time: its report is written then
+OWN_STOP = "the coming Slurm time limit"   # the name of that request (``interrupt.request_stop``)
+
+
+@dataclass
+class _Known:
+    end: float | None = None    # the job's end time, read when the run began (before any ending moved it)
+
+
+_known = _Known()
+
+
+@contextlib.contextmanager
+def stop_before_end(env: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time,
+                    lead_s: float = STOP_BEFORE_END_S) -> Iterator[float | None]:
+    """For one run inside a Slurm job with a time limit: its end time is remembered (a SIGTERM long before it
+    is no time limit), and ``lead_s`` before it distcheck asks itself to stop, so every rank's stack is taken
+    and the report written before Slurm's SIGTERM and, ``KillWait`` later, its SIGKILL. Yields the end time."""
+    _known.end = end = end_time(env)
+    timer = None
+    if end is not None:
+        timer = threading.Timer(max(0.0, end - lead_s - clock()), interrupt.request_stop, args=(OWN_STOP,))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield end
+    finally:
+        if timer is not None:
+            timer.cancel()
+        _known.end = None
+
+
+def known_end() -> float | None:
+    """The job's end time as read when the run began (``stop_before_end``), or None."""
+    return _known.end
+
+
+def run_metadata() -> dict[str, str]:
+    """What report.json keeps of the Slurm job a run ran in (job id, step, node list, and the end time Slurm had
+    set when the run began); empty outside Slurm."""
+    job = slurm_job()
+    if job is None:
+        return {}
+    ends = {"ends_at": datetime.datetime.fromtimestamp(_known.end).astimezone().isoformat(timespec="seconds")} \
+        if _known.end is not None else {}
+    return {**job.metadata(), **ends}
+
+
 def requested_ending() -> EndReason:
-    """The ``EndReason`` of an interrupt request: which of Slurm's endings it was (a SIGTERM inside a Slurm job
-    whose state, or end time, says so), else ``INTERRUPTED``."""
-    return interrupt.ending_once(lambda: ending(interrupt.signal_name(), interrupt.requested_at())
-                                 or EndReason.INTERRUPTED)
+    """The ``EndReason`` of an interrupt request: distcheck's own stop before the time limit, or which of Slurm's
+    endings a SIGTERM was (``ending``), else ``INTERRUPTED``."""
+    def decide() -> EndReason:
+        if interrupt.signal_name() == OWN_STOP:
+            return EndReason.SLURM_TIME_LIMIT
+        return ending(interrupt.signal_name(), interrupt.requested_at(), known_end=_known.end) \
+            or EndReason.INTERRUPTED
+    return interrupt.ending_once(decide)

@@ -25,12 +25,11 @@ unchanged. Recorded inputs and states are capped per rank
 (``DISTCHECK_METRIC_MEMORY_MB``, default 256); past the cap they are dropped with
 a note and only the cross-rank comparison of results remains.
 
-Bounded memory in the rank (rule 0): a recorded object is held by a weak reference
-(a metric the user drops is freed); inputs go to disk every ``FLUSH_BYTES`` rather
-than waiting for ``compute()``; at most ``MAX_ENTRIES`` objects, ``MAX_COMPUTES``
-compute records and ``MAX_VALUE_ELEMENTS_KEPT`` result elements are kept, and the
-per-row digests of what each update was fed (``rank.row_digests``, for the
-duplicates check) have a cap of their own. Reaching a cap is one ``coverage`` note.
+Bounded memory in the rank (rule 0): a recorded object is held by a weak reference; inputs go
+to disk every ``FLUSH_BYTES``, compute records every ``SPILL_COMPUTES`` (read back with the
+rank's status); at most ``MAX_ENTRIES`` objects, ``MAX_COMPUTES`` compute records and
+``MAX_VALUE_ELEMENTS_KEPT`` result elements; row digests (``rank.row_digests``) have a cap
+of their own. Reaching a cap is one ``coverage`` note.
 """
 
 from __future__ import annotations
@@ -45,21 +44,21 @@ from array import array
 from pathlib import Path
 from typing import Any, Callable
 
-from distcheck.files.metric_records import pack
+from distcheck.files.metric_records import append_computes, pack, spill_name
 from distcheck.rank.guard import Hook, capped, failed
 from distcheck.rank.metric_copies import compute_record, dumps_by_value, elements as _elements, jsonable, pickler
 from distcheck.rank.metric_sync import (_is_collection, _judged, _seq, _sync_on_compute, _sync_point, metrics_of,
                                         user_callsite)
-from distcheck.rank.row_digests import RowDigests, packed_tensors, digest_rows, rows_cap
+from distcheck.rank.row_digests import RowDigests, digest_rows, digested_epoch, packed_tensors, rows_cap
 
 MEMORY_ENV = "DISTCHECK_METRIC_MEMORY_MB"
 DEFAULT_MEMORY_MB = 256
 FLUSH_BYTES = 4 * 2**20        # recorded inputs held in memory before they are written out
 MAX_ENTRIES = 4_096            # recorded objects per rank (a metric made per evaluation pass)
 MAX_COMPUTES = 20_000          # compute() records per rank
+SPILL_COMPUTES = 64            # compute() records of one object held in memory before they are written out
 MAX_VALUE_ELEMENTS_KEPT = 2**21   # elements of compute() results kept per rank
 MAX_STREAMS = 20_000           # (metric, epoch) streams of row digests per rank
-DIGESTED_EPOCHS = 16           # per metric: the first epochs' rows digested, then every power of two
 _LIBRARY_METRICS = ("lightning", "pytorch_lightning")   # Lightning's own self.log accumulators
 
 
@@ -84,6 +83,7 @@ class _Entry:
         self.pending_bytes = 0
         self.rows: dict[int, dict[str, Any]] = {}   # epoch -> its row digests (rank.row_digests)
         self.computes: list[tuple] = []   # (epoch, updates, callsite, value, sync tuple or None): _compute_record
+        self.spilled = 0                  # compute records already written to its spill file
         self.chunks = array("q")          # numbers of the files its inputs went to
 
     @property
@@ -183,7 +183,7 @@ class MetricRecorder:
         """The rows this update was fed, as digests in the stream of the entry's epoch (rank.row_digests)."""
         stream = entry.rows.get(entry.epoch)
         if stream is None:
-            if not _digested_epoch(entry.epoch):
+            if not digested_epoch(entry.epoch):
                 return
             if len(self.rows.streams) >= MAX_STREAMS:
                 capped(Hook.METRICS_CAP, f"more than {MAX_STREAMS:,} metric epochs; later ones' rows were not digested")
@@ -206,7 +206,7 @@ class MetricRecorder:
 
     def _compute(self, entry: _Entry, call: Callable[[], Any]) -> Any:
         try:
-            k = len(entry.computes)
+            k = entry.spilled + len(entry.computes)
             state = self._copy_state(entry.obj)
             point = _sync_point(entry.obj)
             t0 = time.time()
@@ -250,6 +250,17 @@ class MetricRecorder:
         self._flush(entry)
         site = user_callsite()
         entry.computes.append((entry.epoch, entry.in_epoch, self._shared.setdefault(site, site), value, sync))
+        if len(entry.computes) >= SPILL_COMPUTES:
+            self._spill(entry)
+
+    def _spill(self, entry: _Entry) -> None:
+        """Write the object's compute records out, so a long run's thousands of passes hold none in memory."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = spill_name(entry.key)
+        append_computes(self.dir / name, [compute_record(c) for c in entry.computes])
+        entry.info["computes_file"] = f"{self.dir.name}/{name}"
+        entry.spilled += len(entry.computes)
+        entry.computes.clear()
 
     def _entry(self, obj: Any, collection: bool) -> _Entry:
         entry = self.entries.get(id(obj))
@@ -346,13 +357,6 @@ class MetricRecorder:
         self._shared = {}
         self._drains += 1
         return out
-
-
-def _digested_epoch(epoch: int) -> bool:
-    """Whether the rows of this epoch (updates between two resets) are digested: the first ``DIGESTED_EPOCHS``
-    and then every power of two, the same on every rank, so a metric reset after each of thousands of
-    evaluation passes keeps a few dozen streams."""
-    return epoch < DIGESTED_EPOCHS or epoch & (epoch - 1) == 0
 
 
 def _detached(x: Any, size: list[int]) -> Any:

@@ -105,3 +105,13 @@ class RowDigests:
 
     def clear(self) -> None:
         self.streams, self.level, self.kept = [], 0, 0
+
+
+DIGESTED_EPOCHS = 16   # per metric: the first epochs' rows digested, then every power of two
+
+
+def digested_epoch(epoch: int) -> bool:
+    """Whether the rows of this epoch (updates between two resets) are digested: the first ``DIGESTED_EPOCHS``
+    and then every power of two, the same on every rank, so a metric reset after each of thousands of
+    evaluation passes keeps a few dozen streams."""
+    return epoch < DIGESTED_EPOCHS or epoch & (epoch - 1) == 0
