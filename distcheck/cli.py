@@ -327,7 +327,8 @@ def env_cmd(
 
 
 @app.command("attach", epilog="Exits 0 when nothing is wrong, 1 with findings (a hang), 2 usage (no job, several "
-             "jobs), 3 the ranks could not be read (py-spy missing, permission denied). " + EXIT_CODES_HELP)
+             "jobs), 3 the ranks could not be read (py-spy missing, permission denied, another node's attach never came). "
+             + EXIT_CODES_HELP)
 def attach_cmd(
     pids: list[int] = typer.Argument(None, help="Ranks' pids or their launcher's (torchrun, srun, mp.spawn's parent); none: the one torch.distributed job on this node."),
     job: Optional[str] = typer.Option(None, "--job", help="Only ranks of this SLURM_JOB_ID."),
@@ -337,25 +338,40 @@ def attach_cmd(
     samples: int = typer.Option(3, "--samples", help="Stack samples per rank (at least 2)."),
     interval: float = typer.Option(0.5, "--interval", help="Seconds between samples."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table even when nothing is wrong."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes the job runs on: one attach per node, node 0 judges (Slurm's environment is used under srun)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", metavar="N", rich_help_panel="Multi-node", help="This node's rank among the attaches; node 0 hosts their store and writes the report."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", rich_help_panel="Multi-node", help="Where the attaches meet: node 0's host and a free port (the store listens on PORT+1). Not the job's own."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", metavar="ID", rich_help_panel="Multi-node", help="An id every node's attach shares (default: attach)."),
+    rdzv_timeout: float = typer.Option(60.0, "--rdzv-timeout", metavar="SECONDS", rich_help_panel="Multi-node", help="How long node 0 waits for the other nodes' reads; a node not heard from by then is named."),
+    store_port: Optional[int] = typer.Option(None, "--store-port", metavar="PORT", rich_help_panel="Multi-node", help="Port of the attaches' store on node 0 (default: the endpoint's port + 1)."),
 ) -> None:
     """Diagnose a running job distcheck did not launch (hung right now?), read-only from outside: every
     rank's stacks (py-spy) and /proc counters, judged by the same rules as 'distcheck run'."""
+    from distcheck.attach.nodes import attach_nodes
     from distcheck.attach.session import AttachOptions, attach
     from distcheck.report import terminal
 
     if samples < 2 or interval <= 0:
         raise UsageError(f"--samples must be at least 2 and --interval above 0 (got {samples}, {interval:g})")
+    nodes = attach_nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout, store_port, os.environ)
     done = attach(AttachOptions(pids=tuple(pids or ()), slurm_job=job, samples=samples, interval_s=interval,
-                                run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]])))
+                                run_dir=run_dir, command=shlex.join(["distcheck", *sys.argv[1:]]), nodes=nodes))
+    if done.report is None:   # another node: node 0 judged the whole job
+        said = done.node0 or {}
+        typer.echo(f"distcheck attach (node {nodes.node_rank}): node 0 judged the job: {said.get('summary')}\n"
+                   f"  its report: {said.get('run_dir')} (on node 0)")
+        raise typer.Exit(int(said.get("code", ExitCode.LAUNCH_FAILED)))
     console = _console(json_path)
     terminal.render(done.report, console, verbose)
     _announce(console, _write_json(done.report, json_path))
     _write_formats(done.report, console, junit_xml=junit_xml, chrome_trace=None, timeline=False,
                    events={done.report.scenarios[0].name: done.judged.events})
-    if done.denied:
-        typer.echo(f"distcheck attach: {done.report.scenarios[0].description.splitlines()[-1]}", err=True)
     code = _exit_code(done.report)
-    raise typer.Exit(int(ExitCode.LAUNCH_FAILED if done.denied and code == ExitCode.OK else code))
+    if done.incomplete:
+        typer.echo(f"distcheck attach: {done.incomplete}", err=True)
+        code = ExitCode.LAUNCH_FAILED if code == ExitCode.OK else code
+    done.tell_nodes(int(code))
+    raise typer.Exit(int(code))
 
 
 def main() -> None:

@@ -41,6 +41,10 @@ class Position:
     native_wait: str | None = None     # the backend frame it waits in, when native frames were read
     digest: int = 0                    # the main thread's stack, to tell whether it moved
     stack: str = ""                    # every thread, for the report
+    # The functions of the user's and libraries' code on the main thread (no line numbers, no standard library,
+    # no torch): a loop polling in one function (``while not done(): time.sleep``) keeps them, work moves them.
+    calls: int = 0
+    active: bool = False               # the main thread was running (or runnable) when read
 
 
 def frame_kind(filename: str) -> int:
@@ -63,8 +67,11 @@ def position(read: StackRead) -> Position:
     if op is None:
         op, native = _native_op(frames)
     kind = "collective" if op else "outside"
+    calls = zlib.crc32("|".join(f"{f.file}:{f.function}" for f in py if frame_kind(f.file) in (USER, LIBRARY))
+                       .encode())
     return Position(kind, op, _label(py) if op else None, str(user) if user else None,
-                    str(library) if library and op else None, native, digest, _text(read.threads))
+                    str(library) if library and op else None, native, digest, _text(read.threads), calls,
+                    bool(main and main.active))
 
 
 def _sites(frames: list[Frame]) -> tuple[Frame | None, Frame | None]:

@@ -37,6 +37,7 @@ class Thread:
     name: str
     os_id: int
     frames: tuple[Frame, ...]      # innermost first
+    active: bool = False           # running or runnable when read, as py-spy tells (a sleeping or blocked thread: not)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def read_stacks(pid: int, *, native: bool = False, with_locals: bool = False, ti
 
 def _thread(t: dict) -> Thread:
     return Thread(str(t.get("thread_name") or ""), int(t.get("os_thread_id") or 0),
-                  tuple(_frame(f) for f in t.get("frames") or ()))
+                  tuple(_frame(f) for f in t.get("frames") or ()), bool(t.get("active")))
 
 
 def _frame(f: dict) -> Frame:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import datetime
 import secrets
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from distcheck.attach import discover
-from distcheck.attach.judge import Judged, RankView, judge
+from distcheck.attach import discover, flight
+from distcheck.attach.judge import Judged, RankView, fr_joined, judge, unread
+from distcheck.attach.nodes import Gathered, Meeting
 from distcheck.attach.position import Position, position
 from distcheck.attach.read import DENIED_HINT, StackRead, proc_state, read_stacks, reader
 from distcheck.diagnose.verdict import Scenario, run_info
@@ -24,11 +26,16 @@ from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.run_dir import make_run_dir
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.files.stacks import TORCH
+from distcheck.errors import UsageError
+from distcheck.launch.node_config import NodeConfig
 from distcheck.launch.procs import ActivityMeter
+from distcheck.launch.slurm import slurm_job
 from distcheck.models import Report
+from distcheck.text import rank_list
 
 SCENARIO = "attach"
 READERS = 8          # py-spy processes at once (each reads one rank)
+NATIVE_S = 15.0      # a native read: py-spy loads libtorch's symbols first (4.8 s measured on a crowded node)
 
 
 @dataclass(frozen=True)
@@ -39,14 +46,41 @@ class AttachOptions:
     interval_s: float = 0.5
     run_dir: Path | None = None
     command: str = "distcheck attach"
+    nodes: NodeConfig = NodeConfig()       # several nodes: one attach per node, node 0 judges
 
 
 @dataclass(frozen=True)
 class Attached:
-    report: Report
-    judged: Judged
+    report: Report | None                  # None on a node other than 0 (node 0 judges)
+    judged: Judged | None
     denied: tuple[int, ...] = ()           # ranks whose stacks this user may not read
     paused_s: dict[int, float] = field(default_factory=dict)   # rank -> time its native read held it
+    node0: dict | None = None              # another node: node 0's verdict ({"code", "summary", "run_dir"})
+    meeting: Meeting | None = None         # node 0 of several: where it tells the others its verdict
+    missing_nodes: tuple[int, ...] = ()    # nodes whose attach never came
+    unread: tuple[int, ...] = ()           # the job's ranks nobody read
+
+    @property
+    def incomplete(self) -> str | None:
+        """Why the verdict does not cover the whole job (denied reads, ranks not read), in one line."""
+        if self.denied:
+            return (f"the stacks of ranks {', '.join(map(str, self.denied))} could not be read (permission denied): "
+                    f"{DENIED_HINT}")
+        if self.unread:
+            why = (f"node(s) {', '.join(map(str, self.missing_nodes))} never joined" if self.missing_nodes
+                   else "no process of theirs here: they run on other nodes (run one distcheck attach per node: "
+                        "--nnodes, --node-rank) or have exited")
+            return f"{rank_list(self.unread)} {'was' if len(self.unread) == 1 else 'were'} not read ({why})"
+        return None
+
+    def tell_nodes(self, code: int) -> None:
+        """Node 0 of several: the verdict and the exit code, for the other nodes' attach."""
+        if self.meeting is None or self.report is None:
+            return
+        result = self.report.scenarios[0]
+        first = next((f.summary for f in result.findings if f.severity == "error"), None)
+        readers = tuple(n for n in range(1, self.meeting.config.nnodes) if n not in self.missing_nodes)
+        self.meeting.post_verdict(code, first or "no error found", self.report.run.run_dir, readers)
 
 
 def sample(ranks: Sequence[discover.RankProc], samples: int, interval_s: float,
@@ -79,21 +113,65 @@ def _in_torch_native(p: Position, read: StackRead) -> bool:
 
 
 def attach(options: AttachOptions) -> Attached:
-    """Judge the job the options name, as one ``Report`` saved in its run dir."""
+    """Judge the job the options name, as one ``Report`` saved in its run dir. Several nodes: this node's
+    views go to node 0, which judges them all; another node gets node 0's verdict (``Attached.node0``)."""
     reader()   # the install hint before anything else
-    job = discover.one_job(discover.find_jobs(options.pids or None, options.slurm_job))
+    job = discover.one_job(discover.find_jobs(options.pids or None, options.slurm_job or _slurm_default(options)))
+    meeting = _meet(options.nodes, job) if options.nodes.multi else None
     started = time.time()
-    reads, meter = sample(job.ranks, max(2, options.samples), options.interval_s)
-    paused = _native_reads(job.ranks, reads)
-    views = {r.rank: RankView(r.rank, r.pid, tuple(position(x) for x in reads[r.rank]), meter.latest.get(r.rank),
-                              proc_state(r.pid), host=socket.gethostname()) for r in job.ranks}
-    denied = tuple(sorted(r for r, rs in reads.items() if any(x.denied for x in rs)))
-    notes = _notes(job, denied, paused, options)
+    local, paused, denied = _views(job, options)
+    if meeting is not None and not meeting.leader:
+        meeting.send(local)
+        return Attached(None, None, denied, paused, node0=meeting.verdict(options.nodes.rdzv_timeout + 60))
+    gathered = meeting.gather(local, options.nodes.rdzv_timeout) if meeting else Gathered(local)
+    notes = _notes(job, gathered, denied, paused, options)
+    why = (f"the distcheck attach of node(s) {', '.join(map(str, gathered.missing))} never came"
+           if gathered.missing else "no process of theirs on the nodes read: they run on other nodes, or have exited")
     scenario = Scenario(name=SCENARIO, source=job.key, description=f"attached to {job.key} "
-                        f"({len(job.ranks)} of {job.world_size} ranks on this node), the job left running")
-    judged = judge(views, job.world_size, scenario, started=started, ended=time.time(), notes=notes)
-    report = _report(judged, job, options, started)
-    return Attached(report, judged, denied, paused)
+                        f"({len(gathered.views)} of {job.world_size} ranks read, on {_nodes_read(gathered)}), "
+                        "the job left running")
+    judged = judge(gathered.views, job.world_size, scenario, started=started, ended=time.time(), notes=notes,
+                   unread_why=why)
+    report = _report(judged, job, options, started, len(gathered.views))
+    return Attached(report, judged, denied, paused, meeting=meeting, missing_nodes=gathered.missing,
+                    unread=tuple(unread(gathered.views, job.world_size)))
+
+
+def _views(job: discover.Job, options: AttachOptions) -> tuple[dict[int, RankView], dict[int, float], tuple[int, ...]]:
+    """This node's ranks read: a view per rank, how long a native read held each, the ranks it may not read."""
+    reads, meter = sample(job.ranks, max(2, options.samples), options.interval_s)
+    dumps = {r.rank: flight.read_state(r.pid, r.rank, job.world_size, r.env) for r in job.ranks}
+    # A native read stops its rank for a second or more (measured): not where the Flight Recorder already says
+    # which call each rank has in flight (every rank here has a dump, and this one's holds its call).
+    told = all(isinstance(d, flight.FrState) for d in dumps.values())
+    paused = _native_reads([r for r in job.ranks if not (told and dumps[r.rank].open is not None)], reads)
+    host, node = socket.gethostname(), options.nodes.node_rank
+    views = {r.rank: RankView(r.rank, r.pid, tuple(position(x) for x in reads[r.rank]), meter.latest.get(r.rank),
+                              proc_state(r.pid), host=host, node=node,
+                              fr=d if isinstance(d := dumps[r.rank], flight.FrState) else None) for r in job.ranks}
+    denied = tuple(sorted(r for r, rs in reads.items() if any(x.denied for x in rs)))
+    return views, paused, denied
+
+
+def _slurm_default(options: AttachOptions) -> str | None:
+    """Under Slurm with no pid given, only the ranks of the Slurm job attach runs in (``srun --jobid J``)."""
+    job = slurm_job()
+    return job.job_id if job is not None and not options.pids else None
+
+
+def _meet(config: NodeConfig, job: discover.Job) -> Meeting:
+    """Node 0's store for this attach; never the job's own (its MASTER_PORT is refused)."""
+    _, port = config.store_address
+    taken = {r.env.get("MASTER_PORT") for r in job.ranks}
+    if str(port) in taken:
+        raise UsageError(f"distcheck attach's store port {port} is the job's own MASTER_PORT: attach never writes "
+                         "to the job's store", "give another --rdzv-endpoint port (or --store-port)")
+    return Meeting(config, lambda text: print(f"distcheck attach: {text}", file=sys.stderr, flush=True))
+
+
+def _nodes_read(gathered: Gathered) -> str:
+    nodes = sorted({v.node for v in gathered.views.values()})
+    return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
 
 
 def _native_reads(ranks: Sequence[discover.RankProc], reads: dict[int, list[StackRead]]) -> dict[int, float]:
@@ -103,7 +181,8 @@ def _native_reads(ranks: Sequence[discover.RankProc], reads: dict[int, list[Stac
     if not chosen:
         return {}
     with ThreadPoolExecutor(max_workers=min(READERS, len(chosen))) as pool:
-        native = list(pool.map(lambda r: read_stacks(r.pid, native=True, with_locals=True), chosen))
+        native = list(pool.map(lambda r: read_stacks(r.pid, native=True, with_locals=True, timeout_s=NATIVE_S),
+                               chosen))
     out = {}
     for r, got in zip(chosen, native):
         if got.error is None:
@@ -112,25 +191,38 @@ def _native_reads(ranks: Sequence[discover.RankProc], reads: dict[int, list[Stac
     return out
 
 
-def _notes(job: discover.Job, denied: tuple[int, ...], paused: dict[int, float], options: AttachOptions) -> list[str]:
+def _notes(job: discover.Job, gathered: Gathered, denied: tuple[int, ...], paused: dict[int, float],
+           options: AttachOptions) -> list[str]:
     notes = [f"evidence: {max(2, options.samples)} stack samples {options.interval_s:g} s apart (py-spy, "
              "non-blocking) and /proc counters (CPU, I/O, wake-ups of the main thread, state, wchan)"]
+    dumps = sorted(r for r, v in gathered.views.items() if v.fr is not None)
+    if dumps:
+        joined = fr_joined(gathered.views)
+        notes.append(f"Flight Recorder dumps ({flight.DUMP_PREFIX}) of {rank_list(dumps)} read"
+                     + (", joined by sequence number" if joined else
+                        ": not joined (every rank needs a dump that holds the call its stack waits in)"))
     if paused:
         worst = max(paused.values())
         notes.append(f"native frames read from {len(paused)} rank(s), each paused at most {worst * 1000:.0f} ms")
-    if len(job.ranks) < job.world_size:
-        notes.append(f"only {len(job.ranks)} of {job.world_size} ranks run on this node: the others were not read")
+    if gathered.missing:
+        notes.append(f"node(s) {', '.join(map(str, gathered.missing))} sent nothing within "
+                     f"{options.nodes.rdzv_timeout:g} s: their distcheck attach never came")
+    missing = unread(gathered.views, job.world_size)
+    if missing:
+        notes.append(f"{len(gathered.views)} of {job.world_size} ranks read: {rank_list(missing)} "
+                     f"{'was' if len(missing) == 1 else 'were'} not (run one distcheck attach per node)")
     if denied:
         notes.append(f"stacks of ranks {', '.join(map(str, denied))} could not be read (permission denied): "
                      f"{DENIED_HINT}")
     return notes
 
 
-def _report(judged: Judged, job: discover.Job, options: AttachOptions, started: float) -> Report:
+def _report(judged: Judged, job: discover.Job, options: AttachOptions, started: float, read: int) -> Report:
     run_id = "attach-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     run_dir = make_run_dir(options.run_dir or Path(".distcheck") / "runs" / run_id)
     backend = _backend(judged)
-    info = run_info(backend=backend, world_size=job.world_size, nnodes=1, nproc_per_node=len(job.ranks),
+    info = run_info(backend=backend, world_size=job.world_size, nnodes=options.nodes.nnodes,
+                    nproc_per_node=max(1, read // options.nodes.nnodes),
                     torch_version="the job's", command=options.command, run_dir=str(run_dir), seed=0,
                     started=started, ended=time.time(), versions={})
     report = Report(run=info, scenarios=(judged.result,))

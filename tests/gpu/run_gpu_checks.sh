@@ -3,7 +3,8 @@
 #   1. multi-rank gloo with CUDA tensors through the whole catalogue,
 #   2. one-rank NCCL (clean), and a one-rank NCCL stall with the Flight Recorder dump,
 #   3. the tracer's overhead on one-rank NCCL,
-#   4. the node check (comm_health) on NCCL, one rank per GPU, and 5. its timing against a plain torch loop.
+#   4. the node check (comm_health) on NCCL, one rank per GPU, and 5. its timing against a plain torch loop,
+#   6. distcheck attach on a plain torchrun NCCL job with a planted hang (needs py-spy: distcheck[attach]).
 # Usage (on the GPU machine, from the repo root): bash tests/gpu/run_gpu_checks.sh OUTDIR
 set -uo pipefail
 out=${1:-gpu-results}
@@ -57,3 +58,26 @@ PY
 
 echo "== 5. node check timing vs a plain torch loop, NCCL on cuda:0 (target: harness / plain <= 1.05)"
 python benchmarks/comm_health_overhead.py --nccl --ranks 1 --size 256M 2>&1 | tee "$out/node_check_overhead.txt" | tail -8
+
+echo "== 6. distcheck attach, plain torchrun NCCL job, 2 ranks: rank 0 in all_reduce, rank 1 polls (expect exit 1, a hang)"
+# One GPU: rank 1 never calls NCCL, so rank 0's all_reduce waits for it in the communicator's set-up (two NCCL ranks
+# cannot share a GPU once both join). Two GPUs or more: also the Flight Recorder case, rank 0's thread past its
+# all_reduce #6 (in torch.cuda.synchronize), the dumps joined by sequence number.
+attach_case() {   # NAME MODE [ENV=VALUE...]
+  local name=$1 mode=$2 dir="$out/attach_$1"; shift 2
+  mkdir -p "$dir"
+  env "$@" setsid python -m torch.distributed.run --standalone --nproc-per-node 2 tests/scripts/attach/job.py \
+    "$mode" "$dir" --backend nccl > "$dir/job.txt" 2>&1 &
+  local job=$!
+  for _ in $(seq 240); do [ -f "$dir/ready0" ] && [ -f "$dir/ready1" ] && break; sleep 0.5; done
+  timeout 120 python -m distcheck attach "$job" --json "$out/attach_$name.json" --run-dir "$dir/run" 2>&1 \
+    | tee "$out/attach_$name.txt" | tail -20
+  echo "exit code: ${PIPESTATUS[0]} (expected 1)" | tee -a "$out/attach_$name.txt"
+  touch "$dir/release"; kill -KILL -- "-$job" 2>/dev/null; wait "$job" 2>/dev/null
+}
+if command -v py-spy > /dev/null; then
+  attach_case allreduce allreduce
+  [ "$gpus" -ge 2 ] && attach_case flight_recorder frdump TORCH_FR_BUFFER_SIZE=200 "TORCH_FR_DUMP_TEMP_FILE=$out/attach_flight_recorder/fr_"
+else
+  echo "skipped: py-spy is not installed (pip install 'distcheck[attach]')" | tee "$out/attach.txt"
+fi
