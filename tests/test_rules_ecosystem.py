@@ -373,3 +373,28 @@ def test_full_tensor_against_fsdp2_peers_whose_sidecar_sampled_no_user_line_stil
     m = next(f for f in found if f.kind == "mismatch")
     assert m.odd_ranks == (0,) and not m.tie and m.callsite == SITE.format(34)
     assert "cannot be told" not in m.summary and "a tie" not in m.summary
+
+
+UNPADDING_STACK = FULL_TENSOR_STACK.replace(
+    f'''  File "{TORCH_SITE}/_ops.py", line 1279 in __call__
+  File "{TORCH_SITE}/distributed/_functional_collectives.py", line 142 in wait_tensor
+  File "{TORCH_SITE}/distributed/_functional_collectives.py", line 1122 in wait
+  File "{TORCH_SITE}/distributed/tensor/_redistribute.py", line 1766 in redistribute_local_tensor''',
+    f'''  File "{TORCH_SITE}/distributed/tensor/_collective_utils.py", line 261 in unpad_tensor
+  File "{TORCH_SITE}/distributed/tensor/placement_types.py", line 564 in _maybe_unpad_tensor
+  File "{TORCH_SITE}/distributed/tensor/placement_types.py", line 615 in _to_replicate_tensor
+  File "{TORCH_SITE}/distributed/tensor/_redistribute.py", line 1651 in redistribute_local_tensor''').replace(
+    "line 30 in main", "line 32 in main")
+
+
+def test_full_tensor_aborted_while_dtensor_unpads_the_gathered_result_is_still_inside_its_all_gather():
+    """Seen beside CPU hogs: gloo's abort (on its own thread) finds rank 0's main thread in DTensor's
+    redistribution, unpadding the result its lazy wait is still inside: no funcol frame on the stack."""
+    assert UNPADDING_STACK != FULL_TENSOR_STACK and "_functional_collectives" not in UNPADDING_STACK
+    record = [_fsdp(0, i, op, shape, line=36) for i, (op, shape) in enumerate(FSDP_STEP, 1)]   # its sidecar's
+    traces, outcomes = _fsdp_peers_and_rank_0(record)
+    outcomes[0] = dataclasses.replace(outcomes[0], stack=UNPADDING_STACK)
+    found = analyze(traces, outcomes, RunFacts(world_size=3, end_reason="crash"))
+    m = next(f for f in found if f.kind == "mismatch")
+    assert (m.seq, m.odd_ranks, m.tie) == (7, (0,), False) and "DTensor.full_tensor()" in m.summary
+    assert {d.rank: d.callsite for d in m.ranks}[0] == SITE.format(32)

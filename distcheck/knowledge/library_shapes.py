@@ -72,6 +72,9 @@ def waits_elsewhere(events: Mapping[int, Event]) -> tuple[dict[int, Event], dict
 # -- functional collectives issued from C++ --------------------------------------
 
 FUNCTIONAL_FILE = "/torch/distributed/_functional_collectives.py"
+# DTensor's redistribution issues its functional collective and waits on it lazily, in its own frames (a gloo
+# abort can find the thread unpadding the result the wait is still inside): as good as a funcol frame.
+REDISTRIBUTE_FILE = "/torch/distributed/tensor/_redistribute.py"
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,11 @@ FUNCTIONAL_APIS: tuple[tuple[str, str, FunctionalCall], ...] = (
 
 def functional_call_in(frames: Sequence[tuple[str, int, str]]) -> FunctionalCall | None:
     """The functional collective a thread is inside, from its stack (innermost first: (file, line,
-    function)): a frame of ``_functional_collectives`` (issuing or waiting on it), named by the
+    function)): a frame of ``_functional_collectives`` (issuing or waiting on it) or of DTensor's
+    ``redistribute_local_tensor``, named by the
     outermost torch API above it that the user called. None when no functional collective is there."""
-    if not any(FUNCTIONAL_FILE in file for file, _, _ in frames):
+    if not any(FUNCTIONAL_FILE in file or (REDISTRIBUTE_FILE in file and fn == "redistribute_local_tensor")
+               for file, _, fn in frames):
         return None
     for file, _, fn in reversed(frames):   # outermost first: the API the user called
         for fragment, name, found in FUNCTIONAL_APIS:
