@@ -125,7 +125,7 @@ def free_port() -> int:
     draw = random.SystemRandom()   # not the test's seeded ``random``: parallel workers would draw alike
     for _ in range(200):
         port = draw.randrange(PORTS_FROM, first_ephemeral - 1)
-        if _bindable(port) and _bindable(port + 1):
+        if bindable(port) and bindable(port + 1):
             return port
     with socket.socket() as s:   # a crowded machine: what the kernel hands out
         s.bind(("127.0.0.1", 0))
@@ -143,7 +143,8 @@ def _first_ephemeral_port() -> int:
         return 32768   # Linux's default; elsewhere only a lower bound to draw below
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether a TCP port on 127.0.0.1 is free to bind now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, bindable
 from distcheck.errors import UsageError
 from distcheck.launch.node_config import node_config
 from distcheck.launch.slurm import (OWN_STOP, classify, endpoint_port, ending_in_output, expand_hostlist, known_end,
@@ -184,7 +184,7 @@ def test_a_port_in_use_is_named_with_where_it_came_from_and_how_to_choose_anothe
     from distcheck.errors import LaunchError
     from distcheck.launch.node_config import check_endpoint_address
 
-    job = next(j for j in range(5000, 6000) if _free(endpoint_port(str(j))) and _free(endpoint_port(str(j)) + 1))
+    job = next(j for j in range(5000, 6000) if bindable(endpoint_port(str(j))) and bindable(endpoint_port(str(j)) + 1))
     node0 = {**STEP, "SLURM_JOB_ID": str(job), "SLURM_NODEID": "0", "MASTER_ADDR": "127.0.0.1"}
     cfg = config(node0)
     assert (cfg.port, cfg.port_from_job) == (endpoint_port(str(job)), str(job))
@@ -200,14 +200,3 @@ def test_a_port_in_use_is_named_with_where_it_came_from_and_how_to_choose_anothe
     check_endpoint_address(cfg)   # free again: no error
     # a port the user chose is not "derived": the hint says to choose another, not why it was picked
     assert config({**node0, "MASTER_PORT": str(port)}).port_from_job is None
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

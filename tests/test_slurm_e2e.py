@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, kill_tree, process_groups_initialized, wait_for
+from conftest import REPO, bindable, kill_tree, process_groups_initialized, wait_for
 from distcheck.launch.slurm import OWN_STOP
 from slurm_cluster import KILL_WAIT_S, SlurmCluster, SlurmUnavailable
 
@@ -34,20 +34,9 @@ def _three_free_ports() -> int:
     draw = random.SystemRandom()
     for _ in range(200):
         base = draw.randrange(33000 - 6000, 32000)   # above the range Slurm jobs' endpoints take (20000-31999)
-        if all(_bindable(base + i) for i in range(3)):
+        if all(bindable(base + i) for i in range(3)):
             return base
     raise SlurmUnavailable("no three free ports in a row for slurmctld and the two slurmd")
-
-
-def _bindable(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="session")
