@@ -222,14 +222,11 @@ def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Ma
     ref = events[min(events)]
     ranks = sorted(late)
     where = {r: (readable(views[r]) or [Position("unreadable")])[-1].callsite for r in ranks}
-    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
-    verb = "waits" if len(events) == 1 else "wait"
-    summary = (f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called} for {rank_list(ranks)}, which "
+    summary = (f"{_waiting_in(events)} for {rank_list(ranks)}, which "
                f"{'is' if len(ranks) == 1 else 'are'} making progress outside the collectives "
                f"({late[ranks[0]]}) at {site(where[ranks[0]])}: late, not hung. Attach again later; if "
                f"{rank_list(ranks)} never {'calls' if len(ranks) == 1 else 'call'} {ref.op}, that is the hang.")
-    details = tuple(RankDetail(rank=r, role="waiting", op=e.op, label=e.label, callsite=e.callsite)
-                    for r, e in sorted(events.items()))
+    details = _waiting_details(events)
     details += tuple(RankDetail(rank=r, role="late", where=where[r], note=late[r]) for r in ranks)
     return Finding(kind="straggler", severity="warning", summary=summary, op=ref.op, label=ref.label,
                    callsite=ref.callsite, waiting_ranks=tuple(sorted(events)), ranks=details,
@@ -273,18 +270,28 @@ def unread(views: Mapping[int, RankView], world_size: int) -> list[int]:
     return [r for r in range(world_size) if r not in views]
 
 
+def _waiting_in(events: Mapping[int, Event]) -> str:
+    """"Ranks 0, 2 wait in all_reduce called at train.py:30": the waiting ranks and their call, for a summary."""
+    ref = events[min(events)]
+    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
+    verb = "waits" if len(events) == 1 else "wait"
+    return f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called}"
+
+
+def _waiting_details(events: Mapping[int, Event]) -> tuple[RankDetail, ...]:
+    return tuple(RankDetail(rank=r, role="waiting", op=e.op, label=e.label, callsite=e.callsite)
+                 for r, e in sorted(events.items()))
+
+
 def unread_finding(events: Mapping[int, Event], missing: Sequence[int], why: str) -> Finding:
     """Ranks wait in a call, and some ranks of the job were not read: the hang is not decided (they may be on
     their way), said as a coverage warning naming the waiting ranks' call and the ranks to read."""
     ref = events[min(events)]
-    called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
-    verb = "waits" if len(events) == 1 else "wait"
-    summary = (f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called}, and {rank_list(missing)} "
+    summary = (f"{_waiting_in(events)}, and {rank_list(missing)} "
                f"{'was' if len(missing) == 1 else 'were'} not read ({why or 'they run on other nodes'}): "
                f"not decided. Run one distcheck attach per node of the job (--nnodes, --node-rank, "
                f"--rdzv-endpoint; under Slurm: srun --overlap --jobid J --ntasks-per-node=1 distcheck attach).")
-    details = tuple(RankDetail(rank=r, role="waiting", op=e.op, label=e.label, callsite=e.callsite)
-                    for r, e in sorted(events.items()))
+    details = _waiting_details(events)
     return Finding(kind="coverage", severity="warning", summary=summary, op=ref.op, label=ref.label,
                    callsite=ref.callsite, waiting_ranks=tuple(sorted(events)), ranks=details,
                    data={"unread_ranks": list(missing)})
