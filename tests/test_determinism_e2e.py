@@ -43,6 +43,7 @@ FAULT_SCRIPTS = {
                       "--", "--odd", "1"],
     "fsdp2_peers_full_tensor": [str(SCRIPTS / "determinism" / "fsdp2_peers_full_tensor.py"), "--nproc-per-node", "3",
                                 *STALL],
+    "store_wait_alone": [str(SCRIPTS / "store_wait_alone.py"), "--nproc-per-node", "2", *STALL],
 }
 
 

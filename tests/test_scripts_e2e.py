@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,26 @@ def test_lightning_validation_of_10_samples_on_4_ranks_reports_the_2_padded_dupl
     assert sorted(dup["data"]["duplicated"]) == ["0", "1"]
     assert "padded 10 samples to 12 for 4 ranks" in dup["summary"]
     assert r.returncode == 1
+
+
+STORE_WAIT_ALONE = SCRIPTS / "store_wait_alone.py"
+
+
+@pytest.mark.parametrize("how", ["script", "torchrun"])
+def test_a_rank_that_fails_outside_any_collective_after_its_peers_finished_is_a_crash(distcheck, how):
+    # Rank 0's store wait times out ("wait timeout": worded like a reaction to a lost peer), outside any
+    # collective, once rank 1 finished: nothing else explains its exit code 1, so it is the job's failure.
+    # That read as PASS (rank 0 "killed", no finding), as did rank 0 failing in init_process_group when its
+    # peers left while it was still connecting.
+    launch = ([str(STORE_WAIT_ALONE), "--nproc-per-node", "2"] if how == "script" else
+              ["--", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(STORE_WAIT_ALONE)])
+    r = distcheck("run", "--stall-timeout", "20", *launch)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    s = _only(r.report)
+    assert not s["ok"] and s["observed"] == ["crash"]
+    [crash] = [f for f in s["findings"] if f["severity"] == "error"]
+    assert crash["kind"] == "crash" and crash["odd_ranks"] == [0] and "wait timeout" in crash["summary"]
+    line = next(i for i, text in enumerate(STORE_WAIT_ALONE.read_text().splitlines(), 1) if "# WAIT" in text)
+    assert f"store_wait_alone.py:{line}" in crash["callsite"]
+    assert [x["state"] for x in s["ranks"]] == ["crashed", "finished"]

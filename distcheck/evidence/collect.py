@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from distcheck.diagnose.backend_error import abort_text
 from distcheck.diagnose.common import is_peer_failure
 from distcheck.diagnose.rank_state import classify_rank
-from distcheck.models import EndReason, Phase, RankOutcome
+from distcheck.models import EndReason, Event, Phase, RankOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.metric_records import with_spilled_computes
 from distcheck.files.samples import read_samples
@@ -103,8 +103,12 @@ def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
     primary = worded or outside or primary
     if not primary and not reactions:
         primary = failed   # e.g. every rank was SIGTERMed from outside: report them as they are
-    # Only reactions (a peer left, e.g. it finished and destroyed its process group):
-    # no rank crashed on its own, and the traces tell who never came.
+    # Only reactions (a peer left, e.g. it finished and destroyed its process group): the traces tell
+    # who never came to the collectives the reacting ranks failed in. One that failed outside any
+    # collective (in init_process_group while its peers had already left, or waiting on the store for a
+    # key no peer sets) is a failure of its own: nothing else explains it, and its exit status is the job's.
+    if not primary:
+        primary = [f for f in reactions if _waiting_in(f.trace) is None]
     for f in primary:
         f.primary = True
 
@@ -209,12 +213,19 @@ def stack_top(dump: StackDump | None, main_thread: Any, torch_prefix: str = "/to
     return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
 
 
-def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOutcome:
-    events = f.trace.events
-    # The collective it was in at the end: still open, or the one that failed under it.
+def _waiting_in(trace: RankTrace) -> Event | None:
+    """The collective a rank was in at the end: still open, or the one that failed under it (an older call
+    that failed and was survived is not where the rank is now)."""
+    events = trace.events
     waiting_in = next((e for e in reversed(events) if not e.async_op and (e.t_exit is None or e.error)), None)
     if waiting_in is not None and waiting_in.t_exit is not None and waiting_in is not events[-1]:
-        waiting_in = None   # an older call that failed and was survived: not where the rank is now
+        return None
+    return waiting_in
+
+
+def _outcome(f: _RankFacts, launch: LaunchOutcome, killed_by_us: bool) -> RankOutcome:
+    events = f.trace.events
+    waiting_in = _waiting_in(f.trace)
     state, where = classify_rank(f.status.phase, waiting_in,
                                  stack_top(f.dump, f.status.main_thread, torch_dir()),
                                  f.status.where, primary=f.primary, end_reason=launch.end_reason,

@@ -12,6 +12,9 @@ import threading
 import torch.distributed as dist
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "healthy"
+# In hang mode the others must not leave while rank 0 is still connecting: on a loaded node gloo then fails
+# rank 0's init_process_group ("Connection closed by peer"), and the job is a crash, not this hang.
+os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
 if "RANK" in os.environ:
     dist.init_process_group("gloo")
 else:
