@@ -17,7 +17,8 @@ from junitparser import Failure, JUnitXml
 from rich.console import Console
 
 from distcheck.diagnose.common import RunFacts
-from distcheck.diagnose.verdict import Scenario, command_ended, ended_by_distcheck, merge_results
+from distcheck.diagnose.verdict import (Scenario, command_ended, ended_by_distcheck, merge_results,
+                                       unexplained_failure)
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stacks import IDLE_IN_POOL, StackFrame, idle_in_pool
 from distcheck.launch.command import CommandQuiet
@@ -154,6 +155,21 @@ def test_a_run_that_lost_a_node_with_its_ranks_records_is_never_a_pass_however_i
     assert not f.waiting_ranks and not f.absent_ranks
     assert ended_by_distcheck(crashed, [HANG], why) == []     # a finding already says why
     assert ended_by_distcheck(RunFacts(world_size=4, end_reason=EndReason.CRASH), []) == []   # nothing lost
+
+
+def test_a_run_that_ended_because_a_rank_failed_is_never_a_pass_though_no_record_explains_it():
+    crashed = RunFacts(world_size=2, end_reason=EndReason.CRASH)
+    outcomes = {0: RankOutcome(rank=0, state="killed", exit_code=1, exception="DistStoreError: wait timeout"),
+                1: RankOutcome(rank=1, state="finished", exit_code=0)}
+    [f] = unexplained_failure(crashed, outcomes, [])
+    assert f.kind == "crash" and f.severity == "error" and f.odd_ranks == (0,)
+    assert "Rank 0 exited with code 1 (DistStoreError: wait timeout)" in f.summary and "did not pass" in f.summary
+    assert unexplained_failure(crashed, outcomes, [HANG]) == []                     # a finding already says why
+    assert unexplained_failure(RunFacts(world_size=2, end_reason=EndReason.COMPLETED), outcomes, []) == []
+    stopped = {0: RankOutcome(rank=0, state="killed", signal="SIGTERM"),           # the launcher's, after
+               1: RankOutcome(rank=1, state="killed", signal="SIGSEGV")}
+    [f] = unexplained_failure(crashed, stopped, [])
+    assert f.odd_ranks == (1,) and "was killed by SIGSEGV" in f.summary
 
 
 def test_generations_of_one_test_merge_into_one_verdict():

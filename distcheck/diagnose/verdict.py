@@ -77,7 +77,8 @@ def _findings(evidence: Evidence, blame: Blame | None) -> list[Finding]:
     findings = analyze(evidence.events, evidence.outcomes, evidence.facts, evidence.results)
     if blame is None:
         findings = findings + health_findings(evidence.results)
-        return findings + ended_by_distcheck(evidence.facts, findings, evidence.why_ended)
+        findings = findings + ended_by_distcheck(evidence.facts, findings, evidence.why_ended)
+        return findings + unexplained_failure(evidence.facts, evidence.outcomes, findings)
     return attribute_by_majority(findings, blame.missing, blame.cut_short)
 
 
@@ -101,6 +102,25 @@ def ended_by_distcheck(facts: RunFacts, findings: Sequence[Finding], why: str | 
                     summary=(f"distcheck ended this run itself ({what}: {reason}), though no rank was seen "
                              "waiting inside a collective: the run did not finish, so it did not pass. "
                              "Its output, in logs/ of the launch dir, shows how far it got."))]
+
+
+def unexplained_failure(facts: RunFacts, outcomes: Mapping[int, RankOutcome],
+                        findings: Sequence[Finding]) -> list[Finding]:
+    """A live run that ended because a rank failed, while no error finding says why: the failure itself,
+    so the run is never a pass (a rank's exit status is its job's, whatever the records show)."""
+    if facts.end_reason != EndReason.CRASH or any(f.severity == "error" for f in findings):
+        return []
+    failed = [o for _, o in sorted(outcomes.items()) if o.exit_code not in (None, 0) or o.signal]
+    failed = [o for o in failed if o.signal != "SIGTERM"] or failed   # the launcher's SIGTERMs came after
+    if not failed:
+        return []
+    first = failed[0]
+    how = f"was killed by {first.signal}" if first.signal else f"exited with code {first.exit_code}"
+    said = f" ({first.exception})" if first.exception else ""
+    return [Finding(kind="crash", severity="error", odd_ranks=(first.rank,), callsite=first.where,
+                    data={"root_rank": first.rank, "exit_code": first.exit_code, "signal": first.signal},
+                    summary=(f"Rank {first.rank} {how}{said}, and no collective record explains it: the job "
+                             f"failed, so it did not pass. Its log, in logs/ of the launch dir, shows why."))]
 
 
 def merge_results(parts: Sequence[ScenarioResult]) -> ScenarioResult:
