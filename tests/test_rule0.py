@@ -509,3 +509,19 @@ def test_failing_init_destroy_exit_and_atexit_hooks_change_nothing_in_a_rank_and
     assert "init_process_group hook" in notes["rank_setup"]["data"]["error"]
     assert notes["rank_end"]["data"]["count"] >= 2   # destroy's, then sys.exit's (atexit's is the third)
     assert [(f["kind"], f["severity"]) for f in broken["findings"] if f["kind"] != "coverage"] == [("crash", "error")]
+
+
+@pytest.mark.e2e   # three processes of a few seconds each
+def test_a_job_that_exits_without_destroying_its_group_exits_cleanly_while_the_sidecar_polls(tmp_path):
+    # The C++-collective sidecar reads each group's counter through torch's C++ API, which lets go of the GIL.
+    # A daemon thread inside that call when the interpreter finalized aborted the process ("terminate called
+    # without an active exception", exit 134): seen twice in mp.spawn jobs under `distcheck run -- python`.
+    # The script polls 64 groups without pause, which made 4 of 5 exits abort before the sidecar stopped at exit.
+    script = SCRIPTS / "rule0" / "exit_while_sidecar_polls.py"
+    for attempt in range(3):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        done = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True,
+                              timeout=HARD_TIMEOUT_S)
+        assert done.returncode == 0 and done.stdout == "done\n", (attempt, done.returncode, done.stderr[-2000:])
+        assert "terminate called" not in done.stderr

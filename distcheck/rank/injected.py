@@ -207,8 +207,9 @@ def _end_generation() -> None:
     if runtime.status.data.phase == Phase.RUNNING:
         finish_rank(runtime, {})
     runtime.tracer.uninstall()
+    runtime.sidecar.stop()
     with runtime.tracer.lock:
-        # Its thread polls on: it must not read the next generation's groups, nor keep this one's alive.
+        # It must not read the next generation's groups, nor keep this one's alive (a poll may outlast the stop).
         runtime.watcher.groups = lambda: ()
         runtime.watcher.pgs = {}
     runtime.tracer.close()   # calls through a wrapper bound earlier are dropped, not written here

@@ -83,6 +83,7 @@ class RankRuntime:
     status: Status
     tracer: Tracer
     watcher: native.NativeWatcher
+    sidecar: native.Sidecar
 
     @property
     def ours(self) -> bool:
@@ -126,9 +127,9 @@ class RankProcess:
         watcher = native.NativeWatcher(tracer, main_thread=main_thread or threading.main_thread().ident,
                                        on_unwatched=lambda why: status.update(unwatched=why))
         tracer.segment_listeners.append(watcher)
-        native.start(watcher)
+        sidecar = native.start(watcher)
         self._arm_recorders(files, rank, script)
-        self.current = RankRuntime(files, status, tracer, watcher)
+        self.current = RankRuntime(files, status, tracer, watcher, sidecar)
         _guarded(Hook.RANK_SETUP, self.wrap_process_group_calls)
         return self.current
 
