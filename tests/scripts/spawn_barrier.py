@@ -20,6 +20,10 @@ def work(rank: int, world: int, bug: bool, hold: bool) -> None:
         time.sleep(0.1)
     if rank == 0 or not bug:
         dist.barrier()   # the barrier
+    # torch itself aborts now and then at the exit of a process whose gloo group was never destroyed
+    # ("terminate called without an active exception": 1 of 8 plain torchrun runs of such a script): the
+    # tests that run this script judge distcheck, not that.
+    dist.destroy_process_group()
 
 
 def main() -> None:
