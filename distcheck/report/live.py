@@ -26,7 +26,8 @@ from distcheck.report.frames import OwnFrames
 from distcheck.text import rank_list, short_path
 
 MAX_ROWS = 12
-ANNOUNCE_AFTER_S = 5.0      # plain output: a later launch's RUN line once it has run this long
+ANNOUNCE_AFTER_S = 10.0     # plain output: a later launch's RUN line once it has run this long (a quiet 10 s: a CI
+                            # log says what runs; shorter, a loaded node's first run outgrew one screen)
 
 
 class RankProgress(Protocol):
