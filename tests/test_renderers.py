@@ -24,7 +24,7 @@ from distcheck.errors import CorruptInputError, ExitCode, UsageError
 from distcheck.models import Event, Finding, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult
 from distcheck.report import (chrome_trace, env_view, html_timeline, json_report, json_schema, junit, runs_table,
                               scenario_list, terminal)
-from distcheck.report.live import LiveState, LiveView, rank_rows, renderable
+from distcheck.report.live import ANNOUNCE_AFTER_S, LiveState, LiveView, rank_rows, renderable
 from distcheck.files.saved_runs import list_runs, load_report, load_run, resolve_run_dir
 from distcheck.report.outputs import write_outputs
 from distcheck.scenario import ScenarioSpec
@@ -417,7 +417,7 @@ def test_live_view_plain_mode_pairs_each_start_with_its_result(fixed):
         view.on_poll({}, 0.0)
         view.scenario_finished(crash)
         view.scenario_started(_spec("slow"), 3, 4)        # one that takes a while
-        now[0] += 5.5
+        now[0] += ANNOUNCE_AFTER_S + 0.5
         view.on_poll({}, 0.0)
     lines = [line.strip() for line in c.file.getvalue().splitlines() if line.startswith("  ") and
              line.strip().startswith(("RUN", "OK", "FAIL"))]
