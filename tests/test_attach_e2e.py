@@ -72,6 +72,17 @@ def _hang(s: dict) -> dict:
     return hang
 
 
+def _hang_with_dumps(tmp_path: Path, mode: str, nproc: int) -> tuple[dict, dict]:
+    """Attach to a hung job whose ranks dump their Flight Recorder (as TORCH_FR_DUMP_TEMP_FILE asks): the
+    report's scenario and its one hang (attach exits 1)."""
+    folder = tmp_path / "job"
+    env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(folder / "fr_")}
+    with job(mode, folder, nproc, env=env) as proc:
+        done, s = attach(tmp_path, str(proc.pid))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    return s, _hang(s)
+
+
 def test_rank0_in_all_reduce_others_in_user_code_is_a_hang(tmp_path):
     with job("allreduce", tmp_path / "job") as proc:
         done, s = attach(tmp_path, str(proc.pid))
@@ -214,12 +225,7 @@ def test_two_nodes_node0_judges_the_whole_job_and_names_a_node_that_never_joins(
 
 def test_flight_recorder_dumps_are_joined_by_sequence_number(tmp_path):
     """Rank 0 waits on an async all_reduce (#6) its Python stack does not show; every rank's dump is on disk."""
-    folder = tmp_path / "job"
-    env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(folder / "fr_")}
-    with job("frdump", folder, 3, env=env) as proc:
-        done, s = attach(tmp_path, str(proc.pid))
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    hang = _hang(s)
+    s, hang = _hang_with_dumps(tmp_path, "frdump", 3)
     assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1, 2] and hang["op"] == "all_reduce"
     assert hang["seq"] == 6 and "all_reduce #6" in hang["summary"]
     assert line_of("waits in all_reduce #6") in hang["callsite"]
@@ -230,12 +236,7 @@ def test_flight_recorder_dumps_are_joined_by_sequence_number(tmp_path):
 
 def test_ddp_hung_in_the_reducer_with_dumps_is_named_by_number_without_a_native_read(tmp_path):
     """The Flight Recorder says which call the reducer has in flight: no rank is stopped for a native read."""
-    folder = tmp_path / "job"
-    env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(folder / "fr_")}
-    with job("ddp", folder, 2, env=env) as proc:
-        done, s = attach(tmp_path, str(proc.pid))
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
-    hang = _hang(s)
+    s, hang = _hang_with_dumps(tmp_path, "ddp", 2)
     assert hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1] and hang["op"] == "all_reduce"
     assert hang["seq"] and f"all_reduce #{hang['seq']}" in hang["summary"]
     assert line_of("the reducer's all_reduce waits") in hang["callsite"]
