@@ -444,7 +444,6 @@ class NativeWatcher:
 # exit, while threads still run: a program that exits cleanly without distcheck exits cleanly with it.
 STOP_WAIT_S = 2.0
 _running: set["Sidecar"] = set()
-_exit_hook = False
 
 
 class Sidecar:
@@ -471,6 +470,7 @@ class Sidecar:
             self.thread.join(wait_s)
 
 
+@atexit.register
 def _stop_all() -> None:
     for sidecar in list(_running):
         sidecar.stop()
@@ -478,10 +478,6 @@ def _stop_all() -> None:
 
 def start(watcher: NativeWatcher, poll_s: float = 0.1) -> Sidecar:
     """Poll in a daemon thread: collectives release the GIL while they wait, so it runs during a hang."""
-    global _exit_hook
-    if not _exit_hook:
-        atexit.register(_stop_all)
-        _exit_hook = True
     sidecar = Sidecar(watcher, poll_s)
     _running.add(sidecar)
     sidecar.thread.start()
