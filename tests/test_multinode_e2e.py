@@ -217,7 +217,7 @@ def test_a_lost_node_whose_peers_only_failed_in_reaction_is_not_a_pass(tmp_path)
                                                                       "node_1_goes_first", "30")
     assert rc0 == 3, out0[-2000:] + err0[-2000:]
     assert not scenario["ok"] and scenario["observed"] != ["pass"], scenario["findings"]
-    assert any("the records of ranks 2, 3 went with their lost node" in f["summary"] for f in scenario["findings"])
+    assert any("the records of ranks 2, 3 went with their lost node" in f["summary"] for f in scenario["findings"]), scenario
     assert not survivors(str(tmp_path))
 
 

@@ -87,7 +87,7 @@ def read_flight_recorder_status(path) -> dict[str, dict[str, int]] | None:
             for g, s in status.items() if isinstance(s, dict)}
 
 
-def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
+def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int], node_lost: bool) -> None:
     """The root-cause candidates: failures that are not reactions to another failure."""
     failed = [f for f in facts if f.failed and f.rank not in killed_by_us
               and f.status.phase not in (Phase.INTERRUPTED, Phase.FINISHED)]
@@ -107,7 +107,8 @@ def _mark_primary(facts: list[_RankFacts], killed_by_us: set[int]) -> None:
     # who never came to the collectives the reacting ranks failed in. One that failed outside any
     # collective (in init_process_group while its peers had already left, or waiting on the store for a
     # key no peer sets) is a failure of its own: nothing else explains it, and its exit status is the job's.
-    if not primary:
+    # A lost node explains it (its ranks' ends went with it, and the run says so).
+    if not primary and not node_lost:
         primary = [f for f in reactions if _waiting_in(f.trace) is None]
     for f in primary:
         f.primary = True
@@ -156,7 +157,7 @@ def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> Colle
             f.abort = _abort_in_log(files.log(rank))
         facts.append(f)
     if not EndReason.of(launch.end_reason).interrupted:
-        _mark_primary(facts, killed)
+        _mark_primary(facts, killed, node_lost=bool(launch.records_lost))
     outcomes = {f.rank: _outcome(f, launch, f.rank in killed) for f in facts}
     results = {f.rank: _results(f.status, files.samples(f.rank), files.metrics_dir) for f in facts}
     results = {r: res for r, res in results.items() if res}
