@@ -12,9 +12,13 @@ import pytest
 
 from conftest import REPO, bindable
 from distcheck.errors import UsageError
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.launch.command import _end_reason
+from distcheck.launch.launcher import RankFailure
 from distcheck.launch.node_config import node_config
 from distcheck.launch.slurm import (OWN_STOP, classify, endpoint_port, ending_in_output, expand_hostlist, known_end,
                                     run_metadata, slurm_job, stop_before_end)
+from distcheck.launch.watchdog import Decision, WatchdogResult
 from distcheck.models import EndReason, Report, RunInfo
 
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_STEP_NUM_TASKS": "4",
@@ -91,6 +95,25 @@ def _run_info() -> dict:
 ])
 def test_srun_output_tells_which_ending_slurm_caused(line, ending):
     assert ending_in_output(f"some output\n{line}\nsrun: error: n2: task 1: Killed\n") is ending
+
+
+def test_a_wrapped_srun_cancelled_by_slurm_is_its_ending_even_where_the_watchdog_saw_a_rank_die_first(tmp_path):
+    # The time limit SIGTERMs every task; the watchdog saw rank 1 gone while rank 0 still waited in its
+    # barrier (a certain hang), before srun ended: Slurm's ending, not distcheck's hang or a crash.
+    files = LaunchFiles(tmp_path)
+    files.command_log.parent.mkdir(parents=True, exist_ok=True)
+    files.command_log.write_text("slurmstepd-n1: error: *** STEP 4.0 ON n1 CANCELLED AT 2026-12-05T23:11:37 "
+                                 "DUE TO TIME LIMIT ***\nsrun: error: n1: tasks 0-1: Terminated\n")
+    seen_dying = WatchdogResult(decision=Decision.DEADLOCK, killed_ranks=(0,))
+    slurms = {1: RankFailure(exit_code=None, signal="SIGTERM", pid=None)}
+    assert _end_reason(seen_dying, False, slurms, files) is EndReason.SLURM_TIME_LIMIT
+    # distcheck ended the hang itself (it SIGTERMed rank 1): srun's cancel line then follows distcheck's end
+    ours = {1: RankFailure(exit_code=None, signal="SIGTERM", pid=None)}
+    ended_by_us = WatchdogResult(decision=Decision.DEADLOCK, killed_ranks=(0, 1))
+    assert _end_reason(ended_by_us, False, ours, files) is EndReason.CERTAIN_HANG
+    # a rank's own crash before distcheck acted is no Slurm ending, whatever srun then says
+    crashed = {1: RankFailure(exit_code=None, signal="SIGSEGV", pid=None)}
+    assert _end_reason(seen_dying, False, crashed, files) is EndReason.CERTAIN_HANG
 
 
 def test_slurm_endings_are_interruptions_with_their_own_words():

@@ -146,15 +146,28 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     if interrupted:
         said = slurm.requested_ending()
         return said if said is not EndReason.INTERRUPTED else slurm.ending_in_output(_command_log(files)) or said
-    if result.decision.end_reason is not None:
-        return result.decision.end_reason
+    # Slurm cancelled the command's step (scancel, srun --time) without a signal to distcheck: its ranks
+    # died of Slurm's SIGTERM, an interruption, not a crash; srun's output says which ending it was. That
+    # holds too where the watchdog saw the first of them die before srun ended, and took it for a certain
+    # hang (the others waiting for a rank that can never come).
+    decided = result.decision.end_reason
+    if failures and (decided is None or _died_before_distcheck_acted(failures, result.killed_ranks)):
+        cancelled = slurm.ending_in_output(_command_log(files))
+        if cancelled is not None:
+            return cancelled
+    if decided is not None:
+        return decided
     if result.decision is Decision.FAILED:
         raise LaunchError(f"the watchdog failed and ended the job: {result.error}",
                           "please report this as a distcheck bug")
-    # Slurm cancelled the command's step (scancel, srun --time) without a signal to distcheck: its ranks
-    # died of Slurm's SIGTERM, an interruption, not a crash; srun's output says which ending it was.
-    cancelled = slurm.ending_in_output(_command_log(files)) if failures else None
-    return cancelled or (EndReason.CRASH if failures else EndReason.COMPLETED)
+    return EndReason.CRASH if failures else EndReason.COMPLETED
+
+
+def _died_before_distcheck_acted(failures: dict[int, RankFailure], killed: tuple[int, ...]) -> bool:
+    """A rank died of a SIGTERM (or of something unknown) that distcheck did not send: it was not among the
+    ranks distcheck ended."""
+    return any(r not in killed and (f.signal == "SIGTERM" or (f.signal is None and f.exit_code is None))
+               for r, f in failures.items())
 
 
 def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, timed_out: bool) -> Exception:
