@@ -134,15 +134,24 @@ def _append(path: Path, text: str) -> None:
 
 
 def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list[int]:
-    """SIGTERM, wait up to ``grace_s``, then SIGKILL what is left. Returns the pids signalled."""
+    """SIGTERM, wait up to ``grace_s``, then SIGKILL what is left. Returns the pids signalled.
+
+    All of them are stopped before any is signalled, and continued once all were: on a loaded node this
+    process can lose the CPU between two signals, and the ranks that died first would show the others a
+    "Connection closed by peer" that they print as a traceback of their own (or record as their failure)
+    before their own SIGTERM comes. A stopped process keeps its SIGTERM pending, and dies of it when it
+    continues, before it runs another line of its own."""
     procs = [p for p in processes if p.pid != os.getpid()]
-    signalled = []
+    stopped = []
     for p in procs:
         try:
-            p.send_signal(signal.SIGTERM)
-            signalled.append(p.pid)
+            p.send_signal(signal.SIGSTOP)   # psutil's check that the pid is still this process's
+            stopped.append(p)
         except psutil.Error:
             pass
+    signalled = [p.pid for p in stopped if _signal(p.pid, signal.SIGTERM)]
+    for p in stopped:
+        _signal(p.pid, signal.SIGCONT)
     alive = _wait_gone(procs, grace_s)
     for p in alive:
         try:
@@ -151,6 +160,14 @@ def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list
             pass
     _wait_gone(alive, 2.0)
     return signalled
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except OSError:   # gone since it was stopped, microseconds ago
+        return False
 
 
 def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
