@@ -136,22 +136,12 @@ def _append(path: Path, text: str) -> None:
 def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list[int]:
     """SIGTERM, wait up to ``grace_s``, then SIGKILL what is left. Returns the pids signalled.
 
-    All of them are stopped before any is signalled, and continued once all were: on a loaded node this
-    process can lose the CPU between two signals, and the ranks that died first would show the others a
-    "Connection closed by peer" that they print as a traceback of their own (or record as their failure)
-    before their own SIGTERM comes. A stopped process keeps its SIGTERM pending, and dies of it when it
-    continues, before it runs another line of its own."""
+    The SIGTERMs go out in one tight loop of ``kill`` calls (psutil checked each pid when it made the
+    handle): on a loaded node this process can lose the CPU between two slow signals, and the ranks that
+    died first would show the others a "Connection closed by peer" that they print as a traceback of their
+    own before their own SIGTERM comes."""
     procs = [p for p in processes if p.pid != os.getpid()]
-    stopped = []
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGSTOP)   # psutil's check that the pid is still this process's
-            stopped.append(p)
-        except psutil.Error:
-            pass
-    signalled = [p.pid for p in stopped if _signal(p.pid, signal.SIGTERM)]
-    for p in stopped:
-        _signal(p.pid, signal.SIGCONT)
+    signalled = [p.pid for p in procs if _signal(p.pid, signal.SIGTERM)]
     alive = _wait_gone(procs, grace_s)
     for p in alive:
         try:
@@ -166,7 +156,7 @@ def _signal(pid: int, sig: int) -> bool:
     try:
         os.kill(pid, sig)
         return True
-    except OSError:   # gone since it was stopped, microseconds ago
+    except OSError:   # gone meanwhile
         return False
 
 
