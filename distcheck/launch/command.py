@@ -146,6 +146,9 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     if interrupted:
         said = slurm.requested_ending()
         return said if said is not EndReason.INTERRUPTED else slurm.ending_in_output(_command_log(files)) or said
+    if result.decision is Decision.FAILED:
+        raise LaunchError(f"the watchdog failed and ended the job: {result.error}",
+                          "please report this as a distcheck bug")
     # Slurm cancelled the command's step (scancel, srun --time) without a signal to distcheck: its ranks
     # died of Slurm's SIGTERM, an interruption, not a crash; srun's output says which ending it was. That
     # holds too where the watchdog saw the first of them die before srun ended, and took it for a certain
@@ -157,9 +160,6 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
             return cancelled
     if decided is not None:
         return decided
-    if result.decision is Decision.FAILED:
-        raise LaunchError(f"the watchdog failed and ended the job: {result.error}",
-                          "please report this as a distcheck bug")
     return EndReason.CRASH if failures else EndReason.COMPLETED
 
 
