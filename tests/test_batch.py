@@ -199,3 +199,60 @@ def test_a_shared_launch_with_an_aborting_scenario_keeps_exceptions_where_they_h
     order = [n for line in again.stdout.splitlines() for n in ("b_ok", "c_ok", "a_aborts")
              if line.lstrip().startswith(("OK", "FAIL")) and f" {n} " in line]
     assert order == ["b_ok", "c_ok", "a_aborts"], again.stdout
+
+
+def test_after_a_crash_a_survivor_done_with_its_part_of_the_scenario_is_not_waited_for(tmp_path):
+    """A shared launch's rank that finished its part of the scenario waits for its peers at the scenario's end,
+    its record complete: once a peer failed, torch's agent is not held for it (it held the launch until the
+    survivor's --stall-timeout). A rank still on its way to a call is, as before."""
+    import subprocess
+    import sys
+    import time
+
+    from distcheck.files.launch_dir import LaunchFiles, RankStatus
+    from distcheck.launch.survivors import _wait_for_synced_records
+    from distcheck.models import Phase
+
+    files = LaunchFiles(tmp_path)
+    files.make()
+    files.traces.mkdir(parents=True, exist_ok=True)
+    (files.traces / "rank0.trace").write_bytes(b"")
+    idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        waiting = RankStatus(rank=0, pid=idle.pid, phase=Phase.RUNNING, current="b",
+                             scenarios={"a": {}, "b": {"results": {}, "collectives": 1}})
+        files.write_status(0, waiting)
+        start = time.monotonic()
+        _wait_for_synced_records(files, time.time(), idle_s=60.0)
+        assert time.monotonic() - start < 30.0          # at once, not after its 60 s without progress
+        files.write_status(0, RankStatus(rank=0, pid=idle.pid, phase=Phase.RUNNING, current="b",
+                                         scenarios={"a": {}}))
+        start = time.monotonic()
+        _wait_for_synced_records(files, time.time(), idle_s=0.5)
+        assert time.monotonic() - start >= 0.5          # on its way: waited for until it stopped progressing
+    finally:
+        idle.kill()
+        idle.wait()
+
+
+def test_the_scenario_a_shared_launch_died_in_began_where_the_one_before_it_ended(tmp_path):
+    """Its duration is its own, not the whole launch's (a mismatch at the end of the built-ins' shared launch
+    read 18-24 s, the time of every scenario before it)."""
+    from distcheck.files.launch_dir import LaunchFiles, RankStatus
+    from distcheck.launch.batch import split
+    from distcheck.launch.launcher import LaunchOutcome
+    from distcheck.launch.watchdog import WatchdogResult
+    from distcheck.models import EndReason, Phase
+
+    batch = LaunchFiles(tmp_path / "batch-1")
+    batch.make()
+    a_done = {"results": {}, "collectives": 1, "t_start": 10.0, "t_end": 12.0}
+    for rank, t_end in ((0, 12.0), (1, 12.5)):
+        batch.write_status(rank, RankStatus(rank=rank, phase=Phase.ERROR if rank else Phase.RUNNING, current="b",
+                                            scenarios={"a": {**a_done, "t_end": t_end}}))
+    outcome = LaunchOutcome(end_reason=EndReason.CRASH, started_at=1.0, ended_at=14.0, watchdog=WatchdogResult())
+    parts = split(batch, [spec("a").spec, spec("b", "mismatch").spec], 2, outcome, tmp_path)
+    [(a, _, a_outcome)] = parts.completed
+    b, _, b_outcome = parts.failed
+    assert (a.name, a_outcome.started_at, a_outcome.ended_at) == ("a", 10.0, 12.5)
+    assert (b.name, b_outcome.started_at, b_outcome.ended_at, b_outcome.end_reason) == ("b", 12.5, 14.0, EndReason.CRASH)

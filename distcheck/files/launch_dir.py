@@ -56,6 +56,13 @@ class RankStatus:
     test: str | None = None                  # the pytest node id running when the rank initialized
     hook_failures: dict[str, Any] | None = None   # distcheck's own hooks that failed here (rank.guard): name -> {count, error}
 
+    @property
+    def done_with_current(self) -> bool:
+        """A shared launch's rank that finished its part of the scenario it runs, and waits for its peers at
+        that scenario's end (the worker records it among those finished before it waits): until they come it
+        issues nothing, and its record stays as it is."""
+        return bool(self.current and self.scenarios and self.current in self.scenarios)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankStatus:
         """Tolerant: unknown keys are ignored, an unknown phase reads as None."""

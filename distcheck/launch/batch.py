@@ -89,7 +89,7 @@ def split(batch: LaunchFiles, specs: list[ScenarioSpec], world_size: int, outcom
             out.completed.append((spec, launch_dir, _completed_outcome(done, outcome.watchdog.busy_lines)))
         elif started and out.failed is None:
             launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=True)
-            out.failed = (spec, launch_dir, outcome)
+            out.failed = (spec, launch_dir, _failed_outcome(outcome, out.completed))
         else:
             out.not_started.append(spec)
     return out
@@ -108,6 +108,15 @@ def _completed_outcome(done: list[dict], busy_lines: list[tuple[int, float, str]
     own = [s for s in busy_lines if start <= s[1] <= end]   # taken while this scenario ran
     return LaunchOutcome(end_reason=EndReason.COMPLETED, started_at=start, ended_at=end,
                          watchdog=WatchdogResult(busy_lines=own))
+
+
+def _failed_outcome(outcome: LaunchOutcome, completed: list[tuple[ScenarioSpec, Path, LaunchOutcome]]
+                    ) -> LaunchOutcome:
+    """The launch's end, as the scenario running when it came: that scenario began when the ranks were done
+    with the one before it, not when the launch began (its duration was the whole launch's)."""
+    if not completed:
+        return outcome
+    return dataclasses.replace(outcome, started_at=max(done.ended_at for _, _, done in completed))
 
 
 def _materialize(batch: LaunchFiles, spec: ScenarioSpec, run_dir: Path, statuses: dict[int, RankStatus],

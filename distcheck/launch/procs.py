@@ -136,12 +136,24 @@ def _append(path: Path, text: str) -> None:
 def terminate(processes: Iterable[psutil.Process], grace_s: float = 2.0) -> list[int]:
     """SIGTERM, wait up to ``grace_s``, then SIGKILL what is left. Returns the pids signalled.
 
-    The SIGTERMs go out in one tight loop of ``kill`` calls (psutil checked each pid when it made the
-    handle): on a loaded node this process can lose the CPU between two slow signals, and the ranks that
-    died first would show the others a "Connection closed by peer" that they print as a traceback of their
-    own before their own SIGTERM comes."""
+    All of them are stopped (SIGSTOP) before any is signalled, and continued once all were: on a loaded
+    node this process can lose the CPU between two signals, however tight the loop, and the ranks that died
+    first would show the others a "Connection closed by peer" that they print as a traceback of their own
+    before their own SIGTERM comes. A stopped process cannot run a line of its own; one whose SIGTERM has
+    no handler dies of it at once, stopped or not, and one with a handler runs it once continued."""
     procs = [p for p in processes if p.pid != os.getpid()]
-    signalled = [p.pid for p in procs if _signal(p.pid, signal.SIGTERM)]
+    stopped = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGSTOP)   # psutil's check that the pid is still this process's
+            stopped.append(p)
+        except psutil.Error:
+            pass
+    try:
+        signalled = [p.pid for p in stopped if _signal(p.pid, signal.SIGTERM)]
+    finally:
+        for p in stopped:
+            _signal(p.pid, signal.SIGCONT)   # never left stopped, whatever happened in between
     alive = _wait_gone(procs, grace_s)
     for p in alive:
         try:

@@ -27,13 +27,6 @@ STACK_MOVED_S = 1.5
 # Past this many ranks, a node's monitor lists its launch dir for the ranks it has instead of trying each rank.
 SCAN_RANKS_ABOVE = 64
 
-def _done_with_current(status: RankStatus | None) -> bool:
-    """A shared launch's rank whose status has the scenario it runs among those it finished (the worker
-    writes both before it waits for its peers at that scenario's end)."""
-    return bool(status and status.current and status.scenarios and status.current in status.scenarios)
-
-
-
 
 @dataclass(frozen=True)
 class RankProgress:
@@ -139,7 +132,7 @@ class RankMonitor:
                 rss_bytes=rss, peak_rss_bytes=peak, cpu=cpu, busy_at=self.busy_at.get(rank),
                 waits=tuple((c.group, c.seq, c.members, c.signature) for c in opened),
                 entered=dict(tail.entered), settled=tail.settled,
-                left=tail.left_calls, done_with_scenario=not opened and _done_with_current(status),
+                left=tail.left_calls, done_with_scenario=not opened and status is not None and status.done_with_current,
                 **self._evidence(rank, pid, tail.stack_digest, now, outside=not opened),
             )
         return out

@@ -106,7 +106,7 @@ def _forked_exit_codes(agent: Any, worker_group: Any) -> dict[int, tuple[int, in
 def _wait_for_synced_records(files: LaunchFiles, since: float, idle_s: float,
                              most_s: float = SURVIVOR_SYNC_MAX_S) -> None:
     """Until every live rank of this node synced its trace after ``since`` and is inside a call (or has
-    ended); a rank that made no progress (CPU time) for ``idle_s`` is not waited for, nor anyone past
+    ended, or finished its part of a shared launch's scenario); a rank that made no progress (CPU time) for ``idle_s`` is not waited for, nor anyone past
     ``most_s``. A survivor on its way to the call the failed rank was in (still in the Python between two
     calls) is stopped inside it, not before: otherwise whether its record names that call, and so the
     majority at it, would depend on the machine's load (issue 41's determinism lane)."""
@@ -117,8 +117,10 @@ def _wait_for_synced_records(files: LaunchFiles, since: float, idle_s: float,
         now = time.monotonic()
         for path, tail in list(tails.items()):
             status = files.read_status(int(path.stem.removeprefix("rank")))
-            # only a rank in its process group has a sidecar that syncs (one still starting has no calls)
-            done = status is None or not procs.is_alive(status.pid) or status.phase is not Phase.RUNNING
+            # only a rank in its process group has a sidecar that syncs (one still starting has no calls); one
+            # that finished its part of a shared launch's scenario waits for its peers, its record complete
+            done = (status is None or not procs.is_alive(status.pid) or status.phase is not Phase.RUNNING
+                    or status.done_with_current)
             if done or _synced_inside_a_call(tail, since) or _stalled(progress, path, status.pid, now, idle_s):
                 del tails[path]
         time.sleep(0.02)
