@@ -107,9 +107,10 @@ def _wait_for_synced_records(files: LaunchFiles, since: float, idle_s: float,
                              most_s: float = SURVIVOR_SYNC_MAX_S) -> None:
     """Until every live rank of this node synced its trace after ``since`` and is inside a call (or has
     ended, or finished its part of a shared launch's scenario); a rank that made no progress (CPU time) for
-    ``idle_s`` is not waited for, nor anyone past ``most_s``. A survivor on its way to the call the failed rank was in (still in the Python between two
-    calls) is stopped inside it, not before: otherwise whether its record names that call, and so the
-    majority at it, would depend on the machine's load (issue 41's determinism lane)."""
+    ``idle_s`` is not waited for, nor anyone past ``most_s``. A survivor on its way to the call the failed
+    rank was in (still in the Python between two calls) is stopped inside it, not before: otherwise whether
+    its record names that call, and so the majority at it, would depend on the machine's load (issue 41's
+    determinism lane)."""
     start = time.monotonic()
     tails = {path: TraceTail(path) for path in files.traces.glob("rank*.trace")}
     progress: dict[Path, tuple[float, float]] = {}   # trace -> (CPU seconds, when they last grew)
