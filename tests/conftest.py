@@ -271,6 +271,18 @@ def finish_process(proc: subprocess.Popen, marker: str, timeout: float) -> subpr
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.fixture(params=["c", "python"])
+def hot_path(request, monkeypatch) -> str:
+    """A test of the tracer twice: through its hot path in C, and through the Python wrapper that records the same
+    calls where the C one is not built (``DISTCHECK_HOT_PATH=python``)."""
+    if request.param == "python":
+        monkeypatch.setenv("DISTCHECK_HOT_PATH", "python")
+    else:
+        monkeypatch.delenv("DISTCHECK_HOT_PATH", raising=False)
+        pytest.importorskip("distcheck.rank._hot_path_c", reason="the C hot path is not built here")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
     """A one-rank gloo process group (FileStore) for in-process tests of the tracer and call sites."""

@@ -58,7 +58,8 @@ def _outcome(rank: int, failures: dict | None) -> RankOutcome:
 # -- in this process ---------------------------------------------------------------------------------
 
 
-def test_a_failing_tracer_returns_the_users_result_and_raises_the_users_own_exception(tmp_path, process_group):
+def test_a_failing_tracer_returns_the_users_result_and_raises_the_users_own_exception(tmp_path, process_group,
+                                                                                      hot_path):
     tracer = Tracer(tmp_path / "rank0.trace", 0)
     all_reduce = tracer.wrap("all_reduce", dist.all_reduce)
     broadcast = tracer.wrap("broadcast", dist.broadcast)
@@ -78,6 +79,30 @@ def test_a_failing_tracer_returns_the_users_result_and_raises_the_users_own_exce
     assert traced.value.__context__ is None and traced.value.__cause__ is None
     assert traceback.extract_tb(traced.value.__traceback__)[-1][:3] == traceback.extract_tb(plain.value.__traceback__)[-1][:3]
     assert guard.failures()["tracer"]["count"] == 2
+    tracer.close()
+
+
+def test_a_failing_fast_path_returns_the_users_result_and_counts_the_failure(tmp_path, process_group, hot_path):
+    # A call like one seen before takes the fast path (in C, or the generated Python wrapper): distcheck's errors
+    # there, before the call (the group's counter) and after it (the exit record), reach the user as nothing.
+    tracer = Tracer(tmp_path / "rank0.trace", 0)
+    all_reduce = tracer.wrap("all_reduce", dist.all_reduce)
+    assert (type(all_reduce).__name__ == "FastCall") == (hot_path == "c")
+    t = torch.arange(3.0)
+
+    def call():
+        return all_reduce(t)   # one call site: the second call onwards is a fast one
+
+    assert call() is None and tracer.slow_calls == 1
+    (entry,) = tracer._groups.values()
+    entry.counter = planted
+    assert call() is None and t.tolist() == [0.0, 1.0, 2.0] and tracer.slow_calls == 1
+    assert guard.failures()["tracer"] == {"count": 1, "error": "Planted: planted"}
+    entry.counter = None        # numbered by the tracer's own count from here
+    tracer._hold = planted      # an async call's handle cannot be held (after the call)
+    works = [all_reduce(t, async_op=True) for _ in range(2)]   # the first a slow call, the second a fast one
+    assert all(w.wait() for w in works) and tracer.slow_calls == 2
+    assert guard.failures()["tracer"]["count"] == 3
     tracer.close()
 
 

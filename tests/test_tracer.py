@@ -21,6 +21,7 @@ from distcheck.rank.tracer import Tracer
 from distcheck.launch.progress import RankMonitor
 
 THIS = os.path.abspath(__file__)
+pytestmark = pytest.mark.usefixtures("hot_path")   # every test through both hot paths (tests/conftest.py)
 
 
 def line_of(marker: str) -> int:
@@ -212,9 +213,10 @@ def test_fast_path_notices_every_fingerprint_change(tmp_path):
     assert ev[6].async_op and not ev[5].async_op
 
 
-def test_the_generated_wrapper_is_one_frame_of_distchecks_own(tmp_path):
-    # The fast wrapper is generated per op: in a traceback through it, and to the call-site walk, its frame
-    # must read as distcheck's (left out of what the user is shown), and it must be the only one distcheck adds.
+def test_the_wrapper_adds_at_most_one_frame_and_it_is_distchecks_own(tmp_path, hot_path):
+    # The C hot path adds no frame. The Python wrapper is generated per op: in a traceback through it, and to the
+    # call-site walk, its frame must read as distcheck's (left out of what the user is shown), and it must be the
+    # only one distcheck adds.
     import traceback
 
     from distcheck.files.stacks import SKIP, classify_file, torch_dir
@@ -230,9 +232,40 @@ def test_the_generated_wrapper_is_one_frame_of_distchecks_own(tmp_path):
         with pytest.raises(ValueError, match="the user's own") as info:
             traced(torch.ones(2))
     frames = traceback.extract_tb(info.tb)[1:]   # after the test's own frame
+    if hot_path == "c":
+        assert [f.name for f in frames] == ["all_reduce"]   # the user's collective, called from the test
+        assert tracer.slow_calls == 1 and tracer.count == 2
+        return
     assert [f.name for f in frames] == ["traced", "all_reduce"]   # the wrapper, then the user's collective
     assert is_own_frame(frames[0].filename) and classify_file(frames[0].filename, torch_dir()) == SKIP
     assert tracer.slow_calls == 1 and tracer.count == 2
+
+
+def test_a_traced_collective_stands_in_for_the_function_it_wraps(traced):
+    # Code that inspects, binds, pickles or weakly refers to dist.all_reduce finds what it found without distcheck.
+    import inspect
+    import pickle
+    import weakref
+
+    import torch.distributed.distributed_c10d as c10d
+
+    wrapped = dist.all_reduce
+    original = wrapped.__distcheck_original__
+    assert wrapped is not original and wrapped.__wrapped__ is original
+    assert (wrapped.__name__, wrapped.__qualname__, wrapped.__module__, wrapped.__doc__) == (
+        original.__name__, original.__qualname__, original.__module__, original.__doc__)
+    assert inspect.signature(wrapped) == inspect.signature(original) and "all_reduce" in repr(wrapped)
+    assert pickle.loads(pickle.dumps(wrapped)) is c10d.all_reduce is wrapped
+    assert weakref.ref(wrapped)() is wrapped
+
+    class Holder:
+        reduce = dist.all_reduce
+
+    with pytest.raises((TypeError, ValueError, AttributeError, RuntimeError)):
+        Holder().reduce(torch.ones(1))    # bound as a function is: the instance comes first, as without distcheck
+    assert Holder.reduce is wrapped
+    t = torch.ones(2)
+    assert Holder.reduce(t) is None and len(traced()) == 1
 
 
 def test_fast_path_tells_devices_apart_at_one_site(tmp_path):

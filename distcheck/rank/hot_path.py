@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from pathlib import Path
 from time import time_ns
@@ -212,7 +213,40 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         slow=_slow(tracer, name, spec, extract))
     # Named as a file of distcheck's (``hot_path.py<all_reduce>``), so stacks and tracebacks leave its frame out.
     exec(compile(source, f"{_HERE}<{name}>", "exec"), namespace)  # noqa: S102 - from the op's signature
-    return namespace["traced"]
+    traced = namespace["traced"]
+    fast_call = _fast_call_type()
+    if fast_call is None:
+        return traced
+    functools.update_wrapper(traced, original)   # its repr and tracebacks name the collective
+    params = {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1, p)
+              for i, p in enumerate(params)}
+
+    def where(param: str | None) -> tuple[int, str, Any] | None:   # as ``arg_reader`` reads it
+        if param is None or param not in params:
+            return None
+        index, p = params[param]
+        return index, param, None if p.default is p.empty else p.default
+
+    n = namespace
+    return fast_call(
+        fallback=traced, original=original, tracer=tracer, local=n["local"], append=n["append"],
+        write=writer.write, plain_user=n["plain_user"], site_key=n["site_key"], op_ids=n["op_ids"],
+        op_default=n["op_default"], fast=n["fast"], groups=n["groups"], default_group=n["default_group"],
+        seqs=n["seqs"], failed=failed, hook=Hook.TRACER,
+        params=tuple(where(p) for p in ("group", tensor, spec.reduce_op, spec.root, spec.group_root, "async_op")),
+        has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK)
+
+
+def _fast_call_type() -> Callable | None:
+    """The C fast path's type (``_hot_path_c.FastCall``), or None: not built here (a machine without a C compiler
+    when distcheck was installed), or ``DISTCHECK_HOT_PATH=python``. The Python wrapper records the same then."""
+    if os.environ.get("DISTCHECK_HOT_PATH", "").lower() == "python":
+        return None
+    try:
+        from distcheck.rank._hot_path_c import FastCall
+    except ImportError:
+        return None
+    return FastCall
 
 
 def _default_op(params: list[inspect.Parameter], spec: OpSpec) -> Any:
