@@ -18,6 +18,79 @@ exception leaves as it came. Optional: where this does not build, the Python wra
 #include <stdint.h>
 #include <time.h>
 
+/* -- ThreadFlag: "inside a traced call on this thread", one thread-specific value (no dict lookups) ------------ */
+
+typedef struct {
+    PyObject_HEAD
+    Py_tss_t key;
+} ThreadFlag;
+
+static PyTypeObject ThreadFlagType;
+
+static int flag_is_set(ThreadFlag *flag) {
+    return PyThread_tss_get(&flag->key) != NULL;
+}
+
+static int flag_set(ThreadFlag *flag, int on) {
+    return PyThread_tss_set(&flag->key, on ? (void *)flag : NULL) == 0 ? 0 : -1;
+}
+
+static PyObject *flag_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "ThreadFlag() takes no arguments");
+        return NULL;
+    }
+    ThreadFlag *self = (ThreadFlag *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_tss_t fresh = Py_tss_NEEDS_INIT;
+    self->key = fresh;
+    if (PyThread_tss_create(&self->key) != 0) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void flag_dealloc(ThreadFlag *self) {
+    if (PyThread_tss_is_created(&self->key))
+        PyThread_tss_delete(&self->key);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *flag_get_active(ThreadFlag *self, void *closure) {
+    return PyBool_FromLong(flag_is_set(self));
+}
+
+static int flag_set_active(ThreadFlag *self, PyObject *value, void *closure) {
+    int on = value == NULL ? 0 : PyObject_IsTrue(value);
+    if (on < 0)
+        return -1;
+    if (flag_set(self, on) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "a thread-specific value could not be set");
+        return -1;
+    }
+    return 0;
+}
+
+static PyGetSetDef flag_getset[] = {
+    {"active", (getter)flag_get_active, (setter)flag_set_active, "inside a traced call on this thread", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ThreadFlagType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "distcheck.rank._hot_path_c.ThreadFlag",
+    .tp_doc = "Whether this thread is inside a traced call (``active``): one value per thread, as threading.local's.",
+    .tp_basicsize = sizeof(ThreadFlag),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = flag_new,
+    .tp_dealloc = (destructor)flag_dealloc,
+    .tp_getset = flag_getset,
+};
+
+/* -- FastCall ------------------------------------------------------------------------------------------------ */
+
 /* One argument of the collective's signature: where it is read from, and its default. */
 typedef struct {
     int present;        /* the signature has it (else it reads as None) */
@@ -34,7 +107,7 @@ typedef struct {
     PyObject *weakrefs;
     PyObject *dict;             /* __dict__: functools.update_wrapper writes __wrapped__, __name__... here */
     PyObject *fallback;         /* the Python wrapper: every call this does not record itself */
-    PyObject *original, *tracer, *local, *append, *write;
+    PyObject *original, *tracer, *inside, *append, *write;
     PyObject *plain_user, *site_key, *op_ids, *op_default, *fast, *groups, *default_group, *seqs;
     PyObject *failed, *hook;
     Param params[N_PARAMS];
@@ -105,13 +178,35 @@ static PyObject *call_fallback(FastCall *self, PyObject *const *args, size_t nar
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
-/* ``tracer.busy_group = None; local.active = False``, keeping any exception in flight. */
+/* ``inside.active``: the ThreadFlag's own value, or any other object's attribute (1, 0, or -1 with an error). */
+static int is_inside(FastCall *self) {
+    if (Py_IS_TYPE(self->inside, &ThreadFlagType))
+        return flag_is_set((ThreadFlag *)self->inside);
+    PyObject *active = PyObject_GetAttr(self->inside, s_active);
+    if (active == NULL)
+        return -1;
+    int on = PyObject_IsTrue(active);
+    Py_DECREF(active);
+    return on;
+}
+
+static int set_inside(FastCall *self, int on) {
+    if (Py_IS_TYPE(self->inside, &ThreadFlagType)) {
+        if (flag_set((ThreadFlag *)self->inside, on) == 0)
+            return 0;
+        PyErr_SetString(PyExc_RuntimeError, "a thread-specific value could not be set");
+        return -1;
+    }
+    return PyObject_SetAttr(self->inside, s_active, on ? Py_True : Py_False);
+}
+
+/* ``tracer.busy_group = None; inside.active = False``, keeping any exception in flight. */
 static void leave(FastCall *self) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     if (PyObject_SetAttr(self->tracer, s_busy_group, Py_None) < 0)
         PyErr_Clear();
-    if (PyObject_SetAttr(self->local, s_active, Py_False) < 0)
+    if (set_inside(self, 0) < 0)
         PyErr_Clear();
     PyErr_Restore(type, value, tb);
 }
@@ -422,13 +517,7 @@ static void exit_raised(FastCall *self, uint64_t key) {
 static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     FastCall *self = (FastCall *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *active = PyObject_GetAttr(self->local, s_active);
-    if (active == NULL) {
-        PyErr_Clear();
-        return call_fallback(self, args, nargsf, kwnames);
-    }
-    int nested = PyObject_IsTrue(active);
-    Py_DECREF(active);
+    int nested = is_inside(self);
     if (nested != 0) {   /* a collective inside a traced one, or a flag that cannot be read: Python's way */
         if (nested < 0)
             PyErr_Clear();
@@ -439,7 +528,7 @@ static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nar
     int async_flag = 0;
     if (!fast_lookup(self, args, nargs, kwnames, &entry, &fp, &async_flag))
         return call_fallback(self, args, nargsf, kwnames);
-    if (PyObject_SetAttr(self->local, s_active, Py_True) < 0) {
+    if (set_inside(self, 1) < 0) {
         PyErr_Clear();
         Py_DECREF(entry);
         return call_fallback(self, args, nargsf, kwnames);
@@ -499,15 +588,15 @@ static int param_from(PyObject *spec, Param *p) {
 }
 
 static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *kw[] = {"fallback", "original", "tracer", "local", "append", "write", "plain_user", "site_key",
+    static char *kw[] = {"fallback", "original", "tracer", "inside", "append", "write", "plain_user", "site_key",
                          "op_ids", "op_default", "fast", "groups", "default_group", "seqs", "failed", "hook",
                          "params", "has_op", "has_root", "has_tensor", "check", "x_ok", NULL};
-    PyObject *fallback, *original, *tracer, *local, *append, *write, *plain_user, *site_key, *op_ids, *op_default,
+    PyObject *fallback, *original, *tracer, *inside, *append, *write, *plain_user, *site_key, *op_ids, *op_default,
         *fast, *groups, *default_group, *seqs, *failed, *hook, *params;
     int has_op, has_root, has_tensor;
     unsigned long long check, x_ok;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO!OO!OO!O!OO!OOO!pppKK", kw, &fallback, &original,
-                                     &tracer, &local, &append, &write, &PyDict_Type, &plain_user, &site_key,
+                                     &tracer, &inside, &append, &write, &PyDict_Type, &plain_user, &site_key,
                                      &PyDict_Type, &op_ids, &op_default, &PyDict_Type, &fast, &PyDict_Type, &groups,
                                      &default_group, &PyDict_Type, &seqs, &failed, &hook, &PyTuple_Type, &params,
                                      &has_op, &has_root, &has_tensor, &check, &x_ok))
@@ -520,10 +609,10 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     if (self == NULL)
         return NULL;
     self->vectorcall = fast_call;
-    PyObject **slots[] = {&self->fallback, &self->original, &self->tracer, &self->local, &self->append,
+    PyObject **slots[] = {&self->fallback, &self->original, &self->tracer, &self->inside, &self->append,
                           &self->write, &self->plain_user, &self->site_key, &self->op_ids, &self->op_default,
                           &self->fast, &self->groups, &self->default_group, &self->seqs, &self->failed, &self->hook};
-    PyObject *values[] = {fallback, original, tracer, local, append, write, plain_user, site_key, op_ids, op_default,
+    PyObject *values[] = {fallback, original, tracer, inside, append, write, plain_user, site_key, op_ids, op_default,
                           fast, groups, default_group, seqs, failed, hook};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
         Py_INCREF(values[i]);
@@ -544,7 +633,7 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
 }
 
 #define VISIT_ALL(V)                                                                                                 \
-    V(dict) V(fallback) V(original) V(tracer) V(local) V(append) V(write) V(plain_user) V(site_key) V(op_ids)        \
+    V(dict) V(fallback) V(original) V(tracer) V(inside) V(append) V(write) V(plain_user) V(site_key) V(op_ids)        \
     V(op_default) V(fast) V(groups) V(default_group) V(seqs) V(failed) V(hook)
 
 static int fast_traverse(FastCall *self, visitproc visit, void *arg) {
@@ -642,7 +731,7 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
         if (*names[i].slot == NULL)
             return NULL;
     }
-    if (PyType_Ready(&FastCallType) < 0)
+    if (PyType_Ready(&FastCallType) < 0 || PyType_Ready(&ThreadFlagType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -650,6 +739,12 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
     Py_INCREF(&FastCallType);
     if (PyModule_AddObject(m, "FastCall", (PyObject *)&FastCallType) < 0) {
         Py_DECREF(&FastCallType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ThreadFlagType);
+    if (PyModule_AddObject(m, "ThreadFlag", (PyObject *)&ThreadFlagType) < 0) {
+        Py_DECREF(&ThreadFlagType);
         Py_DECREF(m);
         return NULL;
     }

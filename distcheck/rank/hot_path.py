@@ -16,6 +16,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 from pathlib import Path
 from time import time_ns
 from typing import TYPE_CHECKING, Any, Callable
@@ -56,16 +57,16 @@ def has_fast_path(name: str, spec: OpSpec) -> bool:
 
 def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract: Callable) -> Callable:
     """The wrapper of an op without a fast path: every call takes ``Tracer._enter``."""
-    local, writer, enter = tracer._local, tracer.writer, functools.partial(tracer._enter, name, spec)
+    inside, writer, enter = tracer._inside, tracer.writer, functools.partial(tracer._enter, name, spec)
     multi, waited, p2p = name in MULTI_SEQ, name in WAITED_HANDLES, spec.p2p is not None   # waited: isend, irecv
     apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
     getframe = sys._getframe
 
     # Rule 0: distcheck's own error is counted, never raised into the user's call (a try is free until it raises).
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if local.active:
+        if inside.active:
             return original(*args, **kwargs)   # a collective inside a traced one
-        local.active = True
+        inside.active = True
         mark = unrecorded = None
         try:
             try:
@@ -100,7 +101,7 @@ def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract
                 tracer.busy_group = None   # after the numbers: the sidecar reads it first
             except Exception as exc:
                 failed(Hook.TRACER, exc)
-            local.active = False
+            inside.active = False
 
     return traced
 
@@ -123,9 +124,9 @@ def _write(writer: Any, w0: int, key: int, t: int) -> None:
 # signature's default op (``op_default``: kept alive by the signature).
 _FAST_SOURCE = '''
 def traced(*args, **kwargs):
-    if local.active:
+    if inside.active:
         return original(*args, **kwargs)   # a collective inside a traced one
-    local.active = True
+    inside.active = True
     key = unrecorded = None
     try:
         try:
@@ -186,7 +187,7 @@ def traced(*args, **kwargs):
         return result
     finally:
         tracer.busy_group = None   # after the numbers: the sidecar reads it first
-        local.active = False
+        inside.active = False
 '''
 
 
@@ -205,7 +206,7 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
                                  seen=", ".join(seen), usable=usable)
     writer = tracer.writer
     namespace.update(
-        local=tracer._local, original=original, tracer=tracer, writer=writer, append=writer.append,
+        inside=tracer._inside, original=original, tracer=tracer, writer=writer, append=writer.append,
         pack=SLOT_STRUCT.pack, CHECK=CHECK, X_OK=X_OK, exit_check=X_OK ^ CHECK, time_ns=time_ns,
         getframe=sys._getframe, plain_user=tracer.resolver.plain_user, site_key=tracer.resolver.key,
         op_ids=tracer._op_ids, NO_OP=(None,), op_default=_default_op(params, spec), fast=tracer._fast.setdefault(name, {}), groups=tracer._groups,
@@ -214,8 +215,8 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
     # Named as a file of distcheck's (``hot_path.py<all_reduce>``), so stacks and tracebacks leave its frame out.
     exec(compile(source, f"{_HERE}<{name}>", "exec"), namespace)  # noqa: S102 - from the op's signature
     traced = namespace["traced"]
-    fast_call = _fast_call_type()
-    if fast_call is None:
+    c_path = _c_module()
+    if c_path is None:
         return traced
     functools.update_wrapper(traced, original)   # its repr and tracebacks name the collective
     params = {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1, p)
@@ -228,8 +229,8 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         return index, param, None if p.default is p.empty else p.default
 
     n = namespace
-    return fast_call(
-        fallback=traced, original=original, tracer=tracer, local=n["local"], append=n["append"],
+    return c_path.FastCall(
+        fallback=traced, original=original, tracer=tracer, inside=n["inside"], append=n["append"],
         write=writer.write, plain_user=n["plain_user"], site_key=n["site_key"], op_ids=n["op_ids"],
         op_default=n["op_default"], fast=n["fast"], groups=n["groups"], default_group=n["default_group"],
         seqs=n["seqs"], failed=failed, hook=Hook.TRACER,
@@ -237,16 +238,28 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK)
 
 
-def _fast_call_type() -> Callable | None:
-    """The C fast path's type (``_hot_path_c.FastCall``), or None: not built here (a machine without a C compiler
-    when distcheck was installed), or ``DISTCHECK_HOT_PATH=python``. The Python wrapper records the same then."""
+class _PythonThreadFlag(threading.local):
+    active = False   # inside a traced call on this thread
+
+
+def thread_flag() -> Any:
+    """"Inside a traced call on this thread" (``.active``), which every wrapper reads before it records a call, so a
+    collective issued inside a traced one is not recorded twice: one thread-specific value in C where it is built,
+    else a ``threading.local``."""
+    c_path = _c_module()
+    return c_path.ThreadFlag() if c_path is not None else _PythonThreadFlag()
+
+
+def _c_module() -> Any:
+    """The hot path in C (``_hot_path_c``), or None: not built here (no C compiler where distcheck was installed),
+    or ``DISTCHECK_HOT_PATH=python``. The Python wrapper records the same calls then."""
     if os.environ.get("DISTCHECK_HOT_PATH", "").lower() == "python":
         return None
     try:
-        from distcheck.rank._hot_path_c import FastCall
+        from distcheck.rank import _hot_path_c
     except ImportError:
         return None
-    return FastCall
+    return _hot_path_c
 
 
 def _default_op(params: list[inspect.Parameter], spec: OpSpec) -> Any:

@@ -41,7 +41,7 @@ from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.groups import c10d_default_group, c10d_group, group_counters
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.handles import Handles, HeldHandle
-from distcheck.rank.hot_path import traced_call
+from distcheck.rank.hot_path import thread_flag, traced_call
 from distcheck.rank.numbering import GroupEntry, Mark, Numbering
 from distcheck.rank.ops import ASYNC_BY_NATURE, OPS, OpSpec, extra_fields, reduce_op_name
 
@@ -51,7 +51,6 @@ MAX_FAST_OPS = 64
 
 
 class _Local(threading.local):
-    active = False          # inside a traced call on this thread
     last_fp = 0             # the fingerprint this thread's last slow-path call wrote
 
 
@@ -103,6 +102,7 @@ class Tracer(Numbering, Handles):
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=functools.partial(_in_forked_child, me))
         self._local = _Local()
+        self._inside = thread_flag()   # this thread is inside a traced call
         self._originals: dict[str, Callable] = {}
         # id(work) -> (a weak reference to it, the call keys it completes): the handles of P2P calls, whose
         # ``wait()`` is written as W records (the rank is blocked in those calls while it waits)
@@ -188,13 +188,13 @@ class Tracer(Numbering, Handles):
         return traced_call(self, name, original, spec, signature_of)
 
     def _wrap_batch(self, original: Callable) -> Callable:
-        local = self._local
+        inside = self._inside
 
         @functools.wraps(original)
         def traced(p2p_op_list: list, *args: Any, **kwargs: Any) -> Any:
-            if local.active:
+            if inside.active:
                 return original(p2p_op_list, *args, **kwargs)
-            local.active = True
+            inside.active = True
             claims: list[Mark] = []
             keys: list[int] = []
             try:
@@ -226,7 +226,7 @@ class Tracer(Numbering, Handles):
                     self._claim_batch(claims)
                 except Exception as exc:
                     failed(Hook.TRACER, exc)
-                local.active = False
+                inside.active = False
 
         traced.__distcheck_original__ = original  # type: ignore[attr-defined]
         return traced
