@@ -23,6 +23,15 @@ Two parts, both printed as tables of medians and ratios:
      its own untraced mode: the recorder is process-wide, so this is a second
      set of processes.
 
+   Each set of processes is launched ``--launches`` times (3): a launch's
+   ratios carry an offset of their own, the same for every mode in it (where
+   its code and objects fell in memory), which more calls in one launch do
+   not average away. The table gives the median of the launches' ratios, and
+   the 1-element all_reduce's ratio in each launch beside it.
+
+The tracer's hot path is the C one where it is built (``distcheck.rank._hot_path_c``), else the Python wrapper;
+the first line says which. ``DISTCHECK_HOT_PATH=python`` measures the Python wrapper.
+
 ``--nccl`` runs part 2 with one rank on NCCL and CUDA tensors instead
 (single-GPU machine; two NCCL ranks cannot share one GPU). Target: ≤ 1.10×.
 
@@ -45,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, conditions, free_port, median, parse_args, python, run_group, table, well_formed  # noqa: E402
 
 # --tiny: part 1 and part 2 once each, part 2 on one gloo rank (the same worker, modes and Flight Recorder set)
-TINY = {"ranks": [1], "rounds": 1, "block": 4, "hot_rounds": 1, "hot_block": 50}
+TINY = {"ranks": [1], "rounds": 1, "block": 4, "hot_rounds": 1, "hot_block": 50, "launches": 1}
 
 # -- part 1: the hot path in isolation ------------------------------------------------
 
@@ -271,36 +280,60 @@ def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = Fals
             for op in OPS}
 
 
+def _launch_ratios(plain: dict, with_fr: dict | None, op: str) -> dict[str, float]:
+    """One launch's figures for ``op``: each mode against the launch's own untraced time."""
+    m = plain[op]
+    base = m["untraced"]
+    out = {"untraced": base, "tracer": m["distcheck"] / base, "control": m["control"] / base,
+           "DETAIL": m["DETAIL"] / base, "adds": m["distcheck"] - base}
+    if with_fr is not None:
+        fr = with_fr[op]
+        out["fr"] = fr["distcheck"] / base
+        out["fr alone"] = fr["distcheck"] / fr["untraced"]
+    return out
+
+
 def side_by_side(worlds: list[int], args: argparse.Namespace) -> list[list]:
-    """Part 2: tracer off / on / on with the Flight Recorder / DETAIL, and the control, in one table."""
+    """Part 2: tracer off / on / on with the Flight Recorder / DETAIL, and the control, in one table: the median
+    of ``args.launches`` launches' ratios."""
     rows = []
     for world in worlds:
-        plain = run_world(world, args)
-        with_fr = None if args.nccl else run_world(world, args, flight_recorder=True)
+        launches = []
+        for _ in range(args.launches):
+            plain = run_world(world, args)
+            with_fr = None if args.nccl else run_world(world, args, flight_recorder=True)
+            launches.append((plain, with_fr))
         for op in OPS:
-            m = plain[op]
-            base = m["untraced"]
-            row = [world, op, f"{base:.1f}", f"{m['distcheck'] / base:.3f}"]
-            if with_fr is not None:
-                fr = with_fr[op]
-                row += [f"{fr['distcheck'] / base:.3f}", f"{fr['distcheck'] / fr['untraced']:.3f}"]
-            row += [f"{m['control'] / base:.3f}", f"{m['DETAIL'] / base:.2f}", f"{m['distcheck'] - base:+.1f}"]
+            each = [_launch_ratios(plain, with_fr, op) for plain, with_fr in launches]
+            m = {key: median(launch[key] for launch in each) for key in each[0]}
+            row = [world, op, f"{m['untraced']:.1f}", f"{m['tracer']:.3f}"]
+            if "fr" in m:
+                row += [f"{m['fr']:.3f}", f"{m['fr alone']:.3f}"]
+            row += [f"{m['control']:.3f}", f"{m['DETAIL']:.2f}", f"{m['adds']:+.1f}",
+                    " ".join(f"{launch['tracer']:.3f}" for launch in each)]
             rows.append(row)
     headers = ["ranks", "op", "untraced µs", "tracer ×"]
     if not args.nccl:
         headers += ["tracer+FR+sidecar ×", "(on FR alone ×)"]
-    headers += ["control ×", "DETAIL ×", "tracer adds µs"]
+    headers += ["control ×", "DETAIL ×", "tracer adds µs", "tracer × by launch"]
     backend = "NCCL, one rank, CUDA tensors, host-side µs per call (enqueue)" if args.nccl else "gloo, CPU tensors"
     print()
     print(table(headers, rows, title=(
         f"Per-call medians, {backend}; modes interleaved round by round ({args.rounds} rounds x {args.block} "
-        f"calls per mode, 1 MiB: {max(1, args.block // 8)}).\n"
+        f"calls per mode, 1 MiB: {max(1, args.block // 8)});\n"
+        f"  each ratio the median of {args.launches} launches' (fresh processes each), the tracer's by launch at the end.\n"
         "  tracer+FR+sidecar (distcheck run's default) ran in a second set of processes (the Flight Recorder is\n"
         "  process-wide) and is divided by the first set's untraced time; in brackets, by its own set's untraced\n"
         "  time, which leaves the recorder's own cost out.\n"
         f"  control: each call wrapped in {args.spin_us:.2f} µs of plain busy work (the tracer's CPU time per call,\n"
         "  part 1), i.e. what any work that long on the calling thread costs here.")))
     return rows
+
+
+def _hot_path_in_use() -> str:
+    from distcheck.rank import hot_path
+
+    return "C (distcheck.rank._hot_path_c)" if hot_path._c_module() is not None else "Python"
 
 
 def main() -> None:
@@ -313,6 +346,7 @@ def main() -> None:
     p.add_argument("--hot-only", action="store_true")
     p.add_argument("--nccl", action="store_true", help="one rank, NCCL, CUDA tensors (needs one GPU)")
     p.add_argument("--spin-us", type=float, help="the control's busy work per call (default: part 1's all_reduce)")
+    p.add_argument("--launches", type=int, default=3, help="fresh sets of processes per rank count (median taken)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", help=argparse.SUPPRESS)
@@ -321,7 +355,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    print(f"conditions: {conditions()}")
+    print(f"conditions: {conditions()}; tracer hot path: {_hot_path_in_use()}")
     rows = hot_path(args.hot_rounds, args.hot_block)
     print()
     print(table(["case (no-op collective, in-process)", "bare µs/call", "traced µs/call", "added µs",
@@ -333,7 +367,7 @@ def main() -> None:
         if args.spin_us is None:   # the control burns what the tracer costs an all_reduce here
             args.spin_us = float(rows[0][3])
         real = side_by_side([1] if args.nccl else args.ranks, args)
-        figures["ratios"] = [float(cell) for row in real for cell in row[3:-1]]
+        figures["ratios"] = [float(cell) for row in real for cell in row[3:-2]]
     well_formed(figures)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 
 from distcheck.files.trace import (SLOT, call_key, enter_slot, exit_slot, fingerprint_record, group_record,
@@ -16,6 +17,8 @@ from distcheck.files.trace_writer import TraceWriter
 from distcheck.rank.tracer import Tracer
 
 WORLD = object()
+# Every test through both hot paths (tests/conftest.py): in C the tracer's writer keeps its position in a cursor.
+pytestmark = pytest.mark.usefixtures("hot_path")
 
 
 def fake_tracer(path) -> Tracer:
@@ -26,9 +29,10 @@ def all_reduce(tensor, op=None, group=None, async_op=False):
     return None
 
 
-def test_the_file_grows_past_its_first_mapping_and_close_trims_it(tmp_path):
+def test_the_file_grows_past_its_first_mapping_and_close_trims_it(tmp_path, hot_path):
     path = tmp_path / "rank0.trace"
     tracer = fake_tracer(path)
+    assert (tracer.writer.cursor is not None) == (hot_path == "c")   # in C, records go in through the cursor
     traced = tracer.wrap("all_reduce", all_reduce)
     calls = 3 * TraceWriter.INITIAL_BYTES // (2 * SLOT)     # three times what the first mapping holds
     t = torch.ones(2)

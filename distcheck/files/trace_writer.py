@@ -14,6 +14,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
+from typing import Any, Callable
 
 from distcheck.files.trace import SYNC_OFFSET, VERSION_LINE, complete_bytes, header_slots, sync_slot, text_slots
 
@@ -21,8 +22,11 @@ from distcheck.files.trace import SYNC_OFFSET, VERSION_LINE, complete_bytes, hea
 class TraceWriter:
     """Writes one rank's records into a shared memory mapping of its trace file.
 
-    ``append`` is the mapping's own ``write``: one C call, so one write (a
-    record with its definitions) is never interleaved with another thread's.
+    ``append`` is the mapping's own ``write``, or, where the tracer's hot path
+    in C is built, a cursor's (``cursor_type``: it keeps the position, and the
+    hot path writes through it without a call): one C call either way, so one
+    write (a record with its definitions) is never interleaved with another
+    thread's.
     It raises ``ValueError`` when the mapping is full (or closed); ``write``
     then grows the file and retries, which is what callers fall back to.
     The file is preallocated with ``posix_fallocate``, so a full disk fails
@@ -35,7 +39,7 @@ class TraceWriter:
     INITIAL_BYTES = 256 * 1024
     MAX_STEP_BYTES = 64 * 1024 * 1024
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, cursor_type: Callable[[], Any] | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.closed = False
@@ -47,13 +51,22 @@ class TraceWriter:
         used = used if used >= len(header_slots()) else 0
         os.ftruncate(self.fd, used)   # anything else there is not a trace: start afresh
         self.mm: mmap.mmap | None = None
+        self.cursor: Any = None   # where the position is kept instead of the mapping's own
         try:
             size = used + self.INITIAL_BYTES
             _reserve(self.fd, size)
             self.mm = mmap.mmap(self.fd, size)
-            self.mm.seek(used)
-            self.append = self.mm.write
-        except (OSError, ValueError):
+            if cursor_type is not None:
+                self.cursor = cursor_type()
+                self.cursor.attach(self.mm, used)
+                self.append = self.cursor.write
+            else:
+                self.mm.seek(used)
+                self.append = self.mm.write
+        except (OSError, ValueError, BufferError):
+            if self.mm is not None:
+                self.mm.close()
+                self.mm, self.cursor = None, None
             os.ftruncate(self.fd, used)
             os.close(self.fd)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -75,7 +88,7 @@ class TraceWriter:
                         return
                     try:
                         self._grow(len(record))
-                    except (OSError, ValueError):   # a full disk: the trace ends here
+                    except (OSError, ValueError, BufferError):   # a full disk: the trace ends here
                         return
 
     def sync(self, t_sync_ns: int, recorder: bool, stack_digest: int = 0) -> None:
@@ -107,7 +120,20 @@ class TraceWriter:
         size = len(self.mm)
         new = size + max(need, min(size, self.MAX_STEP_BYTES))
         _reserve(self.fd, new)
-        self.mm.resize(new)
+        if self.cursor is None:
+            self.mm.resize(new)
+            return
+        pos = self.cursor.detach()   # a mapping lent out cannot be resized
+        try:
+            self.mm.resize(new)
+        finally:
+            self.cursor.attach(self.mm, pos)
+
+    def _let_go(self) -> int:
+        """Close the mapping; the position it was written up to."""
+        used = self.cursor.detach() if self.cursor is not None else self.mm.tell()
+        self.mm.close()
+        return used
 
     def close(self) -> None:
         """Trim the unwritten end; later writes (a sidecar thread still polling) are dropped."""
@@ -117,9 +143,7 @@ class TraceWriter:
             self.closed = True
             try:
                 if self.mm is not None:
-                    used = self.mm.tell()
-                    self.mm.close()
-                    os.ftruncate(self.fd, used)
+                    os.ftruncate(self.fd, self._let_go())
             finally:
                 os.close(self.fd)
 
@@ -128,7 +152,7 @@ class TraceWriter:
         self.closed = True
         try:
             if self.mm is not None:
-                self.mm.close()
+                self._let_go()
             os.close(self.fd)
         except (OSError, ValueError, BufferError):
             pass

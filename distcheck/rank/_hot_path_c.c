@@ -89,6 +89,95 @@ static PyTypeObject ThreadFlagType = {
     .tp_getset = flag_getset,
 };
 
+/* -- SlotCursor: appends whole records into a trace file's shared mapping, at a position of its own ----------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;     /* the mapping, exported while attached (the mmap refuses to resize or close then) */
+    int attached;
+    Py_ssize_t pos;
+} SlotCursor;
+
+/* Appends ``len`` bytes: 0, or -1 where they do not fit (or the cursor is detached); no error set. */
+static int cursor_put(SlotCursor *self, const void *data, Py_ssize_t len) {
+    if (!self->attached || len > self->view.len - self->pos)
+        return -1;
+    memcpy((char *)self->view.buf + self->pos, data, (size_t)len);
+    self->pos += len;
+    return 0;
+}
+
+static PyObject *cursor_attach(SlotCursor *self, PyObject *args) {
+    PyObject *mapping;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "On:attach", &mapping, &pos))
+        return NULL;
+    if (self->attached) {
+        PyErr_SetString(PyExc_ValueError, "the cursor is attached already");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(mapping, &self->view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (pos < 0 || pos > self->view.len) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "the position lies outside the mapping");
+        return NULL;
+    }
+    self->attached = 1;
+    self->pos = pos;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cursor_detach(SlotCursor *self, PyObject *unused) {
+    if (self->attached) {
+        PyBuffer_Release(&self->view);
+        self->attached = 0;
+    }
+    return PyLong_FromSsize_t(self->pos);
+}
+
+static PyObject *cursor_write(SlotCursor *self, PyObject *arg) {
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int put = cursor_put(self, data.buf, data.len);
+    PyBuffer_Release(&data);
+    if (put < 0) {   /* as mmap.write says it: the caller grows the file and tries again */
+        PyErr_SetString(PyExc_ValueError, self->attached ? "data out of range" : "the mapping is detached");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *cursor_tell(SlotCursor *self, PyObject *unused) {
+    return PyLong_FromSsize_t(self->pos);
+}
+
+static void cursor_dealloc(SlotCursor *self) {
+    if (self->attached)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef cursor_methods[] = {
+    {"attach", (PyCFunction)cursor_attach, METH_VARARGS, "attach(mapping, pos): write into the mapping from pos on"},
+    {"detach", (PyCFunction)cursor_detach, METH_NOARGS, "let the mapping go (to resize or close it); returns the position"},
+    {"write", (PyCFunction)cursor_write, METH_O, "append bytes; ValueError where they do not fit, as mmap.write"},
+    {"tell", (PyCFunction)cursor_tell, METH_NOARGS, "the position"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SlotCursorType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "distcheck.rank._hot_path_c.SlotCursor",
+    .tp_doc = "Appends into a trace file's mapping (distcheck.files.trace_writer): the fast path writes here directly.",
+    .tp_basicsize = sizeof(SlotCursor),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)cursor_dealloc,
+    .tp_methods = cursor_methods,
+};
+
 /* -- FastCall ------------------------------------------------------------------------------------------------ */
 
 /* One argument of the collective's signature: where it is read from, and its default. */
@@ -110,6 +199,7 @@ typedef struct {
     PyObject *original, *tracer, *inside, *append, *write;
     PyObject *plain_user, *site_key, *op_ids, *op_default, *fast, *groups, *default_group, *seqs;
     PyObject *failed, *hook;
+    SlotCursor *cursor;         /* the trace's cursor where it has one (else NULL): records go straight in */
     Param params[N_PARAMS];
     int has_op, has_root, has_tensor;
     uint64_t check, x_ok;
@@ -148,17 +238,28 @@ static PyObject *read_arg(const Param *p, PyObject *const *args, Py_ssize_t narg
 }
 
 /* 32 bytes, four little-endian words: the layout of distcheck.files.trace.SLOT_STRUCT ("<4Q"). */
-static PyObject *slot(uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3) {
-    unsigned char buf[32];
+static void pack_slot(unsigned char *buf, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3) {
     uint64_t words[4] = {w0, w1, w2, w3};
     for (int w = 0; w < 4; w++)
         for (int b = 0; b < 8; b++)
             buf[w * 8 + b] = (unsigned char)(words[w] >> (8 * b));
+}
+
+static PyObject *slot(uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3) {
+    unsigned char buf[32];
+    pack_slot(buf, w0, w1, w2, w3);
     return PyBytes_FromStringAndSize((const char *)buf, 32);
 }
 
-/* ``append(record)``, and ``write(record)`` where the mapping is full (ValueError). 0, or -1 with an error set. */
+/* Into the mapping through its cursor where there is room; else ``append(record)``, and ``write(record)`` where the
+   mapping is full (ValueError). 0, or -1 with an error set. */
 static int put(FastCall *self, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3) {
+    if (self->cursor != NULL) {
+        unsigned char buf[32];
+        pack_slot(buf, w0, w1, w2, w3);
+        if (cursor_put(self->cursor, buf, 32) == 0)
+            return 0;
+    }
     PyObject *record = slot(w0, w1, w2, w3);
     if (record == NULL)
         return -1;
@@ -590,17 +691,21 @@ static int param_from(PyObject *spec, Param *p) {
 static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *kw[] = {"fallback", "original", "tracer", "inside", "append", "write", "plain_user", "site_key",
                          "op_ids", "op_default", "fast", "groups", "default_group", "seqs", "failed", "hook",
-                         "params", "has_op", "has_root", "has_tensor", "check", "x_ok", NULL};
+                         "params", "has_op", "has_root", "has_tensor", "check", "x_ok", "cursor", NULL};
     PyObject *fallback, *original, *tracer, *inside, *append, *write, *plain_user, *site_key, *op_ids, *op_default,
-        *fast, *groups, *default_group, *seqs, *failed, *hook, *params;
+        *fast, *groups, *default_group, *seqs, *failed, *hook, *params, *cursor = Py_None;
     int has_op, has_root, has_tensor;
     unsigned long long check, x_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO!OO!OO!O!OO!OOO!pppKK", kw, &fallback, &original,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO!OO!OO!O!OO!OOO!pppKK|O", kw, &fallback, &original,
                                      &tracer, &inside, &append, &write, &PyDict_Type, &plain_user, &site_key,
                                      &PyDict_Type, &op_ids, &op_default, &PyDict_Type, &fast, &PyDict_Type, &groups,
                                      &default_group, &PyDict_Type, &seqs, &failed, &hook, &PyTuple_Type, &params,
-                                     &has_op, &has_root, &has_tensor, &check, &x_ok))
+                                     &has_op, &has_root, &has_tensor, &check, &x_ok, &cursor))
         return NULL;
+    if (cursor != Py_None && !Py_IS_TYPE(cursor, &SlotCursorType)) {
+        PyErr_SetString(PyExc_TypeError, "cursor: a SlotCursor or None");
+        return NULL;
+    }
     if (PyTuple_GET_SIZE(params) != N_PARAMS) {
         PyErr_SetString(PyExc_ValueError, "params: one entry each for pg, t, op, root, group_root, async_op");
         return NULL;
@@ -629,6 +734,10 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     self->has_tensor = has_tensor;
     self->check = check;
     self->x_ok = x_ok;
+    if (cursor != Py_None) {
+        Py_INCREF(cursor);
+        self->cursor = (SlotCursor *)cursor;
+    }
     return (PyObject *)self;
 }
 
@@ -642,6 +751,7 @@ static int fast_traverse(FastCall *self, visitproc visit, void *arg) {
 #undef V
     for (int i = 0; i < N_PARAMS; i++)
         Py_VISIT(self->params[i].deflt);
+    Py_VISIT(self->cursor);
     return 0;
 }
 
@@ -653,6 +763,7 @@ static int fast_clear(FastCall *self) {
         Py_CLEAR(self->params[i].deflt);
         Py_CLEAR(self->params[i].name);
     }
+    Py_CLEAR(self->cursor);
     return 0;
 }
 
@@ -731,7 +842,7 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
         if (*names[i].slot == NULL)
             return NULL;
     }
-    if (PyType_Ready(&FastCallType) < 0 || PyType_Ready(&ThreadFlagType) < 0)
+    if (PyType_Ready(&FastCallType) < 0 || PyType_Ready(&ThreadFlagType) < 0 || PyType_Ready(&SlotCursorType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -745,6 +856,12 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
     Py_INCREF(&ThreadFlagType);
     if (PyModule_AddObject(m, "ThreadFlag", (PyObject *)&ThreadFlagType) < 0) {
         Py_DECREF(&ThreadFlagType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SlotCursorType);
+    if (PyModule_AddObject(m, "SlotCursor", (PyObject *)&SlotCursorType) < 0) {
+        Py_DECREF(&SlotCursorType);
         Py_DECREF(m);
         return NULL;
     }

@@ -235,11 +235,19 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         op_default=n["op_default"], fast=n["fast"], groups=n["groups"], default_group=n["default_group"],
         seqs=n["seqs"], failed=failed, hook=Hook.TRACER,
         params=tuple(where(p) for p in ("group", tensor, spec.reduce_op, spec.root, spec.group_root, "async_op")),
-        has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK)
+        has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK,
+        cursor=writer.cursor if isinstance(writer.cursor, c_path.SlotCursor) else None)
 
 
 class _PythonThreadFlag(threading.local):
     active = False   # inside a traced call on this thread
+
+
+def slot_cursor_type() -> Callable[[], Any] | None:
+    """What keeps a trace's write position where the C hot path writes records without a call (``SlotCursor``), or
+    None: the mapping's own position then (``distcheck.files.trace_writer``)."""
+    c_path = _c_module()
+    return c_path.SlotCursor if c_path is not None else None
 
 
 def thread_flag() -> Any:

@@ -41,7 +41,7 @@ from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.groups import c10d_default_group, c10d_group, group_counters
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.handles import Handles, HeldHandle
-from distcheck.rank.hot_path import thread_flag, traced_call
+from distcheck.rank.hot_path import slot_cursor_type, thread_flag, traced_call
 from distcheck.rank.numbering import GroupEntry, Mark, Numbering
 from distcheck.rank.ops import ASYNC_BY_NATURE, OPS, OpSpec, extra_fields, reduce_op_name
 
@@ -70,7 +70,7 @@ class Tracer(Numbering, Handles):
         from pathlib import Path
 
         self.rank = rank
-        self.writer = TraceWriter(Path(path))
+        self.writer = TraceWriter(Path(path), cursor_type=slot_cursor_type())
         self.resolver = CallsiteResolver()
         self._resolve_group = group_resolver or c10d_group
         self._default_group = default_group or c10d_default_group()
