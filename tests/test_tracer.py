@@ -398,11 +398,15 @@ def test_segments_parse_on_their_own(tmp_path):
     path = tmp_path / "rank0.trace"
     tracer = _fake_tracer(path)
     traced = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+
+    def call():   # one site: the C hot path remembers its last call, and must forget it with the segment
+        traced(torch.ones(2))
+
     tracer.begin_segment("first")
-    traced(torch.ones(2))
-    traced(torch.ones(2))
+    call()
+    call()
     tracer.begin_segment("second")
-    traced(torch.ones(2))            # the fast path must not reuse the first segment's ids
+    call()            # the fast path must not reuse the first segment's ids
     segments = split_segments(path.read_bytes())
     first, second = (parse_trace(0, segments[name]) for name in ("first", "second"))
     assert [(e.seq, e.shapes) for e in first.events] == [(1, ((2,),)), (2, ((2,),))]

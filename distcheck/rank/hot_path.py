@@ -229,7 +229,7 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         return index, param, None if p.default is p.empty else p.default
 
     n = namespace
-    return c_path.FastCall(
+    call = c_path.FastCall(
         fallback=traced, original=original, tracer=tracer, inside=n["inside"], append=n["append"],
         write=writer.write, plain_user=n["plain_user"], site_key=n["site_key"], op_ids=n["op_ids"],
         op_default=n["op_default"], fast=n["fast"], groups=n["groups"], default_group=n["default_group"],
@@ -237,6 +237,8 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         params=tuple(where(p) for p in ("group", tensor, spec.reduce_op, spec.root, spec.group_root, "async_op")),
         has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK,
         cursor=writer.cursor if isinstance(writer.cursor, c_path.SlotCursor) else None)
+    tracer._fast_calls.add(call)   # it remembers its last call: forgotten when the tracer clears its keys
+    return call
 
 
 class _PythonThreadFlag(threading.local):

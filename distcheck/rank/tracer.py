@@ -96,6 +96,7 @@ class Tracer(Numbering, Handles):
         self._op_names: dict[Any, str] = {}
         self._op_ids: dict[int, tuple[Any, str]] = {}   # id(reduce op) -> (the op, kept alive; its name)
         self._fast: dict[str, dict[tuple, int]] = {}    # op -> the fast path's key -> fingerprint
+        self._fast_calls: weakref.WeakSet = weakref.WeakSet()   # the C hot path's wrappers (rank.hot_path)
         # Held while a call takes the slow path: an id is registered, then written, and no other thread may
         # use it in between (a record naming a group not defined yet cannot be read).
         self._defining = threading.Lock()
@@ -134,6 +135,8 @@ class Tracer(Numbering, Handles):
             self._fps.clear()
             for cache in self._fast.values():
                 cache.clear()
+            for call in self._fast_calls:   # the C hot path's remembered last calls name cleared keys and groups
+                call.forget()
             self.writer.write(segment_record(name))
             for listener in self.segment_listeners:
                 listener.reset()
