@@ -2,6 +2,8 @@
 hand, plus the built-in scenarios, kept in scenarios/ and installed as ``distcheck.builtin_scenarios``) and the
 tracer's hot path in C. Everything else is in pyproject.toml."""
 
+from glob import glob
+
 from setuptools import Extension, find_packages, setup
 
 setup(
@@ -9,5 +11,6 @@ setup(
     package_dir={"distcheck.builtin_scenarios": "scenarios"},
     # Optional: where it cannot be built (no C compiler) the install goes on and the tracer's Python wrapper
     # records the same calls, a little slower (distcheck.rank.hot_path).
-    ext_modules=[Extension("distcheck.rank._hot_path_c", ["distcheck/rank/_hot_path_c.c"], optional=True)],
+    ext_modules=[Extension("distcheck.rank._hot_path_c", sorted(glob("distcheck/rank/hot_path_c/*.c")),
+                           depends=["distcheck/rank/hot_path_c/hot_path_c.h"], optional=True)],
 )

@@ -1,0 +1,85 @@
+/* The tracer's hot path in C, shared by its files: the types and what one file lends another.
+   ``module.c`` makes the module; ``thread_flag.c``, ``slot_cursor.c`` and ``fast_call.c`` are its three types, and
+   ``fast_key.c`` how a fast call finds its fingerprint and group. Why C at all: ``fast_call.c``. */
+
+#ifndef DISTCHECK_HOT_PATH_C_H
+#define DISTCHECK_HOT_PATH_C_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <frameobject.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+typedef struct {   /* thread_flag.c */
+    PyObject_HEAD
+    Py_tss_t key;
+} ThreadFlag;
+
+typedef struct {   /* slot_cursor.c */
+    PyObject_HEAD
+    Py_buffer view;     /* the mapping, exported while attached (the mmap refuses to resize or close then) */
+    int attached;
+    Py_ssize_t pos;
+} SlotCursor;
+
+/* One argument of the collective's signature: where it is read from, and its default. */
+typedef struct {
+    int present;        /* the signature has it (else it reads as None) */
+    Py_ssize_t index;   /* its position, or -1 where it is keyword-only */
+    PyObject *name;     /* its keyword */
+    PyObject *deflt;    /* its default (None where it has none) */
+} Param;
+
+enum { P_PG, P_T, P_OP, P_ROOT, P_GROUP_ROOT, P_ASYNC, N_PARAMS };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *weakrefs;
+    PyObject *dict;             /* __dict__: functools.update_wrapper writes __wrapped__, __name__... here */
+    PyObject *fallback;         /* the Python wrapper: every call this does not record itself */
+    PyObject *original, *tracer, *inside, *append, *write;
+    PyObject *plain_user, *site_key, *op_ids, *op_default, *fast, *groups, *default_group, *seqs;
+    PyObject *failed, *hook;
+    SlotCursor *cursor;         /* the trace's cursor where it has one (else NULL): records go straight in */
+    Param params[N_PARAMS];
+    /* the last call recorded here whose site is the user's own function, and its answer (``forget()`` when the
+       tracer starts a segment: its keys and groups are cleared then) */
+    int last_valid;
+    struct {
+        PyCodeObject *code;
+        int lasti;
+        PyObject *shape, *dtype, *place, *group;
+    } last;
+    PyObject *last_op, *last_root, *last_async, *last_entry;
+    uint64_t last_fp;
+    int has_op, has_root, has_tensor;
+    uint64_t check, x_ok;
+} FastCall;
+
+/* What a call shows that its fast key is made of, read once: its site (code, instruction), op, root, async_op,
+   and its tensor's shape, dtype and place (``t.is_cpu or t.device``). */
+typedef struct {
+    PyCodeObject *code;                 /* new reference */
+    int lasti;
+    PyObject *op, *root, *async_op;     /* borrowed from the call's arguments */
+    PyObject *shape, *dtype, *place;    /* new references (NULL without a tensor) */
+    PyObject *group;                    /* the group the call is on (``default_group()`` for None): new reference */
+} Shown;
+
+extern PyTypeObject ThreadFlagType, SlotCursorType, FastCallType;
+
+/* interned attribute names (module.c) */
+extern PyObject *s_active, *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
+    *s_key_base, *s_e_word, *s_skew, *s_busy_group, *s_count, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
+
+int flag_is_set(ThreadFlag *flag);
+int flag_set(ThreadFlag *flag, int on);
+int cursor_put(SlotCursor *self, const void *data, Py_ssize_t len);
+int fast_lookup(FastCall *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **entry_out,
+                uint64_t *fp_out, int *async_out);
+void last_forget(FastCall *self);
+
+#endif
