@@ -150,30 +150,35 @@ static int last_matches(FastCall *self, const Shown *c) {
         return 0;
     PyObject *now[5] = {c->root, c->async_op, c->shape, c->dtype, c->place};
     PyObject *then[5] = {self->last_root, self->last_async, self->last.shape, self->last.dtype, self->last.place};
-    for (int i = 0; i < 5; i++) {
-        int eq = same(now[i], then[i]);
-        if (eq != 1) {
-            if (eq < 0)
-                PyErr_Clear();
-            return 0;
-        }
-    }
-    return 1;
+    int eq = 1;
+    for (int i = 0; i < 5; i++)   /* held while compared: an __eq__ may run anything, this cache's change included */
+        Py_XINCREF(then[i]);
+    for (int i = 0; i < 5 && eq == 1; i++)
+        eq = same(now[i], then[i]);
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(then[i]);
+    if (eq < 0)
+        PyErr_Clear();
+    return eq == 1;
 }
 
 static void last_remember(FastCall *self, const Shown *c, PyObject *entry, uint64_t fp) {
-    last_forget(self);
     PyObject **slots[] = {(PyObject **)&self->last.code, &self->last.shape, &self->last.dtype, &self->last.place,
                           &self->last.group, &self->last_op, &self->last_root, &self->last_async, &self->last_entry};
     PyObject *values[] = {(PyObject *)c->code, c->shape, c->dtype, c->place, c->group, c->op, c->root, c->async_op,
                           entry};
-    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+    enum { N = sizeof(values) / sizeof(values[0]) };
+    PyObject *old[N];
+    for (size_t i = 0; i < N; i++) {   /* the new answer in place before the old one is let go (its finalizers) */
+        old[i] = *slots[i];
         Py_XINCREF(values[i]);
         *slots[i] = values[i];
     }
     self->last.lasti = c->lasti;
     self->last_fp = fp;
     self->last_valid = 1;
+    for (size_t i = 0; i < N; i++)
+        Py_XDECREF(old[i]);
 }
 
 /* ``op is None or op is op_default or (op_ids.get(id(op)) or NO_OP)[0] is op``: an op known by identity. */
