@@ -333,7 +333,7 @@ def side_by_side(worlds: list[int], args: argparse.Namespace) -> list[list]:
 def _hot_path_in_use() -> str:
     from distcheck.rank import hot_path
 
-    return "C (distcheck.rank._hot_path_c)" if hot_path._c_module() is not None else "Python"
+    return "C (distcheck.rank._hot_path_c)" if hot_path.c_hot_path() is not None else "Python"
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from distcheck.files.trace import CHECK, SLOT_STRUCT, X_OK
 from distcheck.knowledge.library_shapes import NUMBERED_APART
 from distcheck.rank.guard import Hook, failed
-from distcheck.rank.ops import MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, arg_reader, make_extractor
+from distcheck.rank.ops import (MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, arg_places, arg_reader,
+                                make_extractor)
 
 if TYPE_CHECKING:
     from distcheck.rank.tracer import Tracer
@@ -215,18 +216,14 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
     # Named as a file of distcheck's (``hot_path.py<all_reduce>``), so stacks and tracebacks leave its frame out.
     exec(compile(source, f"{_HERE}<{name}>", "exec"), namespace)  # noqa: S102 - from the op's signature
     traced = namespace["traced"]
-    c_path = _c_module()
+    c_path = tracer.c_path
     if c_path is None:
         return traced
     functools.update_wrapper(traced, original)   # its repr and tracebacks name the collective
-    params = {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1, p)
-              for i, p in enumerate(params)}
+    places = arg_places(params)
 
-    def where(param: str | None) -> tuple[int, str, Any] | None:   # as ``arg_reader`` reads it
-        if param is None or param not in params:
-            return None
-        index, p = params[param]
-        return index, param, None if p.default is p.empty else p.default
+    def where(param: str | None) -> tuple[int, str, Any] | None:   # (position, name, default), as the wrapper reads it
+        return None if param is None or param not in places else (places[param][0], param, places[param][1])
 
     n = namespace
     call = c_path.FastCall(
@@ -236,33 +233,25 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
         seqs=n["seqs"], failed=failed, hook=Hook.TRACER,
         params=tuple(where(p) for p in ("group", tensor, spec.reduce_op, spec.root, spec.group_root, "async_op")),
         has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK,
-        cursor=writer.cursor if isinstance(writer.cursor, c_path.SlotCursor) else None)
+        cursor=writer.cursor)
     tracer._fast_calls.add(call)   # it remembers its last call: forgotten when the tracer clears its keys
     return call
 
 
-class _PythonThreadFlag(threading.local):
+class PythonThreadFlag(threading.local):
     active = False   # inside a traced call on this thread
 
 
-def slot_cursor_type() -> Callable[[], Any] | None:
-    """What keeps a trace's write position where the C hot path writes records without a call (``SlotCursor``), or
-    None: the mapping's own position then (``distcheck.files.trace_writer``)."""
-    c_path = _c_module()
-    return c_path.SlotCursor if c_path is not None else None
-
-
-def thread_flag() -> Any:
+def thread_flag(c_path: Any) -> Any:
     """"Inside a traced call on this thread" (``.active``), which every wrapper reads before it records a call, so a
-    collective issued inside a traced one is not recorded twice: one thread-specific value in C where it is built,
-    else a ``threading.local``."""
-    c_path = _c_module()
-    return c_path.ThreadFlag() if c_path is not None else _PythonThreadFlag()
+    collective issued inside a traced one is not recorded twice: one thread-specific value in C where the tracer
+    uses the C hot path (``c_path``), else a ``threading.local``."""
+    return c_path.ThreadFlag() if c_path is not None else PythonThreadFlag()
 
 
-def _c_module() -> Any:
+def c_hot_path() -> Any:
     """The hot path in C (``_hot_path_c``), or None: not built here (no C compiler where distcheck was installed),
-    or ``DISTCHECK_HOT_PATH=python``. The Python wrapper records the same calls then."""
+    or ``DISTCHECK_HOT_PATH=python``. The Python wrapper records the same calls then. A tracer asks once."""
     if os.environ.get("DISTCHECK_HOT_PATH", "").lower() == "python":
         return None
     try:

@@ -138,22 +138,27 @@ def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> 
     return namespace[f"extract_{name}"]
 
 
+def arg_places(params: list[inspect.Parameter]) -> dict[str, tuple[int, Any]]:
+    """Where each parameter is read from: its position (-1 where it is keyword-only) and its default (None where
+    it has none). A call's argument is ``args[i]`` where there are more than ``i``, else ``kwargs.get(name, default)``."""
+    return {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1,
+                     None if p.default is p.empty else p.default) for i, p in enumerate(params)}
+
+
 def arg_reader(params: list[inspect.Parameter]) -> tuple[Callable[[str | None], str], dict[str, Any]]:
-    """(``read``, its namespace) for generated code: ``read(param)`` is an expression that reads ``param`` from
-    ``args`` (``n = len(args)``) or ``kwargs``, else its default (a name bound in the namespace); "None" for a
-    parameter the signature does not have."""
-    index = {p.name: i for i, p in enumerate(params)
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    defaults = {p.name: (None if p.default is p.empty else p.default) for p in params}
+    """(``read``, its namespace) for generated code: ``read(param)`` is an expression that reads ``param`` as
+    ``arg_places`` says (``n = len(args)``; its default a name bound in the namespace); "None" for a parameter the
+    signature does not have."""
+    places = arg_places(params)
     namespace: dict[str, Any] = {}
 
     def read(param: str | None) -> str:
-        if param is None or param not in defaults:
+        if param is None or param not in places:
             return "None"
+        i, default = places[param]
         var = f"d_{len(namespace)}"
-        namespace[var] = defaults[param]
-        if param in index:
-            i = index[param]
+        namespace[var] = default
+        if i >= 0:
             return f"(args[{i}] if n > {i} else kwargs.get({param!r}, {var}))"
         return f"kwargs.get({param!r}, {var})"
 

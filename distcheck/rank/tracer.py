@@ -41,7 +41,7 @@ from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.groups import c10d_default_group, c10d_group, group_counters
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.handles import Handles, HeldHandle
-from distcheck.rank.hot_path import slot_cursor_type, thread_flag, traced_call
+from distcheck.rank.hot_path import c_hot_path, thread_flag, traced_call
 from distcheck.rank.numbering import GroupEntry, Mark, Numbering
 from distcheck.rank.ops import ASYNC_BY_NATURE, OPS, OpSpec, extra_fields, reduce_op_name
 
@@ -70,7 +70,8 @@ class Tracer(Numbering, Handles):
         from pathlib import Path
 
         self.rank = rank
-        self.writer = TraceWriter(Path(path), cursor_type=slot_cursor_type())
+        self.c_path = c_hot_path()   # the hot path in C, or None (the Python wrapper): one choice for every wrapper
+        self.writer = TraceWriter(Path(path), cursor_type=self.c_path.SlotCursor if self.c_path is not None else None)
         self.resolver = CallsiteResolver()
         self._resolve_group = group_resolver or c10d_group
         self._default_group = default_group or c10d_default_group()
@@ -103,7 +104,7 @@ class Tracer(Numbering, Handles):
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=functools.partial(_in_forked_child, me))
         self._local = _Local()
-        self._inside = thread_flag()   # this thread is inside a traced call
+        self._inside = thread_flag(self.c_path)   # this thread is inside a traced call
         self._originals: dict[str, Callable] = {}
         # id(work) -> (a weak reference to it, the call keys it completes): the handles of P2P calls, whose
         # ``wait()`` is written as W records (the rank is blocked in those calls while it waits)

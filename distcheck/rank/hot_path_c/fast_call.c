@@ -61,26 +61,12 @@ static PyObject *call_fallback(FastCall *self, PyObject *const *args, size_t nar
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
 
-/* ``inside.active``: the ThreadFlag's own value, or any other object's attribute (1, 0, or -1 with an error). */
-static int is_inside(FastCall *self) {
-    if (Py_IS_TYPE(self->inside, &ThreadFlagType))
-        return flag_is_set((ThreadFlag *)self->inside);
-    PyObject *active = PyObject_GetAttr(self->inside, s_active);
-    if (active == NULL)
-        return -1;
-    int on = PyObject_IsTrue(active);
-    Py_DECREF(active);
-    return on;
-}
-
+/* ``inside.active = on``: 0, or -1 with an error set. */
 static int set_inside(FastCall *self, int on) {
-    if (Py_IS_TYPE(self->inside, &ThreadFlagType)) {
-        if (flag_set((ThreadFlag *)self->inside, on) == 0)
-            return 0;
-        PyErr_SetString(PyExc_RuntimeError, "a thread-specific value could not be set");
-        return -1;
-    }
-    return PyObject_SetAttr(self->inside, s_active, on ? Py_True : Py_False);
+    if (flag_set((ThreadFlag *)self->inside, on) == 0)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "a thread-specific value could not be set");
+    return -1;
 }
 
 /* ``tracer.busy_group = None; inside.active = False``, keeping any exception in flight. */
@@ -237,12 +223,8 @@ static void exit_raised(FastCall *self, uint64_t key) {
 static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     FastCall *self = (FastCall *)callable;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    int nested = is_inside(self);
-    if (nested != 0) {   /* a collective inside a traced one, or a flag that cannot be read: Python's way */
-        if (nested < 0)
-            PyErr_Clear();
+    if (flag_is_set((ThreadFlag *)self->inside))   /* a collective inside a traced one: Python's way */
         return call_fallback(self, args, nargsf, kwnames);
-    }
     PyObject *entry = NULL;
     uint64_t fp = 0;
     int async_flag = 0;
@@ -315,8 +297,8 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
         *fast, *groups, *default_group, *seqs, *failed, *hook, *params, *cursor = Py_None;
     int has_op, has_root, has_tensor;
     unsigned long long check, x_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOO!OO!OO!O!OO!OOO!pppKK|O", kw, &fallback, &original,
-                                     &tracer, &inside, &append, &write, &PyDict_Type, &plain_user, &site_key,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!OOO!OO!OO!O!OO!OOO!pppKK|O", kw, &fallback, &original,
+                                     &tracer, &ThreadFlagType, &inside, &append, &write, &PyDict_Type, &plain_user, &site_key,
                                      &PyDict_Type, &op_ids, &op_default, &PyDict_Type, &fast, &PyDict_Type, &groups,
                                      &default_group, &PyDict_Type, &seqs, &failed, &hook, &PyTuple_Type, &params,
                                      &has_op, &has_root, &has_tensor, &check, &x_ok, &cursor))
@@ -371,15 +353,9 @@ static int fast_traverse(FastCall *self, visitproc visit, void *arg) {
     for (int i = 0; i < N_PARAMS; i++)
         Py_VISIT(self->params[i].deflt);
     Py_VISIT(self->cursor);
-    Py_VISIT(self->last.code);
-    Py_VISIT(self->last.shape);
-    Py_VISIT(self->last.dtype);
-    Py_VISIT(self->last.place);
-    Py_VISIT(self->last.group);
-    Py_VISIT(self->last_op);
-    Py_VISIT(self->last_root);
-    Py_VISIT(self->last_async);
-    Py_VISIT(self->last_entry);
+#define V(f) Py_VISIT(self->f);
+    LAST_REFS(V)
+#undef V
     return 0;
 }
 

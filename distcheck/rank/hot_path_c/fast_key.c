@@ -122,15 +122,9 @@ done:
 
 void last_forget(FastCall *self) {
     self->last_valid = 0;
-    Py_CLEAR(self->last.code);
-    Py_CLEAR(self->last.shape);
-    Py_CLEAR(self->last.dtype);
-    Py_CLEAR(self->last.place);
-    Py_CLEAR(self->last.group);
-    Py_CLEAR(self->last_op);
-    Py_CLEAR(self->last_root);
-    Py_CLEAR(self->last_async);
-    Py_CLEAR(self->last_entry);
+#define V(f) Py_CLEAR(self->f);
+    LAST_REFS(V)
+#undef V
 }
 
 /* Equal as the fast key's dict compares its items (1, 0; -1 with an error set). */

@@ -40,7 +40,7 @@ typedef struct {
     PyObject *weakrefs;
     PyObject *dict;             /* __dict__: functools.update_wrapper writes __wrapped__, __name__... here */
     PyObject *fallback;         /* the Python wrapper: every call this does not record itself */
-    PyObject *original, *tracer, *inside, *append, *write;
+    PyObject *original, *tracer, *inside, *append, *write;   /* inside: a ThreadFlag */
     PyObject *plain_user, *site_key, *op_ids, *op_default, *fast, *groups, *default_group, *seqs;
     PyObject *failed, *hook;
     SlotCursor *cursor;         /* the trace's cursor where it has one (else NULL): records go straight in */
@@ -59,6 +59,11 @@ typedef struct {
     uint64_t check, x_ok;
 } FastCall;
 
+/* Every reference the remembered last call holds: let go by ``last_forget``, visited by the collector. */
+#define LAST_REFS(V) \
+    V(last.code) V(last.shape) V(last.dtype) V(last.place) V(last.group) V(last_op) V(last_root) V(last_async) \
+    V(last_entry)
+
 /* What a call shows that its fast key is made of, read once: its site (code, instruction), op, root, async_op,
    and its tensor's shape, dtype and place (``t.is_cpu or t.device``). */
 typedef struct {
@@ -72,7 +77,7 @@ typedef struct {
 extern PyTypeObject ThreadFlagType, SlotCursorType, FastCallType;
 
 /* interned attribute names (module.c) */
-extern PyObject *s_active, *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
+extern PyObject *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
     *s_key_base, *s_e_word, *s_skew, *s_busy_group, *s_count, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
 
 int flag_is_set(ThreadFlag *flag);

@@ -2,7 +2,7 @@
 
 #include "hot_path_c.h"
 
-PyObject *s_active, *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
+PyObject *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
     *s_key_base, *s_e_word, *s_skew, *s_busy_group, *s_count, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
 
 static struct PyModuleDef module = {
@@ -11,7 +11,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__hot_path_c(void) {
     struct { PyObject **slot; const char *text; } names[] = {
-        {&s_active, "active"}, {&s_shape, "shape"}, {&s_dtype, "dtype"}, {&s_is_cpu, "is_cpu"},
+        {&s_shape, "shape"}, {&s_dtype, "dtype"}, {&s_is_cpu, "is_cpu"},
         {&s_device, "device"}, {&s_key, "key"}, {&s_counter, "counter"}, {&s_base, "base"},
         {&s_written, "written"}, {&s_key_base, "key_base"}, {&s_e_word, "e_word"}, {&s_skew, "skew"},
         {&s_busy_group, "busy_group"}, {&s_count, "count"}, {&s_exit_guarded, "_exit_guarded"},
@@ -22,28 +22,23 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
         if (*names[i].slot == NULL)
             return NULL;
     }
-    if (PyType_Ready(&FastCallType) < 0 || PyType_Ready(&ThreadFlagType) < 0 || PyType_Ready(&SlotCursorType) < 0)
-        return NULL;
+    struct { PyTypeObject *type; const char *name; } types[] = {
+        {&FastCallType, "FastCall"}, {&ThreadFlagType, "ThreadFlag"}, {&SlotCursorType, "SlotCursor"},
+    };
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (PyType_Ready(types[i].type) < 0)
+            return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&FastCallType);
-    if (PyModule_AddObject(m, "FastCall", (PyObject *)&FastCallType) < 0) {
-        Py_DECREF(&FastCallType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&ThreadFlagType);
-    if (PyModule_AddObject(m, "ThreadFlag", (PyObject *)&ThreadFlagType) < 0) {
-        Py_DECREF(&ThreadFlagType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&SlotCursorType);
-    if (PyModule_AddObject(m, "SlotCursor", (PyObject *)&SlotCursorType) < 0) {
-        Py_DECREF(&SlotCursorType);
-        Py_DECREF(m);
-        return NULL;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        Py_INCREF(types[i].type);
+        if (PyModule_AddObject(m, types[i].name, (PyObject *)types[i].type) < 0) {
+            Py_DECREF(types[i].type);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }
