@@ -161,6 +161,56 @@ def test_a_failing_call_records_its_error(traced):
     assert all(e.t_exit is not None for e in failed)
 
 
+
+def test_the_sidecar_learns_each_number_and_the_group_is_busy_while_the_call_runs(process_group, tmp_path):
+    # rank.native takes the numbers Python calls wrote (``take_written``) and leaves the busy group's alone; a number
+    # it does not learn would be recorded a second time, as a C++-issued collective.
+    tracer = Tracer(tmp_path / "rank0.trace", 0)
+    real = dist.all_reduce
+    busy = []
+
+    def spy(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        busy.append(tracer.busy_group)
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    traced = tracer.wrap("all_reduce", spy, signature_of=real)
+    t = torch.ones(1)
+    try:
+        for _ in range(5):
+            traced(t)
+    finally:
+        tracer.close()
+    assert busy[0] is not None and busy == busy[:1] * 5 and tracer.busy_group is None
+    assert tracer.take_written(busy[0]) == [1, 2, 3, 4, 5] and tracer.take_written(busy[0]) == []
+    assert tracer.count == 5 and tracer.slow_calls == 1
+
+
+
+def test_calls_after_a_monitored_barrier_that_took_fewer_numbers_are_all_recorded(process_group, tmp_path):
+    # gloo's monitored_barrier on one rank takes fewer of the group's numbers than it is counted for, so the calls
+    # after it are keyed with a negative skew: each one must still be recorded, and numbered as its peers number it.
+    from distcheck.rank import guard
+
+    guard.reset()
+    path = tmp_path / "rank0.trace"
+    tracer = Tracer(path, 0)
+    tracer.install()
+    t = torch.ones(1)
+    try:
+        for _ in range(3):
+            for _ in range(2):
+                dist.all_reduce(t)   # one site: the remembered call, across the skew's change
+            dist.monitored_barrier()
+        dist.all_reduce(t)
+    finally:
+        tracer.uninstall()
+        tracer.close()
+    ev = parse_trace(0, path.read_bytes()).events
+    assert [e.op for e in ev] == ["all_reduce", "all_reduce", "monitored_barrier"] * 3 + ["all_reduce"]
+    assert [e.seq for e in ev] == list(range(1, 11))
+    assert guard.failures() == {}
+
+
 # -- the hot path without a process group -------------------------------------------------
 
 
@@ -168,6 +218,21 @@ def _fake_tracer(path: Path) -> Tracer:
     world = object()
     return Tracer(path, 0, group_resolver=lambda pg: ("w" if pg is world else "sub", (0, 1)),
                   default_group=lambda: world)
+
+
+def test_a_group_without_a_counter_leaves_no_numbers_for_the_sidecar(tmp_path):
+    # Its numbers are the tracer's own (nothing C++-issued to tell apart), so none are kept for a sidecar that
+    # never reads such a group: they would pile up for the life of the rank.
+    tracer = _fake_tracer(tmp_path / "rank0.trace")
+    call = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    try:
+        for _ in range(5):
+            call(torch.ones(1))
+    finally:
+        tracer.close()
+    assert tracer.count == 5 and tracer.slow_calls == 1 and tracer.busy_group is None
+    assert tracer.take_written("w") == []
+    assert [e.seq for e in parse_trace(0, (tmp_path / "rank0.trace").read_bytes()).events] == [1, 2, 3, 4, 5]
 
 
 def test_enter_record_is_on_disk_before_the_call_and_exit_after(tmp_path):

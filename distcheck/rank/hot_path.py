@@ -58,7 +58,8 @@ def has_fast_path(name: str, spec: OpSpec) -> bool:
 
 def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract: Callable) -> Callable:
     """The wrapper of an op without a fast path: every call takes ``Tracer._enter``."""
-    inside, writer, enter = tracer._inside, tracer.writer, functools.partial(tracer._enter, name, spec)
+    inside, hot, writer = tracer._inside, tracer.hot, tracer.writer
+    enter = functools.partial(tracer._enter, name, spec)
     multi, waited, p2p = name in MULTI_SEQ, name in WAITED_HANDLES, spec.p2p is not None   # waited: isend, irecv
     apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
     getframe = sys._getframe
@@ -99,7 +100,7 @@ def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract
                     tracer._resync()
                 if mark is not None:
                     tracer._settle(mark, apart, p2p)
-                tracer.busy_group = None   # after the numbers: the sidecar reads it first
+                hot.busy_group = None   # after the numbers: the sidecar reads it first
             except Exception as exc:
                 failed(Hook.TRACER, exc)
             inside.active = False
@@ -149,11 +150,14 @@ def traced(*args, **kwargs):
                 key = slow(args, kwargs, frame, seen, op)
             else:
                 group, counter = entry.key, entry.counter
-                seq = (seqs[group] if counter is None else counter() - entry.base) + 1
-                seqs[group] = seq
-                entry.written.append(seq)
-                tracer.busy_group = group
-                tracer.count += 1
+                if counter is None:
+                    seq = seqs[group] + 1
+                    seqs[group] = seq
+                else:   # the sidecar learns the number is a Python call's, and the group busy meanwhile
+                    seq = counter() - entry.base + 1
+                    entry.written.append(seq)
+                    hot.busy_group = group
+                hot.count += 1
                 k = entry.key_base + seq - entry.skew
                 w0 = fp | entry.e_word
                 t = time_ns()
@@ -187,7 +191,7 @@ def traced(*args, **kwargs):
             failed(Hook.TRACER, unrecorded)
         return result
     finally:
-        tracer.busy_group = None   # after the numbers: the sidecar reads it first
+        hot.busy_group = None   # after the numbers: the sidecar reads it first
         inside.active = False
 '''
 
@@ -207,7 +211,7 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
                                  seen=", ".join(seen), usable=usable)
     writer = tracer.writer
     namespace.update(
-        inside=tracer._inside, original=original, tracer=tracer, writer=writer, append=writer.append,
+        inside=tracer._inside, hot=tracer.hot, original=original, tracer=tracer, writer=writer, append=writer.append,
         pack=SLOT_STRUCT.pack, CHECK=CHECK, X_OK=X_OK, exit_check=X_OK ^ CHECK, time_ns=time_ns,
         getframe=sys._getframe, plain_user=tracer.resolver.plain_user, site_key=tracer.resolver.key,
         op_ids=tracer._op_ids, NO_OP=(None,), op_default=_default_op(params, spec), fast=tracer._fast.setdefault(name, {}), groups=tracer._groups,
@@ -227,7 +231,7 @@ def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, ex
 
     n = namespace
     call = c_path.FastCall(
-        fallback=traced, original=original, tracer=tracer, inside=n["inside"], append=n["append"],
+        fallback=traced, original=original, tracer=tracer, inside=n["inside"], hot=n["hot"], append=n["append"],
         write=writer.write, plain_user=n["plain_user"], site_key=n["site_key"], op_ids=n["op_ids"],
         op_default=n["op_default"], fast=n["fast"], groups=n["groups"], default_group=n["default_group"],
         seqs=n["seqs"], failed=failed, hook=Hook.TRACER,
@@ -247,6 +251,22 @@ def thread_flag(c_path: Any) -> Any:
     collective issued inside a traced one is not recorded twice: one thread-specific value in C where the tracer
     uses the C hot path (``c_path``), else a ``threading.local``."""
     return c_path.ThreadFlag() if c_path is not None else PythonThreadFlag()
+
+
+class PythonHotState:
+    """The tracer's busy group and call count where the hot path is Python's (``_hot_path_c.HotState`` in C)."""
+
+    __slots__ = ("busy_group", "count")
+
+    def __init__(self) -> None:
+        self.busy_group: str | None = None   # the group a Python call is in right now (the sidecar reads it)
+        self.count = 0                       # calls recorded
+
+
+def hot_state(c_path: Any) -> Any:
+    """The two values every recorded call sets, ``busy_group`` and ``count``: in a C object where the tracer uses the
+    C hot path (``c_path``), which sets them with a store each, else a plain one. ``Tracer`` reads them through."""
+    return c_path.HotState() if c_path is not None else PythonHotState()
 
 
 def c_hot_path() -> Any:

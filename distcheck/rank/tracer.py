@@ -41,7 +41,7 @@ from distcheck.rank.callsite import CallsiteResolver
 from distcheck.rank.groups import c10d_default_group, c10d_group, group_counters
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.handles import Handles, HeldHandle
-from distcheck.rank.hot_path import c_hot_path, thread_flag, traced_call
+from distcheck.rank.hot_path import c_hot_path, hot_state, thread_flag, traced_call
 from distcheck.rank.numbering import GroupEntry, Mark, Numbering
 from distcheck.rank.ops import ASYNC_BY_NATURE, OPS, OpSpec, extra_fields, reduce_op_name
 
@@ -87,8 +87,8 @@ class Tracer(Numbering, Handles):
         # monitored_barrier: distcheck.knowledge.library_shapes), as ([from offset, ...], [skew from there, ...])
         self._skews: dict[str, tuple[list[int], list[int]]] = {}
         # Shared with the sidecar that finds C++-issued calls (rank.native): the group a Python call
-        # is in right now (its numbers are its own), and a lock held while a new segment starts.
-        self.busy_group: str | None = None
+        # is in right now (``busy_group``: its numbers are its own), and a lock held while a new segment starts.
+        self.hot = hot_state(self.c_path)   # busy_group and count, set by every recorded call
         self.lock = threading.Lock()
         self.segment_listeners: list[Any] = []   # end_segment() before the B record, reset() after
         self._sites: dict[tuple, str] = {}
@@ -112,8 +112,25 @@ class Tracer(Numbering, Handles):
         self._work_wait: tuple[Any, Callable, Callable] | None = None   # (torch's Work class, its own wait, ours)
         self._wait_armed = False   # ours in place: while a handle is held (rank.handles)
         self._wait_lock = threading.Lock()
-        self.count = 0
         self.slow_calls = 0   # calls that took ``_enter`` (first of their kind, p2p, lists...): a cost to watch
+
+    @property
+    def busy_group(self) -> str | None:
+        """The group a Python call is in right now (its numbers are its own), or None."""
+        return self.hot.busy_group
+
+    @busy_group.setter
+    def busy_group(self, group: str | None) -> None:
+        self.hot.busy_group = group
+
+    @property
+    def count(self) -> int:
+        """Calls recorded."""
+        return self.hot.count
+
+    @count.setter
+    def count(self, n: int) -> None:
+        self.hot.count = n
 
     def begin_segment(self, name: str) -> None:
         """Start a self-contained part of the trace (the next scenario of a batched launch).

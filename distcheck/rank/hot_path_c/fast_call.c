@@ -69,19 +69,14 @@ static int set_inside(FastCall *self, int on) {
     return -1;
 }
 
-/* ``tracer.busy_group = None; inside.active = False``, keeping any exception in flight. */
+/* ``hot.busy_group = None; inside.active = False``, keeping any exception in flight. */
 static void leave(FastCall *self) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (PyObject_SetAttr(self->tracer, s_busy_group, Py_None) < 0)
-        PyErr_Clear();
-    if (set_inside(self, 0) < 0)
-        PyErr_Clear();
-    PyErr_Restore(type, value, tb);
+    hot_busy(self->hot, Py_None);
+    (void)flag_set((ThreadFlag *)self->inside, 0);   /* fails only out of memory, and sets no error */
 }
 
 /* ``failed(Hook.TRACER, exc)`` with the exception set now; cleared after. */
-static void count_failure(FastCall *self) {
+static COLD void count_failure(FastCall *self) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -98,85 +93,70 @@ static void count_failure(FastCall *self) {
     Py_XDECREF(tb);
 }
 
-static int get_u64(PyObject *obj, PyObject *name, uint64_t *out) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    *out = PyLong_AsUnsignedLongLong(v);
-    Py_DECREF(v);
-    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+/* The call's number on its group: the group's counter (less its segment's base) + 1, or, on a group without one,
+   the tracer's last number for it + 1 (kept in ``seqs``). A new reference, or NULL with an error set. */
+static PyObject *number(FastCall *self, const EntryView *v) {
+    uint64_t last;
+    if (v->counter == Py_None) {
+        PyObject *held = PyObject_GetItem(self->seqs, v->key);
+        if (held == NULL)
+            return NULL;
+        last = PyLong_AsUnsignedLongLong(held);
+        Py_DECREF(held);
+        if (last == (uint64_t)-1 && PyErr_Occurred())
+            return NULL;
+        PyObject *seq = PyLong_FromUnsignedLongLong(last + 1);
+        if (seq != NULL && PyObject_SetItem(self->seqs, v->key, seq) < 0)
+            Py_CLEAR(seq);
+        return seq;
+    }
+    PyObject *now = PyObject_CallNoArgs(v->counter);
+    if (now == NULL)
+        return NULL;
+    last = PyLong_AsUnsignedLongLong(now);
+    Py_DECREF(now);
+    if (last == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    if (last < v->base) {   /* Python's numbers would go negative, and its struct refuse them */
+        PyErr_SetString(PyExc_OverflowError, "a group's counter went back below its segment's base");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(last - v->base + 1);
 }
 
 /* Numbers the call on its group and writes its E record: 0 and its key, or -1 with an error set (no record
-   written then). As ``_FAST_SOURCE``'s block under ``else:``. */
+   written then). As ``_FAST_SOURCE``'s block under ``else:``. A number from the group's counter is the sidecar's
+   to learn (``written``), and the group busy while the call runs (rank.native). */
 static int enter(FastCall *self, PyObject *entry, uint64_t fp, uint64_t *key_out) {
-    uint64_t base, key_base, skew, e_word, seq;
+    EntryView v = {NULL, NULL, NULL, 0, 0, 0, 0};
     int status = -1;
-    PyObject *group = PyObject_GetAttr(entry, s_key);
-    PyObject *counter = group ? PyObject_GetAttr(entry, s_counter) : NULL;
-    PyObject *seq_obj = NULL, *r = NULL;
-    if (counter == NULL)
+    PyObject *seq_obj = NULL;
+    uint64_t seq, key;
+    if (view_of(self, entry, &v) < 0 || (seq_obj = number(self, &v)) == NULL)
         goto done;
-    if (counter == Py_None) {
-        PyObject *last = PyObject_GetItem(self->seqs, group);
-        if (last == NULL)
+    seq = PyLong_AsUnsignedLongLong(seq_obj);
+    if (v.counter != Py_None) {
+        PyObject *r = PyObject_CallOneArg(v.written_append, seq_obj);
+        if (r == NULL)
             goto done;
-        seq = PyLong_AsUnsignedLongLong(last) + 1;
-        Py_DECREF(last);
-    } else {
-        PyObject *now = PyObject_CallNoArgs(counter);
-        if (now == NULL)
-            goto done;
-        uint64_t value = PyLong_AsUnsignedLongLong(now);
-        Py_DECREF(now);
-        if (PyErr_Occurred() || get_u64(entry, s_base, &base) < 0)
-            goto done;
-        if (value < base) {   /* Python's numbers would go negative, and its struct refuse them */
-            PyErr_SetString(PyExc_OverflowError, "a group's counter went back below its segment's base");
-            goto done;
-        }
-        seq = value - base + 1;
+        Py_DECREF(r);
+        hot_busy(self->hot, v.key);
     }
-    if (PyErr_Occurred())
-        goto done;
-    seq_obj = PyLong_FromUnsignedLongLong(seq);
-    if (seq_obj == NULL || PyObject_SetItem(self->seqs, group, seq_obj) < 0)
-        goto done;
-    PyObject *written = PyObject_GetAttr(entry, s_written);
-    if (written == NULL)
-        goto done;
-    r = PyObject_CallMethodOneArg(written, s_append, seq_obj);
-    Py_DECREF(written);
-    if (r == NULL || PyObject_SetAttr(self->tracer, s_busy_group, group) < 0)
-        goto done;
-    uint64_t count;
-    if (get_u64(self->tracer, s_count, &count) < 0)
-        goto done;
-    PyObject *count_obj = PyLong_FromUnsignedLongLong(count + 1);
-    if (count_obj == NULL)
-        goto done;
-    int set = PyObject_SetAttr(self->tracer, s_count, count_obj);
-    Py_DECREF(count_obj);
-    if (set < 0 || get_u64(entry, s_key_base, &key_base) < 0 || get_u64(entry, s_skew, &skew) < 0
-        || get_u64(entry, s_e_word, &e_word) < 0)
-        goto done;
-    uint64_t key;
-    if (__builtin_add_overflow(key_base, seq, &key) || key < skew) {
+    self->hot->count++;
+    /* key_base + seq - skew, as Python's numbers compute it, refused where its record could not hold it */
+    if (__builtin_add_overflow(v.key_base, seq, &key) || __builtin_sub_overflow(key, v.skew, &key)) {
         PyErr_SetString(PyExc_OverflowError, "a call's key does not fit its record");
         goto done;
     }
-    key -= skew;
-    uint64_t w0 = fp | e_word;
+    uint64_t w0 = fp | v.e_word;
     uint64_t t = now_ns();
     if (put(self, w0, key, t, w0 ^ key ^ t ^ self->check) == 0) {
         *key_out = key;
         status = 0;
     }
 done:
-    Py_XDECREF(group);
-    Py_XDECREF(counter);
+    view_clear(&v);
     Py_XDECREF(seq_obj);
-    Py_XDECREF(r);
     if (status < 0 && !PyErr_Occurred())
         PyErr_SetString(PyExc_RuntimeError, "distcheck's fast path could not number a call");
     return status;
@@ -204,7 +184,7 @@ static void exit_ok(FastCall *self, uint64_t key, int async_flag, PyObject *resu
 }
 
 /* The user's exception from the call: ``tracer._exit_guarded(key, exc)``, then the exception as it was. */
-static void exit_raised(FastCall *self, uint64_t key) {
+static COLD void exit_raised(FastCall *self, uint64_t key) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -290,15 +270,15 @@ static int param_from(PyObject *spec, Param *p) {
 }
 
 static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *kw[] = {"fallback", "original", "tracer", "inside", "append", "write", "plain_user", "site_key",
+    static char *kw[] = {"fallback", "original", "tracer", "inside", "hot", "append", "write", "plain_user", "site_key",
                          "op_ids", "op_default", "fast", "groups", "default_group", "seqs", "failed", "hook",
                          "params", "has_op", "has_root", "has_tensor", "check", "x_ok", "cursor", NULL};
-    PyObject *fallback, *original, *tracer, *inside, *append, *write, *plain_user, *site_key, *op_ids, *op_default,
+    PyObject *fallback, *original, *tracer, *inside, *hot, *append, *write, *plain_user, *site_key, *op_ids, *op_default,
         *fast, *groups, *default_group, *seqs, *failed, *hook, *params, *cursor = Py_None;
     int has_op, has_root, has_tensor;
     unsigned long long check, x_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!OOO!OO!OO!O!OO!OOO!pppKK|O", kw, &fallback, &original,
-                                     &tracer, &ThreadFlagType, &inside, &append, &write, &PyDict_Type, &plain_user, &site_key,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!O!OOO!OO!OO!O!OO!OOO!pppKK|O", kw, &fallback,
+                                     &original, &tracer, &ThreadFlagType, &inside, &HotStateType, &hot, &append, &write, &PyDict_Type, &plain_user, &site_key,
                                      &PyDict_Type, &op_ids, &op_default, &PyDict_Type, &fast, &PyDict_Type, &groups,
                                      &default_group, &PyDict_Type, &seqs, &failed, &hook, &PyTuple_Type, &params,
                                      &has_op, &has_root, &has_tensor, &check, &x_ok, &cursor))
@@ -315,10 +295,11 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     if (self == NULL)
         return NULL;
     self->vectorcall = fast_call;
-    PyObject **slots[] = {&self->fallback, &self->original, &self->tracer, &self->inside, &self->append,
+    PyObject **slots[] = {&self->fallback, &self->original, &self->tracer, &self->inside, (PyObject **)&self->hot,
+                          &self->append,
                           &self->write, &self->plain_user, &self->site_key, &self->op_ids, &self->op_default,
                           &self->fast, &self->groups, &self->default_group, &self->seqs, &self->failed, &self->hook};
-    PyObject *values[] = {fallback, original, tracer, inside, append, write, plain_user, site_key, op_ids, op_default,
+    PyObject *values[] = {fallback, original, tracer, inside, hot, append, write, plain_user, site_key, op_ids, op_default,
                           fast, groups, default_group, seqs, failed, hook};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
         Py_INCREF(values[i]);
@@ -343,8 +324,8 @@ static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
 }
 
 #define VISIT_ALL(V)                                                                                                 \
-    V(dict) V(fallback) V(original) V(tracer) V(inside) V(append) V(write) V(plain_user) V(site_key) V(op_ids)        \
-    V(op_default) V(fast) V(groups) V(default_group) V(seqs) V(failed) V(hook)
+    V(dict) V(fallback) V(original) V(tracer) V(inside) V(hot) V(append) V(write) V(plain_user) V(site_key)           \
+    V(op_ids) V(op_default) V(fast) V(groups) V(default_group) V(seqs) V(failed) V(hook)
 
 static int fast_traverse(FastCall *self, visitproc visit, void *arg) {
 #define V(f) Py_VISIT(self->f);

@@ -118,6 +118,60 @@ done:
     return key;
 }
 
+/* -- a group entry's fields --------------------------------------------------------------------------------- */
+
+void view_clear(EntryView *view) {
+    Py_CLEAR(view->key);
+    Py_CLEAR(view->counter);
+    Py_CLEAR(view->written_append);
+}
+
+static int u64_attr(PyObject *obj, PyObject *name, uint64_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int i64_attr(PyObject *obj, PyObject *name, int64_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The entry's fields, read from it: 0, or -1 with an error set (nothing held then). */
+static COLD int view_read(PyObject *entry, EntryView *view) {
+    view->key = PyObject_GetAttr(entry, s_key);
+    view->counter = view->key ? PyObject_GetAttr(entry, s_counter) : NULL;
+    PyObject *written = view->counter ? PyObject_GetAttr(entry, s_written) : NULL;
+    view->written_append = written ? PyObject_GetAttr(written, s_append) : NULL;
+    Py_XDECREF(written);
+    if (view->written_append == NULL || u64_attr(entry, s_base, &view->base) < 0
+        || u64_attr(entry, s_key_base, &view->key_base) < 0 || u64_attr(entry, s_e_word, &view->e_word) < 0
+        || i64_attr(entry, s_skew, &view->skew) < 0) {
+        view_clear(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* The entry's fields into ``view`` (owned): the remembered ones where it is the remembered call's entry (held
+   here, so a segment that starts meanwhile cannot let them go), else read. 0, or -1 with an error set. */
+int view_of(FastCall *self, PyObject *entry, EntryView *view) {
+    if (!self->last_valid || entry != self->last_entry)
+        return view_read(entry, view);
+    *view = self->last_view;
+    Py_INCREF(view->key);
+    Py_INCREF(view->counter);
+    Py_INCREF(view->written_append);
+    return 0;
+}
+
 /* -- the last fast call, remembered: the next one like it skips its key and both lookups ----------------------- */
 
 void last_forget(FastCall *self) {
@@ -156,11 +210,17 @@ static int last_matches(FastCall *self, const Shown *c) {
     return eq == 1;
 }
 
-static void last_remember(FastCall *self, const Shown *c, PyObject *entry, uint64_t fp) {
+static COLD void last_remember(FastCall *self, const Shown *c, PyObject *entry, uint64_t fp) {
+    EntryView view;
+    if (view_read(entry, &view) < 0) {   /* not remembered: the call reads them again */
+        PyErr_Clear();
+        return;
+    }
     PyObject **slots[] = {(PyObject **)&self->last.code, &self->last.shape, &self->last.dtype, &self->last.place,
-                          &self->last.group, &self->last_op, &self->last_root, &self->last_async, &self->last_entry};
+                          &self->last.group, &self->last_op, &self->last_root, &self->last_async, &self->last_entry,
+                          &self->last_view.key, &self->last_view.counter, &self->last_view.written_append};
     PyObject *values[] = {(PyObject *)c->code, c->shape, c->dtype, c->place, c->group, c->op, c->root, c->async_op,
-                          entry};
+                          entry, view.key, view.counter, view.written_append};
     enum { N = sizeof(values) / sizeof(values[0]) };
     PyObject *old[N];
     for (size_t i = 0; i < N; i++) {   /* the new answer in place before the old one is let go (its finalizers) */
@@ -169,10 +229,15 @@ static void last_remember(FastCall *self, const Shown *c, PyObject *entry, uint6
         *slots[i] = values[i];
     }
     self->last.lasti = c->lasti;
+    self->last_view.base = view.base;
+    self->last_view.key_base = view.key_base;
+    self->last_view.e_word = view.e_word;
+    self->last_view.skew = view.skew;
     self->last_fp = fp;
     self->last_valid = 1;
     for (size_t i = 0; i < N; i++)
         Py_XDECREF(old[i]);
+    view_clear(&view);
 }
 
 /* ``op is None or op is op_default or (op_ids.get(id(op)) or NO_OP)[0] is op``: an op known by identity. */
@@ -195,7 +260,7 @@ static int op_known(FastCall *self, PyObject *op) {
 
 /* The fingerprint and group entry of a call recorded by the key and group lookups (the fast dict, then the groups
    dict); new reference to the entry, or 0 (no error set) where the call has none yet. */
-static int lookup(FastCall *self, PyFrameObject *frame, const Shown *c, PyObject **entry_out, uint64_t *fp_out) {
+static COLD int lookup(FastCall *self, PyFrameObject *frame, const Shown *c, PyObject **entry_out, uint64_t *fp_out) {
     PyObject *code_id = PyLong_FromVoidPtr(c->code);
     if (code_id == NULL)
         return 0;
@@ -245,10 +310,10 @@ int fast_lookup(FastCall *self, PyObject *const *args, Py_ssize_t nargs, PyObjec
     if (frame == NULL)
         return 0;
     int found = 0;
-    int async_flag = PyObject_IsTrue(c.async_op);
+    int async_flag = c.async_op == Py_False ? 0 : c.async_op == Py_True ? 1 : PyObject_IsTrue(c.async_op);
     if (async_flag < 0 || shown_read(self, frame, t, pg, &c) < 0)
         goto done;
-    if (last_matches(self, &c)) {
+    if (LIKELY(last_matches(self, &c))) {
         Py_INCREF(self->last_entry);
         *entry_out = self->last_entry;
         *fp_out = self->last_fp;

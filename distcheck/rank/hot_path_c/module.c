@@ -1,9 +1,9 @@
-/* The module ``distcheck.rank._hot_path_c``: its three types and the attribute names they read. */
+/* The module ``distcheck.rank._hot_path_c``: its four types and the attribute names they read. */
 
 #include "hot_path_c.h"
 
 PyObject *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
-    *s_key_base, *s_e_word, *s_skew, *s_busy_group, *s_count, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
+    *s_key_base, *s_e_word, *s_skew, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_hot_path_c", "The tracer's hot path in C (distcheck.rank.hot_path).", -1, NULL,
@@ -14,8 +14,7 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
         {&s_shape, "shape"}, {&s_dtype, "dtype"}, {&s_is_cpu, "is_cpu"},
         {&s_device, "device"}, {&s_key, "key"}, {&s_counter, "counter"}, {&s_base, "base"},
         {&s_written, "written"}, {&s_key_base, "key_base"}, {&s_e_word, "e_word"}, {&s_skew, "skew"},
-        {&s_busy_group, "busy_group"}, {&s_count, "count"}, {&s_exit_guarded, "_exit_guarded"},
-        {&s_hold, "_hold"}, {&s_append, "append"}, {&s_qualname, "__qualname__"},
+        {&s_exit_guarded, "_exit_guarded"}, {&s_hold, "_hold"}, {&s_append, "append"}, {&s_qualname, "__qualname__"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);
@@ -23,7 +22,8 @@ PyMODINIT_FUNC PyInit__hot_path_c(void) {
             return NULL;
     }
     struct { PyTypeObject *type; const char *name; } types[] = {
-        {&FastCallType, "FastCall"}, {&ThreadFlagType, "ThreadFlag"}, {&SlotCursorType, "SlotCursor"},
+        {&FastCallType, "FastCall"}, {&ThreadFlagType, "ThreadFlag"}, {&HotStateType, "HotState"},
+        {&SlotCursorType, "SlotCursor"},
     };
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
         if (PyType_Ready(types[i].type) < 0)
