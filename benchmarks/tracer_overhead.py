@@ -11,17 +11,26 @@ Two parts, both printed as tables of medians and ratios:
    and ≤ +1 µs from 40 frames deeper.
 
 2. **Real collectives on gloo** at 2 and 4 ranks: all_reduce (1 element and
-   1 MiB), all_gather (1 element per rank) and barrier, in one table:
+   1 MiB), all_gather (1 element per rank) and barrier, in one table, each
+   comparison inside one set of processes, its modes interleaved round by round
+   in short blocks (8 calls), each round's order rotated:
 
-   * untraced (the original torch function, and torch's own ``Work.wait``), the tracer, a control (each call
-     wrapped in plain busy work as long as the tracer's own CPU time from
-     part 1) and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (a process group created
-     at debug level DETAIL, i.e. wrapped in PyTorch's ProcessGroupWrapper),
-     interleaved round by round inside the same processes;
-   * then the tracer with PyTorch's Flight Recorder (256 entries, as
-     ``distcheck run`` sets it) and distcheck's sidecar that reads it, with
-     its own untraced mode: the recorder is process-wide, so this is a second
-     set of processes.
+   * untraced (the original torch function, and torch's own ``Work.wait``), the
+     tracer, and a control (each call wrapped in plain busy work as long as the
+     tracer's own CPU time from part 1);
+   * untraced and the tracer with PyTorch's Flight Recorder (256 entries, as
+     ``distcheck run`` sets it) and distcheck's sidecar that reads it (the
+     recorder is process-wide);
+   * untraced and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (a process group created at
+     debug level DETAIL, i.e. wrapped in PyTorch's ProcessGroupWrapper).
+
+   Why apart: what a mode leaves behind lands on the mode after it. DETAIL's
+   wrapper group runs checks of its own on threads of its own, and the calls
+   just after a DETAIL block are slower; interleaved with the others it slowed
+   whichever mode followed it most (untraced: the tracer and the control then
+   read 2–4% *under* 1). Why short blocks: the machine's own interference comes
+   in bursts of milliseconds, and blocks of 40 calls let one mode take a burst
+   another did not (a launch's ratio then moved ±4%; ±1% in blocks of 8).
 
    Each set of processes is launched ``--launches`` times (3): a launch's
    ratios carry an offset of their own, the same for every mode in it (where
@@ -152,8 +161,9 @@ def hot_path(rounds: int, block: int) -> list[list]:
 # -- part 2: real collectives -------------------------------------------------------------
 
 OPS = ("all_reduce 1 elem", "all_reduce 1 MiB", "all_gather", "barrier")
-PLAIN_MODES = ("untraced", "distcheck", "control", "DETAIL")
-RECORDER_MODES = ("untraced", "distcheck")
+# Each comparison in processes of its own (see the module's docstring): set -> its modes.
+MODE_SETS = {"plain": ("untraced", "distcheck", "control"), "recorder": ("untraced", "distcheck"),
+             "detail": ("untraced", "DETAIL")}
 
 
 def _spinner(us: float):
@@ -190,15 +200,15 @@ def worker(args: argparse.Namespace) -> None:
     if args.nccl:
         torch.cuda.set_device(0)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-    # DETAIL: what TORCH_DISTRIBUTED_DEBUG=DETAIL does to every group it creates.
-    dist.set_debug_level(DebugLevel.DETAIL)
-    detail_pg = dist.new_group(list(range(world)), backend=backend)
-    dist.set_debug_level(DebugLevel.OFF)
     world_pg = dist.group.WORLD
+    detail_pg = None
+    if args.set == "detail":   # what TORCH_DISTRIBUTED_DEBUG=DETAIL does to every group it creates
+        dist.set_debug_level(DebugLevel.DETAIL)
+        detail_pg = dist.new_group(list(range(world)), backend=backend)
+        dist.set_debug_level(DebugLevel.OFF)
     tracer = Tracer(Path(args.trace_dir) / f"rank{rank}.trace", rank)
     tracer.install()
-    recorder = bool(os.environ.get("TORCH_FR_BUFFER_SIZE"))
-    if recorder:   # distcheck run's default: the sidecar polls as in a rank
+    if args.set == "recorder":   # distcheck run's default: the sidecar polls as in a rank
         import threading
 
         from distcheck.rank import native
@@ -223,7 +233,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     assert dist.all_reduce is not orig["all_reduce"]
     sync = torch.cuda.synchronize if args.nccl else (lambda: None)
-    modes = list(RECORDER_MODES if recorder else PLAIN_MODES)
+    modes = list(MODE_SETS[args.set])
     samples: dict[str, dict[str, list[float]]] = {op: {m: [] for m in modes} for op in OPS}
     for op in OPS:
         block = max(1, args.block // 8) if "MiB" in op else args.block
@@ -260,71 +270,73 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run_world(world: int, args: argparse.Namespace, flight_recorder: bool = False) -> dict[str, dict[str, float]]:
-    """{op: {mode: median µs per call}}, every rank's calls pooled (a collective is one event seen from each rank)."""
+def run_world(world: int, args: argparse.Namespace, which: str) -> dict[str, dict[str, float]]:
+    """{op: {mode: median µs per call}} of the set of modes ``which`` (``MODE_SETS``), every rank's calls pooled
+    (a collective is one event seen from each rank)."""
     trace_dir = tempfile.mkdtemp(prefix="distcheck-bench-")
     out = os.path.join(trace_dir, "result.json")
     port = free_port()
     cmd = [python(), __file__, "--worker", "--rounds", str(args.rounds), "--block", str(args.block),
-           "--trace-dir", trace_dir, "--out", out, "--spin-us", str(args.spin_us)] + (["--nccl"] if args.nccl else [])
+           "--trace-dir", trace_dir, "--out", out, "--spin-us", str(args.spin_us), "--set", which] + \
+          (["--nccl"] if args.nccl else [])
     envs = [{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-             **({"TORCH_FR_BUFFER_SIZE": "256"} if flight_recorder else {})} for r in range(world)]
+             **({"TORCH_FR_BUFFER_SIZE": "256"} if which == "recorder" else {})} for r in range(world)]
     results = run_group([cmd] * world, envs, timeout=args.timeout)
     if not os.path.exists(out):
         for r in results:
             sys.stderr.write(r.stderr[-3000:])
-        raise SystemExit(f"the {world}-rank run failed")
+        raise SystemExit(f"the {world}-rank run ({which}) failed")
     per_rank = json.loads(Path(out).read_text())
     return {op: {mode: median(x for rank in per_rank for x in rank[op][mode]) for mode in per_rank[0][op]}
             for op in OPS}
 
 
-def _launch_ratios(plain: dict, with_fr: dict | None, op: str) -> dict[str, float]:
-    """One launch's figures for ``op``: each mode against the launch's own untraced time."""
-    m = plain[op]
+def _launch_ratios(sets: dict[str, dict], op: str) -> dict[str, float]:
+    """One launch's figures for ``op``: each mode against the untraced time of its own set of processes."""
+    m = sets["plain"][op]
     base = m["untraced"]
     out = {"untraced": base, "tracer": m["distcheck"] / base, "control": m["control"] / base,
-           "DETAIL": m["DETAIL"] / base, "adds": m["distcheck"] - base}
-    if with_fr is not None:
-        fr = with_fr[op]
+           "adds": m["distcheck"] - base}
+    if "recorder" in sets:
+        fr = sets["recorder"][op]
         out["fr"] = fr["distcheck"] / base
         out["fr alone"] = fr["distcheck"] / fr["untraced"]
+    if "detail" in sets:
+        detail = sets["detail"][op]
+        out["DETAIL"] = detail["DETAIL"] / detail["untraced"]
     return out
 
 
 def side_by_side(worlds: list[int], args: argparse.Namespace) -> list[list]:
-    """Part 2: tracer off / on / on with the Flight Recorder / DETAIL, and the control, in one table: the median
-    of ``args.launches`` launches' ratios."""
+    """Part 2: tracer off / on / on with the Flight Recorder, the control, and DETAIL, in one table: the median of
+    ``args.launches`` launches' ratios."""
+    wanted = ["plain"] if args.nccl else list(MODE_SETS)
     rows = []
     for world in worlds:
-        launches = []
-        for _ in range(args.launches):
-            plain = run_world(world, args)
-            with_fr = None if args.nccl else run_world(world, args, flight_recorder=True)
-            launches.append((plain, with_fr))
+        launches = [{which: run_world(world, args, which) for which in wanted} for _ in range(args.launches)]
         for op in OPS:
-            each = [_launch_ratios(plain, with_fr, op) for plain, with_fr in launches]
+            each = [_launch_ratios(sets, op) for sets in launches]
             m = {key: median(launch[key] for launch in each) for key in each[0]}
             row = [world, op, f"{m['untraced']:.1f}", f"{m['tracer']:.3f}"]
             if "fr" in m:
                 row += [f"{m['fr']:.3f}", f"{m['fr alone']:.3f}"]
-            row += [f"{m['control']:.3f}", f"{m['DETAIL']:.2f}", f"{m['adds']:+.1f}",
-                    " ".join(f"{launch['tracer']:.3f}" for launch in each)]
+            row += [f"{m['control']:.3f}"] + ([f"{m['DETAIL']:.2f}"] if "DETAIL" in m else []) + \
+                   [f"{m['adds']:+.1f}", " ".join(f"{launch['tracer']:.3f}" for launch in each)]
             rows.append(row)
     headers = ["ranks", "op", "untraced µs", "tracer ×"]
     if not args.nccl:
         headers += ["tracer+FR+sidecar ×", "(on FR alone ×)"]
-    headers += ["control ×", "DETAIL ×", "tracer adds µs", "tracer × by launch"]
+    headers += ["control ×"] + ([] if args.nccl else ["DETAIL ×"]) + ["tracer adds µs", "tracer × by launch"]
     backend = "NCCL, one rank, CUDA tensors, host-side µs per call (enqueue)" if args.nccl else "gloo, CPU tensors"
     print()
     print(table(headers, rows, title=(
         f"Per-call medians, {backend}; modes interleaved round by round ({args.rounds} rounds x {args.block} "
         f"calls per mode, 1 MiB: {max(1, args.block // 8)});\n"
         f"  each ratio the median of {args.launches} launches' (fresh processes each), the tracer's by launch at the end.\n"
-        "  tracer+FR+sidecar (distcheck run's default) ran in a second set of processes (the Flight Recorder is\n"
-        "  process-wide) and is divided by the first set's untraced time; in brackets, by its own set's untraced\n"
-        "  time, which leaves the recorder's own cost out.\n"
+        "  tracer, control: one set of processes; tracer+FR+sidecar (distcheck run's default): a second set (the\n"
+        "  Flight Recorder is process-wide), divided by the first set's untraced time, in brackets by its own\n"
+        "  set's, which leaves the recorder's own cost out; DETAIL: a third set, against its own untraced time.\n"
         f"  control: each call wrapped in {args.spin_us:.2f} µs of plain busy work (the tracer's CPU time per call,\n"
         "  part 1), i.e. what any work that long on the calling thread costs here.")))
     return rows
@@ -339,8 +351,8 @@ def _hot_path_in_use() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per op (after one warm-up round)")
-    p.add_argument("--block", type=int, default=40, help="calls per mode per round (1 MiB: block/8)")
+    p.add_argument("--rounds", type=int, default=150, help="interleaved rounds per op (after one warm-up round)")
+    p.add_argument("--block", type=int, default=8, help="calls per mode per round (1 MiB: block/8)")
     p.add_argument("--hot-rounds", type=int, default=30)
     p.add_argument("--hot-block", type=int, default=2000)
     p.add_argument("--hot-only", action="store_true")
@@ -351,6 +363,7 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--set", choices=list(MODE_SETS), default="plain", help=argparse.SUPPRESS)
     args = parse_args(p, TINY)
     if args.worker:
         worker(args)
