@@ -44,7 +44,7 @@ class Mark(NamedTuple):
 
 class Numbering:
     """The numbering half of ``Tracer`` (its state: ``_groups``, ``_seq``, ``_gids``, ``_written``, ``_bases``,
-    ``_skews``, ``_multi``, ``busy_group``, and ``_fast_calls``, told when a group's skew moves)."""
+    ``_skews``, ``_multi``, ``busy_group``; ``_forget_remembered_calls`` when a group's skew moves)."""
 
     def take_written(self, group: str) -> list[int]:
         """The numbers written for ``group`` since the last call (the sidecar's; thread-safe)."""
@@ -79,8 +79,7 @@ class Numbering:
         if taken == width:
             return
         entry.skew += taken - width
-        for call in self._fast_calls:   # the C hot path remembers a group's skew with its last call
-            call.forget()
+        self._forget_remembered_calls()   # the C hot path remembers a group's skew with its last call
         offsets, skews = self._skews.setdefault(entry.key, ([], []))
         offsets.append(before - entry.base + taken + 1)
         skews.append(entry.skew)

@@ -132,6 +132,11 @@ class Tracer(Numbering, Handles):
     def count(self, n: int) -> None:
         self.hot.count = n
 
+    def _forget_remembered_calls(self) -> None:
+        """The C hot path's wrappers drop the last call each remembers (its key, group and the group's fields)."""
+        for call in self._fast_calls:
+            call.forget()
+
     def begin_segment(self, name: str) -> None:
         """Start a self-contained part of the trace (the next scenario of a batched launch).
 
@@ -153,8 +158,7 @@ class Tracer(Numbering, Handles):
             self._fps.clear()
             for cache in self._fast.values():
                 cache.clear()
-            for call in self._fast_calls:   # the C hot path's remembered last calls name cleared keys and groups
-                call.forget()
+            self._forget_remembered_calls()   # they name cleared keys and groups
             self.writer.write(segment_record(name))
             for listener in self.segment_listeners:
                 listener.reset()

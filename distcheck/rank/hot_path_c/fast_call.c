@@ -93,35 +93,28 @@ static COLD void count_failure(FastCall *self) {
     Py_XDECREF(tb);
 }
 
-/* The call's number on its group: the group's counter (less its segment's base) + 1, or, on a group without one,
-   the tracer's last number for it + 1 (kept in ``seqs``). A new reference, or NULL with an error set. */
-static PyObject *number(FastCall *self, const EntryView *v) {
+/* The call's number on its group (``*seq``, and as a new reference): the group's counter (less its segment's base)
+   + 1, or, on a group without one, the tracer's last number for it + 1 (kept in ``seqs``). NULL with an error set
+   where it has none. */
+static PyObject *number(FastCall *self, const EntryView *v, uint64_t *seq) {
     uint64_t last;
     if (v->counter == Py_None) {
-        PyObject *held = PyObject_GetItem(self->seqs, v->key);
-        if (held == NULL)
+        if (take_u64(PyObject_GetItem(self->seqs, v->key), &last) < 0)
             return NULL;
-        last = PyLong_AsUnsignedLongLong(held);
-        Py_DECREF(held);
-        if (last == (uint64_t)-1 && PyErr_Occurred())
-            return NULL;
-        PyObject *seq = PyLong_FromUnsignedLongLong(last + 1);
-        if (seq != NULL && PyObject_SetItem(self->seqs, v->key, seq) < 0)
-            Py_CLEAR(seq);
-        return seq;
+        *seq = last + 1;
+        PyObject *seq_obj = PyLong_FromUnsignedLongLong(*seq);
+        if (seq_obj != NULL && PyObject_SetItem(self->seqs, v->key, seq_obj) < 0)
+            Py_CLEAR(seq_obj);
+        return seq_obj;
     }
-    PyObject *now = PyObject_CallNoArgs(v->counter);
-    if (now == NULL)
-        return NULL;
-    last = PyLong_AsUnsignedLongLong(now);
-    Py_DECREF(now);
-    if (last == (uint64_t)-1 && PyErr_Occurred())
+    if (take_u64(PyObject_CallNoArgs(v->counter), &last) < 0)
         return NULL;
     if (last < v->base) {   /* Python's numbers would go negative, and its struct refuse them */
         PyErr_SetString(PyExc_OverflowError, "a group's counter went back below its segment's base");
         return NULL;
     }
-    return PyLong_FromUnsignedLongLong(last - v->base + 1);
+    *seq = last - v->base + 1;
+    return PyLong_FromUnsignedLongLong(*seq);
 }
 
 /* Numbers the call on its group and writes its E record: 0 and its key, or -1 with an error set (no record
@@ -132,9 +125,8 @@ static int enter(FastCall *self, PyObject *entry, uint64_t fp, uint64_t *key_out
     int status = -1;
     PyObject *seq_obj = NULL;
     uint64_t seq, key;
-    if (view_of(self, entry, &v) < 0 || (seq_obj = number(self, &v)) == NULL)
+    if (view_of(self, entry, &v) < 0 || (seq_obj = number(self, &v, &seq)) == NULL)
         goto done;
-    seq = PyLong_AsUnsignedLongLong(seq_obj);
     if (v.counter != Py_None) {
         PyObject *r = PyObject_CallOneArg(v.written_append, seq_obj);
         if (r == NULL)

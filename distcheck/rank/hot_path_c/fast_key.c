@@ -126,13 +126,16 @@ void view_clear(EntryView *view) {
     Py_CLEAR(view->written_append);
 }
 
-static int u64_attr(PyObject *obj, PyObject *name, uint64_t *out) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+int take_u64(PyObject *v, uint64_t *out) {
     if (v == NULL)
         return -1;
     *out = PyLong_AsUnsignedLongLong(v);
     Py_DECREF(v);
     return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int u64_attr(PyObject *obj, PyObject *name, uint64_t *out) {
+    return take_u64(PyObject_GetAttr(obj, name), out);
 }
 
 static int i64_attr(PyObject *obj, PyObject *name, int64_t *out) {

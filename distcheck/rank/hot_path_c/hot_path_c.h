@@ -114,6 +114,11 @@ int fast_lookup(FastCall *self, PyObject *const *args, Py_ssize_t nargs, PyObjec
                 uint64_t *fp_out, int *async_out);
 void last_forget(FastCall *self);
 int view_of(FastCall *self, PyObject *entry, EntryView *view);
+/* ``v`` (a reference it lets go of; NULL where getting it failed) as an unsigned 64-bit int: 0, or -1 with an
+   error set. */
+int take_u64(PyObject *v, uint64_t *out);
+/* TypeError unless a type that takes no arguments got none: 0, or -1 with the error set. */
+int no_arguments(const char *type_name, PyObject *args, PyObject *kwargs);
 void view_clear(EntryView *view);
 
 #endif

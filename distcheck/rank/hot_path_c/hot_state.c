@@ -13,10 +13,8 @@ void hot_busy(HotState *self, PyObject *group) {
 }
 
 static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "HotState() takes no arguments");
+    if (no_arguments("HotState", args, kwargs) < 0)
         return NULL;
-    }
     HotState *self = (HotState *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;

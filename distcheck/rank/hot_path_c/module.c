@@ -1,9 +1,17 @@
-/* The module ``distcheck.rank._hot_path_c``: its four types and the attribute names they read. */
+/* The module ``distcheck.rank._hot_path_c``: its four types, the attribute names they read, and what their
+   constructors share. */
 
 #include "hot_path_c.h"
 
 PyObject *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
     *s_key_base, *s_e_word, *s_skew, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
+
+int no_arguments(const char *type_name, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) == 0 && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes no arguments", type_name);
+    return -1;
+}
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_hot_path_c", "The tracer's hot path in C (distcheck.rank.hot_path).", -1, NULL,

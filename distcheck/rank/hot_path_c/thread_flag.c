@@ -12,10 +12,8 @@ int flag_set(ThreadFlag *flag, int on) {
 }
 
 static PyObject *flag_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "ThreadFlag() takes no arguments");
+    if (no_arguments("ThreadFlag", args, kwargs) < 0)
         return NULL;
-    }
     ThreadFlag *self = (ThreadFlag *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
