@@ -278,6 +278,25 @@ def test_fast_path_notices_every_fingerprint_change(tmp_path):
     assert ev[6].async_op and not ev[5].async_op
 
 
+def test_keywords_named_by_strings_built_at_run_time_are_read(tmp_path):
+    # A call's keyword names are most often the interned names of its source; ``**kwargs`` built at run time
+    # passes names that are equal but not the same object, and they must be read all the same.
+    path = tmp_path / "rank0.trace"
+    tracer = _fake_tracer(path)
+    sub = object()
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    traced = tracer.wrap("all_reduce", all_reduce)
+    built = {"".join(("gro", "up")): sub, "".join(("async", "_op")): True}
+    assert all(name is not sys.intern(name) for name in built)
+    for _ in range(3):
+        traced(torch.ones(2), **built)
+    ev = parse_trace(0, path.read_bytes()).events
+    assert [(e.group, e.seq, e.async_op) for e in ev] == [("sub", 1, True), ("sub", 2, True), ("sub", 3, True)]
+
+
 def test_the_wrapper_adds_at_most_one_frame_and_it_is_distchecks_own(tmp_path, hot_path):
     # The C hot path adds no frame. The Python wrapper is generated per op: in a traceback through it, and to the
     # call-site walk, its frame must read as distcheck's (left out of what the user is shown), and it must be the

@@ -16,7 +16,10 @@ static PyObject *read_arg(const Param *p, PyObject *const *args, Py_ssize_t narg
                 return args[nargs + i];
         }
         for (Py_ssize_t i = 0; i < nkw; i++) {
-            int eq = PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), p->name);
+            PyObject *kw = PyTuple_GET_ITEM(kwnames, i);
+            if (PyUnicode_CheckExact(kw) && PyUnicode_CHECK_INTERNED(kw))   /* both interned: not it (seen above) */
+                continue;
+            int eq = PyUnicode_Compare(kw, p->name);
             if (eq == 0)
                 return args[nargs + i];
             if (eq == -1 && PyErr_Occurred())
