@@ -220,11 +220,16 @@ def _fake_tracer(path: Path) -> Tracer:
                   default_group=lambda: world)
 
 
+def _stand_in_all_reduce(tensor, op=None, group=None, async_op=False):
+    """all_reduce's signature, doing nothing: what ``_fake_tracer``'s wrappers stand around."""
+    return None
+
+
 def test_a_group_without_a_counter_leaves_no_numbers_for_the_sidecar(tmp_path):
     # Its numbers are the tracer's own (nothing C++-issued to tell apart), so none are kept for a sidecar that
     # never reads such a group: they would pile up for the life of the rank.
     tracer = _fake_tracer(tmp_path / "rank0.trace")
-    call = tracer.wrap("all_reduce", lambda tensor, op=None, group=None, async_op=False: None)
+    call = tracer.wrap("all_reduce", _stand_in_all_reduce)
     try:
         for _ in range(5):
             call(torch.ones(1))
@@ -256,10 +261,7 @@ def test_fast_path_notices_every_fingerprint_change(tmp_path):
     tracer = _fake_tracer(path)
     sub = object()
 
-    def all_reduce(tensor, op=None, group=None, async_op=False):
-        return None
-
-    traced = tracer.wrap("all_reduce", all_reduce)
+    traced = tracer.wrap("all_reduce", _stand_in_all_reduce)
     calls = [
         ((torch.ones(2),), {}),
         ((torch.ones(2),), {}),
@@ -285,10 +287,7 @@ def test_keywords_named_by_strings_built_at_run_time_are_read(tmp_path):
     tracer = _fake_tracer(path)
     sub = object()
 
-    def all_reduce(tensor, op=None, group=None, async_op=False):
-        return None
-
-    traced = tracer.wrap("all_reduce", all_reduce)
+    traced = tracer.wrap("all_reduce", _stand_in_all_reduce)
     built = {"".join(("gro", "up")): sub, "".join(("async", "_op")): True}
     assert all(name is not sys.intern(name) for name in built)
     for _ in range(3):
