@@ -6,10 +6,19 @@ The stop is measured from inside each rank (tests/scripts/attach/job.py --ticks:
 at a time logs every gap): the gaps while the reader runs, less the gaps of an equal window with no reader
 (the machine's own scheduling noise), summed per rank.
 
+``--hogs N``: the same beside N CPU hogs (busy Python loops, as the acceptance runs use: ``--hogs 4`` is two per
+core here), the figures of a loaded node.
+
 With ``--native``: how long one native read stops a rank hung in DDP's reducer (the C++ all_reduce attach reads
 native frames for), py-spy's ``--native`` beside pystack's ``remote --native`` and their Python-only reads.
 
-    python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2] [--tiny] [--native]
+``--nodes 8,64,512``: ``distcheck attach`` on that many simulated nodes meeting through distcheck's store, each
+node's real attach-side code over recorded stack samples (``_attach_sim``), one row per ``--fault`` (planted in
+the job ``--mesh`` describes, as ``cluster_scale`` plants it): node 0's verdict after the last node attached.
+
+    python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2] [--hogs 4] [--tiny] [--native]
+    python benchmarks/attach.py --ranks --nodes 512 --mesh tp=8,pp=4 \
+        --fault barrier_absent,tp_group_stall,pp_skip_microbatch,node_lost,straggler_node
 """
 
 from __future__ import annotations
@@ -25,7 +34,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, conditions, kill_tree, median, parse_args, table, well_formed  # noqa: E402
 
-TINY = {"ranks": [2], "repeat": 1}
+# --tiny: one 2-rank job read for real (py-spy), and 4 simulated nodes of 2 ranks on a tp=2,pp=2 mesh whose TP group
+# stalls (``--tiny --ranks``: the simulated nodes alone, as the quick lane runs them; --fault names the others).
+TINY = {"ranks": [2], "repeat": 1, "nodes": "4", "ranks_per_node": 2, "mesh": "tp=2,pp=2",
+        "fault": "tp_group_stall", "workers": 1}
+VERDICT_BOUND_S = {8: 5.0, 32: 10.0}       # one node, beside CPU hogs: attach's verdict
+PAUSE_BOUND_MS = 50.0                       # a Python-only read: how long a rank may be held
+NODES_VERDICT_BOUND_S = 10.0                # simulated nodes: node 0's verdict after the last node attached
 JOB = REPO / "tests" / "scripts" / "attach" / "job.py"
 
 
@@ -122,32 +137,93 @@ def native_reads(repeat: int) -> None:
                 title=f"one read of a rank hung in DDP's reducer ({repeat} reads each; the ticker's gaps)"))
 
 
+def hogs(n: int) -> list[subprocess.Popen]:
+    """``n`` busy Python loops, each in a session of its own (ended by ``kill_tree``)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)]
+
+
+def nodes_rows(args: argparse.Namespace, figures: dict, named: dict) -> None:
+    """``distcheck attach`` on simulated nodes: one row per node count and fault."""
+    from _attach_sim import simulated
+
+    rows = []
+    for nodes in (int(x) for x in args.nodes.split(",") if x):
+        for fault in args.fault.split(","):
+            row = simulated(nodes, fault, args, __file__)
+            print(row, flush=True)
+            name = f"{nodes} nodes, {fault}"
+            if row.get("verdict_after_last_attached_s") is not None:
+                figures[name] = {"verdict_after_last_attached_s": row["verdict_after_last_attached_s"],
+                                 "judge_s": row["judge_s"]}
+            named[f"{name}: named, no node's error"] = row["named"] and not row["errors"]
+            if nodes >= 512 and fault != "node_lost":
+                named[f"{name}: verdict within {NODES_VERDICT_BOUND_S} s of the last node attaching"] = \
+                    (row.get("verdict_after_last_attached_s") or 1e9) <= NODES_VERDICT_BOUND_S
+            rows.append([nodes, row["ranks"], fault, row.get("verdict_after_last_attached_s"), row.get("judge_s"),
+                         row.get("exit_code"), row["named"], (row["findings"] or ["-"])[0][:90]])
+    print(table(["nodes", "ranks", "fault", "verdict after last attached s", "judge s", "exit", "named",
+                 "first finding"], rows, title="distcheck attach on simulated nodes (recorded stack samples)"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--ranks", type=int, nargs="*", default=[2, 8, 32])
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--hogs", type=int, default=0, help="CPU hogs beside the one-node runs")
     ap.add_argument("--native", action="store_true", help="measure the native readers instead")
+    ap.add_argument("--nodes", default="", help="simulated nodes (e.g. 8,64,512): attach across nodes")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--mesh", default=None, help="tp=T,pp=P, as cluster_scale's (none: the flat job)")
+    ap.add_argument("--fault", default="barrier_absent")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--lost-wait-s", type=float, default=20.0, help="node_lost: node 0's --rdzv-timeout")
+    # internal: one process of simulated nodes
+    ap.add_argument("--attach-node", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--nnodes", "--first", "--last", "--port", "--bench-port"):
+        ap.add_argument(name, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--root", help=argparse.SUPPRESS)
+    ap.add_argument("--rdzv-timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     args = parse_args(ap, TINY)
+    if args.attach_node:
+        from _attach_sim import run_nodes
+        run_nodes(args)
+        return
     if args.native:
         print(conditions())
         native_reads(max(3, args.repeat))
         return
+    print(conditions())
     rows, figures, named = [], {}, {}
+    loaded = hogs(args.hogs)
+    try:
+        one_node_rows(args, rows, figures, named)
+    finally:
+        for proc in loaded:
+            kill_tree(proc)
+    if rows:
+        print(table(["ranks", "attach→verdict s", "exit (each run)", "attach: worst rank stopped ms",
+                     "py-spy dump all s", "py-spy dump: stopped ms", "--nonblocking: ms", "--native: ms", "noise ms"],
+                    rows, title=f"distcheck attach vs py-spy by hand (planted hang; median; {args.hogs} CPU hogs; "
+                                "stops: the worst rank, noise subtracted)"))
+    if args.nodes:
+        nodes_rows(args, figures, named)
+    well_formed(figures, named)
+
+
+def one_node_rows(args: argparse.Namespace, rows: list, figures: dict, named: dict) -> None:
     for ranks in args.ranks:
         runs = [one(ranks) for _ in range(args.repeat)]
         m = {k: median(r[k] for r in runs) for k in runs[0]}
         figures[f"{ranks} ranks"] = {k: v for k, v in m.items() if k != "rc"}
         named[f"{ranks} ranks: attach exited 1 (the hang)"] = all(r["rc"] == 1 for r in runs)
+        if args.hogs and ranks in VERDICT_BOUND_S:
+            named[f"{ranks} ranks beside {args.hogs} hogs: verdict within {VERDICT_BOUND_S[ranks]} s, "
+                  f"no rank held over {PAUSE_BOUND_MS} ms"] = \
+                m["verdict_s"] <= VERDICT_BOUND_S[ranks] and m["attach_stop_ms"] <= PAUSE_BOUND_MS
         exits = ",".join(str(int(r["rc"])) for r in runs)
         rows.append([ranks, f"{m['verdict_s']:.2f}", exits, f"{m['attach_stop_ms']:.1f}", f"{m['spy_s']:.2f}",
                      f"{m['spy_stop_ms']:.1f}", f"{m['nonblock_stop_ms']:.1f}", f"{m['native_stop_ms']:.1f}",
                      f"{m['noise_ms']:.1f}"])
-    print(conditions())
-    print(table(["ranks", "attach→verdict s", "exit (each run)", "attach: worst rank stopped ms", "py-spy dump all s",
-                 "py-spy dump: stopped ms", "--nonblocking: ms", "--native: ms", "noise ms"], rows,
-                title="distcheck attach vs py-spy by hand (planted hang; median; stops: the worst rank, "
-                      "noise subtracted)"))
-    well_formed(figures, named)
 
 
 if __name__ == "__main__":

@@ -3,4 +3,4 @@
 from distcheck.models import VERSION as __version__
 from distcheck.scenario import ScenarioContext, scenario
 
-__all__ = ["ScenarioContext", "scenario", "__version__"]
+__all__ = ["ScenarioContext", "__version__", "scenario"]

@@ -10,34 +10,51 @@ from distcheck import interrupt
 if os.path.basename(sys.argv[0]) == "distcheck":   # the console script: Ctrl-C honoured before the imports below
     interrupt.install()
 
-import shlex  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING, Optional  # noqa: E402
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import typer  # noqa: E402
-from rich.console import Console  # noqa: E402
+import typer
+from rich.console import Console
 
-from distcheck import __version__  # noqa: E402
-from distcheck.errors import DistcheckError, ExitCode, UsageError  # noqa: E402
-from distcheck.models import EndReason, Report  # noqa: E402
+from distcheck import __version__
+from distcheck.errors import DistcheckError, ExitCode, UsageError
+from distcheck.models import Report
 
 if TYPE_CHECKING:
     from distcheck.targets import Target
     from distcheck.models import Event
     from distcheck.options import RunOptions
 
-EXIT_CODES_HELP = (
-    "Exit codes: 0 every scenario behaved as expected (or the script ran clean); "
-    "1 findings / unexpected behaviour; 2 usage error; 3 distcheck could not run the job; "
-    "4 the global --timeout ended the run; 5 a saved run (or dump) is corrupt or incomplete; "
-    "6 nothing ran (every target was skipped); 130 interrupted (Ctrl-C, SIGTERM)."
-)
+# Each command's help ends with its own exit codes (130, Ctrl-C or SIGTERM, is every command's).
+EXIT_CODES_HELP = ("Exit codes: 0 every scenario behaved as expected (a script: ran clean); 1 findings: some target did not behave as expected; 2 usage error (bad option, unknown scenario); 3 distcheck could not run the job (rendezvous, run dir, launch); "
+                   "4 --timeout ended a launch, and with it the run; 6 nothing ran (every target was skipped; --require-process-group: your command started no process group); 130 interrupted (Ctrl-C, SIGTERM). A command after '--' that starts no process group ends with its own exit code.")
+ROOT_EXIT_CODES = ("Exit codes: 0 nothing wrong; 1 findings; 2 usage error; 3 distcheck could not run or read the job; 4 --timeout ended the run; 5 a saved run (or dump) cannot be read; 6 nothing ran; 130 interrupted. "
+                   "Which a command can end with, and when: distcheck COMMAND -h.")
+LIST_EXIT_CODES = "Exit codes: 0 listed; 2 an unknown scenario, or a file that cannot be read; 130 interrupted."
+REPORT_EXIT_CODES = ("Exit codes: the saved run's own (0 as expected, 1 findings, 4 --timeout, 6 nothing ran, 130 interrupted; a command's own where it started no process group); "
+                     "2 no such run dir; 5 its report.json is missing, torn or not a distcheck report.")
+ANALYZE_EXIT_CODES = "Exit codes: 0 the dumps or traces show no problem; 1 they do; 2 a path is missing or a pickle is refused; 5 a file is not a readable dump; 130 interrupted."
+RUNS_EXIT_CODES = "Exit codes: 0 listed (no saved run too); 2 a bad option (--limit below 1); 130 interrupted."
+ENV_EXIT_CODES = "Exit codes: 0 shown; 2 a bad option; 130 interrupted."
+ATTACH_EXIT_CODES = ("Exit codes: 0 nothing is wrong; 1 findings (a hang); 2 usage (no job, several jobs, a bad option); 3 the ranks could not be read (py-spy missing, permission denied, "
+                     "another node's attach never came): not decided, never a pass; 130 interrupted.")
 
 app = typer.Typer(
-    name="distcheck", no_args_is_help=True, rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-    help="A deadlock and desync doctor for PyTorch distributed jobs.", epilog=EXIT_CODES_HELP,
+    name="distcheck", no_args_is_help=True, rich_markup_mode="rich", context_settings={"help_option_names": []},
+    help="A deadlock and desync doctor for PyTorch distributed jobs.", epilog=ROOT_EXIT_CODES,
 )
+
+
+def _help(ctx: typer.Context, value: bool) -> None:
+    """-h/--help, as click's own (that one's help row shows a '<bool>' placeholder: typer gives it no metavar)."""
+    if value and not ctx.resilient_parsing:
+        typer.echo(ctx.get_help(), color=ctx.color)
+        raise typer.Exit()
+
+
+HELP = typer.Option(False, "--help", "-h", callback=_help, is_eager=True, expose_value=False, metavar="",
+                    help="Show this message and exit.")
 
 
 def _version(value: bool) -> None:
@@ -48,7 +65,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, metavar="",
+                                 help="Show the version."),
+    _help_: bool = HELP,
 ) -> None:
     """distcheck: run multi-rank jobs under a collective tracer and a hang watchdog."""
 
@@ -61,38 +80,40 @@ def _console(json_path: str | None) -> Console:
 
 @app.command(epilog=EXIT_CODES_HELP)
 def run(
-    targets: list[str] = typer.Argument(None, metavar="TARGETS", show_default=False, rich_help_panel="What to run", help="Built-in scenario names, scenario files or folders (none: all built-ins), or one script."),
+    targets: list[str] = typer.Argument(None, metavar="TARGETS", show_default=False, hidden=True, help="Said in the command's help (a typed placeholder otherwise)."),
     nproc_per_node: int = typer.Option(None, "--nproc-per-node", metavar="N", rich_help_panel="Launch", help="Ranks to start (default: GPUs for nccl, else 4)."),
-    backend: str = typer.Option("auto", "--backend", metavar="auto|gloo|nccl", rich_help_panel="Launch", help="The process-group backend (auto: nccl with a GPU per rank, else gloo)."),
+    backend: str = typer.Option("auto", "--backend", metavar="auto|gloo|nccl|emulated_nccl", rich_help_panel="Launch", help="The process-group backend (auto: nccl with a GPU per rank, else gloo; emulated_nccl: NCCL's host view on CPU, calls that return before their work is done)."),
     device: str = typer.Option("auto", "--device", metavar="auto|cpu|cuda", rich_help_panel="Launch", help="Where scenario tensors live (gloo works with both)."),
     stall_timeout: float = typer.Option(10.0, "--stall-timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds without progress while a rank waits (and none is busy computing) before it is a hang."),
     busy_timeout: float = typer.Option(600.0, "--busy-timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds the others may wait for a rank busy in its own code (late, not hung) before it is a hang."),
-    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds any one launch may run: at that distcheck ends it and stops the run (exit 4; default: no limit)."),
-    json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH|-", rich_help_panel="Reports", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
-    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", metavar="PATH", rich_help_panel="Reports", help="Write a JUnit XML report here (one testcase per scenario)."),
-    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", metavar="PATH", rich_help_panel="Reports", help="Write a Chrome trace-event JSON timeline here (Perfetto, chrome://tracing)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", metavar="DIR", rich_help_panel="Reports", help="Where traces, logs and reports go (default .distcheck/runs/<id>)."),
+    timeout: float | None = typer.Option(None, "--timeout", metavar="SECONDS", rich_help_panel="Limits", help="Seconds any one launch may run: at that distcheck ends it and stops the run (exit 4; default: no limit)."),
+    json_path: str | None = typer.Option(None, "--json", metavar="PATH|-", rich_help_panel="Reports", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Path | None = typer.Option(None, "--junit-xml", metavar="PATH", rich_help_panel="Reports", help="Write a JUnit XML report here (one testcase per scenario)."),
+    chrome_trace: Path | None = typer.Option(None, "--chrome-trace", metavar="PATH", rich_help_panel="Reports", help="Write a Chrome trace-event JSON timeline here (Perfetto, chrome://tracing)."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", metavar="DIR", rich_help_panel="Reports", help="Where traces, logs and reports go (default ~/.local/state/distcheck/runs/<id>, or $DISTCHECK_RUNS_DIR/<id>: never your working tree)."),
     seed: int = typer.Option(0, "--seed", metavar="N", rich_help_panel="What to run", help="Seed for the scenarios' data."),
     verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", rich_help_panel="Reports", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
     quiet: bool = typer.Option(False, "--quiet", "-q", metavar="", rich_help_panel="Reports", help="Print one line: the verdict."),
-    quiet_ranks: bool = typer.Option(False, "--quiet-ranks", metavar="", rich_help_panel="Reports", help="Keep the ranks' own output (a script's, or your command's) in the run dir's logs only (default: also on the terminal as it comes, each rank's line '[rankN]:', as torchrun shows it)."),
-    module: Optional[str] = typer.Option(None, "--module", "-m", metavar="MODULE", rich_help_panel="What to run", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
-    max_duration: Optional[float] = typer.Option(None, "--max-duration", metavar="SECONDS", rich_help_panel="Limits", help="Pre-flight: end a healthy script after S seconds and report that window."),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", metavar="N", rich_help_panel="Multi-node", help="This node's rank; node 0 hosts distcheck's store and writes the full report."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", rich_help_panel="Multi-node", help="HOST:PORT of the c10d rendezvous (node 0's host)."),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", metavar="ID", rich_help_panel="Multi-node", help="Job id shared by every node."),
+    quiet_ranks: bool = typer.Option(False, "--quiet-ranks", metavar="", rich_help_panel="Reports", help="Keep the ranks' own output (a script's, or your command's) in the run dir's logs only (default: also on the terminal as it comes, each rank's line prefixed '\\[rankN]:', as torchrun shows it)."),
+    module: str | None = typer.Option(None, "--module", "-m", metavar="MODULE", rich_help_panel="What to run", help="Run this module on every rank, like 'python -m' (its arguments after '--')."),
+    max_duration: float | None = typer.Option(None, "--max-duration", metavar="SECONDS", rich_help_panel="Limits", help="Pre-flight: end a healthy script after S seconds and report that window."),
+    nnodes: int | None = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes in the job (torchrun's meaning; one distcheck per node; SLURM's environment is used under srun)."),
+    node_rank: int | None = typer.Option(None, "--node-rank", metavar="N", rich_help_panel="Multi-node", help="This node's rank; node 0 hosts distcheck's store and writes the full report."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", rich_help_panel="Multi-node", help="HOST:PORT of the c10d rendezvous (node 0's host)."),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id", metavar="ID", rich_help_panel="Multi-node", help="Job id shared by every node."),
     rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", metavar="c10d", rich_help_panel="Multi-node", help="c10d, torch's rendezvous (the only one supported)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", metavar="SECONDS", rich_help_panel="Multi-node", help="Seconds to wait for every node to join."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", metavar="HOST", rich_help_panel="Multi-node", help="Rendezvous host when --rdzv-endpoint is not given."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", metavar="PORT", rich_help_panel="Multi-node", help="Rendezvous port with --master-addr (default 29500)."),
-    local_addr: Optional[str] = typer.Option(None, "--local-addr", metavar="HOST", rich_help_panel="Multi-node", help="This node's address, where its stores listen (default: the one it reaches the endpoint from)."),
-    store_port: Optional[int] = typer.Option(None, "--store-port", metavar="PORT", rich_help_panel="Multi-node", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
-    min_busbw: Optional[str] = typer.Option(None, "--min-busbw", metavar="GBPS|OP=GBPS,...", rich_help_panel="Limits", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor: one number for every op, or per op (all_reduce=10,all_gather=8)."),
+    master_addr: str | None = typer.Option(None, "--master-addr", metavar="HOST", rich_help_panel="Multi-node", help="Rendezvous host when --rdzv-endpoint is not given."),
+    master_port: int | None = typer.Option(None, "--master-port", metavar="PORT", rich_help_panel="Multi-node", help="Rendezvous port with --master-addr (default 29500)."),
+    local_addr: str | None = typer.Option(None, "--local-addr", metavar="HOST", rich_help_panel="Multi-node", help="This node's address, where its stores listen (default: the one it reaches the endpoint from)."),
+    store_port: int | None = typer.Option(None, "--store-port", metavar="PORT", rich_help_panel="Multi-node", help="Port of distcheck's own store on node 0 (default: rendezvous port + 1)."),
+    min_busbw: str | None = typer.Option(None, "--min-busbw", metavar="GBPS|OP=GBPS,...", rich_help_panel="Limits", help="comm_health: fail the node when a collective's bus bandwidth (GB/s) at the largest size is below this floor: one number for every op, or per op (all_reduce=10,all_gather=8)."),
     option: list[str] = typer.Option([], "--option", metavar="KEY=VALUE", rich_help_panel="What to run", help="KEY=VALUE passed to every scenario as ctx.options (repeatable)."),
-    flight_recorder: Optional[bool] = typer.Option(None, "--flight-recorder/--no-flight-recorder", metavar="", rich_help_panel="Launch", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
+    flight_recorder: bool | None = typer.Option(None, "--flight-recorder/--no-flight-recorder", metavar="", rich_help_panel="Launch", help="PyTorch's Flight Recorder: shows collectives issued from C++ (DDP, FSDP2, functional collectives) and is dumped on a stall (default: on)."),
     isolate: bool = typer.Option(False, "--isolate", metavar="", rich_help_panel="Launch", help="A fresh launch for every scenario (default: all but expected hangs and crashes share one)."),
-    metric_memory_mb: Optional[float] = typer.Option(None, "--metric-memory-mb", metavar="MB", rich_help_panel="Limits", help="Per-rank cap on the torchmetrics update() inputs and states recorded for the single-process reference (default 256); past it the check is skipped with a warning."),
+    require_process_group: bool = typer.Option(False, "--require-process-group", metavar="", rich_help_panel="What to run", help="Your command must start a process group: one that never calls init_process_group is an error (exit 6). Without it, such a command ends with its own exit code and one line saying nothing was checked."),
+    metric_memory_mb: float | None = typer.Option(None, "--metric-memory-mb", metavar="MB", rich_help_panel="Limits", help="Per-rank cap on the torchmetrics update() inputs and states recorded for the single-process reference (default 256); past it the check is skipped with a warning."),
+    _help_: bool = HELP,
 ) -> None:
     """Run scenarios, or your own torchrun-style script, on N ranks under the tracer and watchdog.
 
@@ -117,9 +138,14 @@ def run(
     options = run_options(flags, nodes)
     console = _console(json_path)
     report = _run_live(specs, options, console, verbose, quiet, ranks_shown=not (quiet or quiet_ranks))
-    _print_run_end(report, options, console, verbose, quiet)
-    _announce(console, _write_json(report, json_path), quiet)
-    _write_formats(report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=True, quiet=quiet)
+    # The files first, the verdict last: the files asked for are "wrote PATH" lines above it, the run dir's
+    # timeline.html is said on its run dir line.
+    written = _write_json(report, json_path) + _write_formats(
+        report, console, junit_xml=junit_xml, chrome_trace=chrome_trace, timeline=not report.nothing_ran,
+        announce=False)
+    timeline = [p for p in written if p.parent == Path(report.run.run_dir) and p.name == "timeline.html"]
+    _announce(console, [p for p in written if p not in timeline], quiet)
+    _print_run_end(report, options, console, verbose, quiet, timeline=bool(timeline))
     raise typer.Exit(int(_exit_code(report)))
 
 
@@ -145,11 +171,11 @@ def _run_live(specs: list[Target], options: RunOptions, console: Console, verbos
 
 
 def _print_run_end(report: Report, options: RunOptions, console: Console, verbose: bool = False,
-                   quiet: bool = False) -> None:
+                   quiet: bool = False, timeline: bool = False) -> None:
     from distcheck.files.saved_runs import REPORT_FILE
     from distcheck.report import terminal
 
-    console.print(terminal.summary_line(report, verbose, quiet), soft_wrap=quiet)
+    console.print(terminal.summary_line(report, verbose, quiet, timeline), soft_wrap=quiet)
     nodes = options.nodes
     if quiet:
         return
@@ -176,19 +202,21 @@ def _write_json(report: Report, json_path: str | None) -> list[Path]:
 
 def _write_formats(report: Report, console: Console, *, junit_xml: Path | None, chrome_trace: Path | None,
                    timeline: bool, html: Path | None = None,
-                   events: dict[str, dict[int, list[Event]]] | None = None, quiet: bool = False) -> None:
-    """JUnit, Chrome trace and the HTML timeline (always into the run dir after a run)."""
+                   events: dict[str, dict[int, list[Event]]] | None = None, announce: bool = True) -> list[Path]:
+    """JUnit, Chrome trace and the HTML timeline (always into the run dir after a run); the files written
+    (``announce``: a "wrote PATH" line each)."""
     from distcheck.files.saved_runs import TIMELINE_FILE, load_events
     from distcheck.report.outputs import write_outputs
 
     run_dir = Path(report.run.run_dir)
     html_path = html or (run_dir / TIMELINE_FILE if timeline else None)
     if not (junit_xml or chrome_trace or html_path):
-        return
+        return []
     if events is None:
         events = load_events(report, run_dir)
-    _announce(console, write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace,
-                                     html_path=html_path), quiet)
+    written = write_outputs(report, events, junit_path=junit_xml, chrome_path=chrome_trace, html_path=html_path)
+    _announce(console, written if announce else [])
+    return written
 
 
 def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -202,22 +230,22 @@ def _split_script_args(targets: list[str]) -> tuple[list[str], tuple[str, ...]]:
     return targets, tuple(after)
 
 
-def _exit_code(report: Report) -> ExitCode:
-    if report.interrupted:
-        return ExitCode.INTERRUPTED
-    if any(s.end_reason == EndReason.TIMEOUT for s in report.scenarios):
-        return ExitCode.TIMEOUT
-    if report.nothing_ran:
-        return ExitCode.NOTHING_RAN
-    return ExitCode.OK if report.verdict == "pass" else ExitCode.FINDINGS
+def _exit_code(report: Report) -> int:
+    from distcheck.diagnose.verdict import exit_code
+
+    return exit_code(report)
 
 
-@app.command("list", epilog=EXIT_CODES_HELP)
+@app.command("list", epilog=LIST_EXIT_CODES)
 def list_scenarios(
-    targets: list[str] = typer.Argument(None, help="Scenario names, files or folders (none: the built-ins)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+    targets: list[str] = typer.Argument(None, metavar="TARGETS", show_default=False, hidden=True, help="In the help."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the list as JSON."),
+    _help_: bool = HELP,
 ) -> None:
-    """List scenarios (built-in and given) with their expectations, requirements and missing dependencies."""
+    """List scenarios (built-in and given) with their expectations, requirements and missing dependencies.
+
+    TARGETS: scenario names, files or folders (none: the built-ins).
+    """
     import json
 
     from distcheck.targets.discovery import resolve_targets
@@ -233,18 +261,21 @@ def list_scenarios(
     scenario_list.render(specs, missing, _console(None))
 
 
-@app.command("report", epilog="Exits with the saved run's own code (0 as expected, 1 findings, 4 timeout, 130 "
-             "interrupted); 2 no such run dir; 5 its report.json is corrupt or missing. " + EXIT_CODES_HELP)
+@app.command("report", epilog=REPORT_EXIT_CODES)
 def report_cmd(
-    run_dir: str = typer.Argument(..., help="A run directory (or its report.json, or a run id from 'distcheck runs')."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
-    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
-    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here."),
-    html: Optional[Path] = typer.Option(None, "--html", help="Write the HTML timeline here (default: none; every run dir has timeline.html)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print one line: the verdict."),
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR", hidden=True, help="In the help."),
+    json_path: str | None = typer.Option(None, "--json", metavar="PATH|-", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Path | None = typer.Option(None, "--junit-xml", metavar="PATH", help="Write a JUnit XML report here."),
+    chrome_trace: Path | None = typer.Option(None, "--chrome-trace", metavar="PATH", help="Write a Chrome trace-event JSON timeline here."),
+    html: Path | None = typer.Option(None, "--html", metavar="PATH", help="Write the HTML timeline here (default: none; every run dir has timeline.html)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Show every target's findings (expected ones marked so), rank table and tables, and the torch line."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", metavar="", help="Print one line: the verdict."),
+    _help_: bool = HELP,
 ) -> None:
-    """Re-render a saved run (terminal view and any format) from its report.json and traces, without re-running."""
+    """Re-render a saved run (terminal view and any format) from its report.json and traces, without re-running.
+
+    RUN_DIR: a run directory (or its report.json, or a run id from 'distcheck runs').
+    """
     from distcheck.files.saved_runs import load_run
     from distcheck.report import terminal
 
@@ -260,18 +291,22 @@ def report_cmd(
     raise typer.Exit(int(_exit_code(saved.report)))
 
 
-@app.command("analyze", epilog="Exits 0 when the dumps/traces show no problem, 1 when they do; 2 a path is missing "
-             "or a pickle is refused; 5 a file is not a readable dump. " + EXIT_CODES_HELP)
+@app.command("analyze", epilog=ANALYZE_EXIT_CODES)
 def analyze_cmd(
-    paths: list[Path] = typer.Argument(..., help="Flight Recorder dumps (pickle or JSON, one per rank, named PREFIX<rank>), their directory, or distcheck run/launch/trace dirs."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks in the job (dumps do not record it; default: from the file names)."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
-    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
-    chrome_trace: Optional[Path] = typer.Option(None, "--chrome-trace", help="Write a Chrome trace-event JSON timeline here."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table even when nothing is wrong."),
+    paths: list[Path] = typer.Argument(..., metavar="PATHS", hidden=True, help="In the help."),
+    world_size: int | None = typer.Option(None, "--world-size", metavar="N", help="Ranks in the job (dumps do not record it; default: from the file names)."),
+    json_path: str | None = typer.Option(None, "--json", metavar="PATH|-", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Path | None = typer.Option(None, "--junit-xml", metavar="PATH", help="Write a JUnit XML report here."),
+    chrome_trace: Path | None = typer.Option(None, "--chrome-trace", metavar="PATH", help="Write a Chrome trace-event JSON timeline here."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Show the per-rank table even when nothing is wrong."),
+    _help_: bool = HELP,
 ) -> None:
     """Post-mortem: read PyTorch Flight Recorder dumps (NCCL or gloo) or distcheck traces and report hangs,
-    missing ranks and mismatches with the same analysis as a live run. Pickles are loaded without running code."""
+    missing ranks and mismatches with the same analysis as a live run. Pickles are loaded without running code.
+
+    PATHS: Flight Recorder dumps (pickle or JSON, one per rank, named PREFIX<rank>), their directory, or
+    distcheck run, launch or trace dirs.
+    """
     from distcheck.evidence.postmortem import analyze_paths
     from distcheck.report import terminal
 
@@ -288,30 +323,34 @@ def analyze_cmd(
     raise typer.Exit(int(_exit_code(result.report)))
 
 
-@app.command("runs", epilog=EXIT_CODES_HELP)
+@app.command("runs", epilog=RUNS_EXIT_CODES)
 def runs_cmd(
-    root: Path = typer.Option(Path(".distcheck") / "runs", "--dir", help="Where runs are saved."),
-    limit: int = typer.Option(20, "--limit", "-n", help="Show at most this many runs (newest first)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+    root: Path | None = typer.Option(None, "--dir", metavar="DIR", help="Where runs are saved (default ~/.local/state/distcheck/runs, or $DISTCHECK_RUNS_DIR)."),
+    limit: int = typer.Option(20, "--limit", "-n", metavar="N", help="Show at most this many runs (newest first)."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the list as JSON."),
+    _help_: bool = HELP,
 ) -> None:
     """List recent saved runs: id, time, verdict, scenarios, backend x ranks."""
     import json
 
-    from distcheck.report import runs_table
+    from distcheck.files.run_home import runs_root, shown
     from distcheck.files.saved_runs import list_runs
+    from distcheck.report import runs_table
 
     if limit < 1:
         raise UsageError(f"--limit must be at least 1 (got {limit})")
+    root = root if root is not None else runs_root()
     runs = list_runs(root, limit)
     if json_out:
         sys.stdout.write(json.dumps([r.to_dict() for r in runs], indent=2) + "\n")
         return
-    runs_table.render(runs, _console(None), str(root))
+    runs_table.render(runs, _console(None), shown(root))
 
 
-@app.command("env", epilog=EXIT_CODES_HELP)
+@app.command("env", epilog=ENV_EXIT_CODES)
 def env_cmd(
-    json_out: bool = typer.Option(False, "--json", help="Print the facts as JSON."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the facts as JSON."),
+    _help_: bool = HELP,
 ) -> None:
     """Show torch/CUDA/NCCL/gloo availability, GPUs, versions and launch variables (secrets redacted)."""
     import json
@@ -326,30 +365,33 @@ def env_cmd(
     env_view.render(info, _console(None))
 
 
-@app.command("attach", epilog="Exits 0 when nothing is wrong, 1 with findings (a hang), 2 usage (no job, several "
-             "jobs), 3 the ranks could not be read (py-spy missing, permission denied, another node's attach never came). "
-             + EXIT_CODES_HELP)
+@app.command("attach", epilog=ATTACH_EXIT_CODES)
 def attach_cmd(
-    pids: list[int] = typer.Argument(None, help="Ranks' pids or their launcher's (torchrun, srun, mp.spawn's parent); none: the one torch.distributed job on this node."),
-    job: Optional[str] = typer.Option(None, "--job", help="Only ranks of this SLURM_JOB_ID."),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
-    junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Write a JUnit XML report here."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Save the report here (default: .distcheck/runs/attach-<id>)."),
-    samples: int = typer.Option(3, "--samples", help="Stack samples per rank (at least 2)."),
-    interval: float = typer.Option(0.5, "--interval", help="Seconds between samples."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the per-rank table even when nothing is wrong."),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes the job runs on: one attach per node, node 0 judges (Slurm's environment is used under srun)."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", metavar="N", rich_help_panel="Multi-node", help="This node's rank among the attaches; node 0 hosts their store and writes the report."),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", rich_help_panel="Multi-node", help="Where the attaches meet: node 0's host and a free port (the store listens on PORT+1). Not the job's own."),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", metavar="ID", rich_help_panel="Multi-node", help="An id every node's attach shares (default: attach)."),
+    pids: list[int] = typer.Argument(None, metavar="PID", show_default=False, hidden=True, help="In the help."),
+    job: str | None = typer.Option(None, "--job", metavar="ID", help="Only ranks of this SLURM_JOB_ID."),
+    json_path: str | None = typer.Option(None, "--json", metavar="PATH|-", help="Write the JSON report here ('-' = stdout; the human view then goes to stderr)."),
+    junit_xml: Path | None = typer.Option(None, "--junit-xml", metavar="PATH", help="Write a JUnit XML report here."),
+    run_dir: Path | None = typer.Option(None, "--run-dir", metavar="DIR", help="Save the report here (default ~/.local/state/distcheck/runs/attach-<id>, or $DISTCHECK_RUNS_DIR/attach-<id>)."),
+    samples: int = typer.Option(3, "--samples", metavar="N", help="Stack samples per rank (at least 2)."),
+    interval: float = typer.Option(0.5, "--interval", metavar="SECONDS", help="Seconds between samples."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Show the per-rank table even when nothing is wrong."),
+    nnodes: int | None = typer.Option(None, "--nnodes", metavar="N", rich_help_panel="Multi-node", help="Nodes the job runs on: one attach per node, node 0 judges (Slurm's environment is used under srun)."),
+    node_rank: int | None = typer.Option(None, "--node-rank", metavar="N", rich_help_panel="Multi-node", help="This node's rank among the attaches; node 0 hosts their store and writes the report."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT", rich_help_panel="Multi-node", help="Where the attaches meet: node 0's host and a free port (the store listens on PORT+1). Not the job's own."),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id", metavar="ID", rich_help_panel="Multi-node", help="An id every node's attach shares (default: attach)."),
     rdzv_timeout: float = typer.Option(60.0, "--rdzv-timeout", metavar="SECONDS", rich_help_panel="Multi-node", help="How long node 0 waits for the other nodes' reads; a node not heard from by then is named."),
-    store_port: Optional[int] = typer.Option(None, "--store-port", metavar="PORT", rich_help_panel="Multi-node", help="Port of the attaches' store on node 0 (default: the endpoint's port + 1)."),
+    store_port: int | None = typer.Option(None, "--store-port", metavar="PORT", rich_help_panel="Multi-node", help="Port of the attaches' store on node 0 (default: the endpoint's port + 1)."),
+    _help_: bool = HELP,
 ) -> None:
     """Diagnose a running job distcheck did not launch (hung right now?), read-only from outside: every
-    rank's stacks (py-spy) and /proc counters, judged by the same rules as 'distcheck run'."""
+    rank's stacks (py-spy) and /proc counters, judged by the same rules as 'distcheck run'.
+
+    PID: a rank's pid (its job's other ranks on this node are found too, its launcher gone or not) or its
+    launcher's (torchrun, srun, mp.spawn's parent); none: the one torch.distributed job on this node.
+    """
     from distcheck.attach.nodes import attach_nodes
+    from distcheck.attach.render import render
     from distcheck.attach.session import AttachOptions, attach
-    from distcheck.report import terminal
 
     if samples < 2 or interval <= 0:
         raise UsageError(f"--samples must be at least 2 and --interval above 0 (got {samples}, {interval:g})")
@@ -360,18 +402,16 @@ def attach_cmd(
         said = done.node0 or {}
         typer.echo(f"distcheck attach (node {nodes.node_rank}): node 0 judged the job: {said.get('summary')}\n"
                    f"  its report: {said.get('run_dir')} (on node 0)")
-        raise typer.Exit(int(said.get("code", ExitCode.LAUNCH_FAILED)))
+        raise typer.Exit(done.exit_code)
     console = _console(json_path)
-    terminal.render(done.report, console, verbose)
+    render(done.report, console, verbose, done.undecided)   # "NOT DECIDED" first where ranks were not read
     _announce(console, _write_json(done.report, json_path))
+    assert done.judged is not None   # a report of node 0's own comes with its judgement
     _write_formats(done.report, console, junit_xml=junit_xml, chrome_trace=None, timeline=False,
                    events={done.report.scenarios[0].name: done.judged.events})
-    code = _exit_code(done.report)
     if done.incomplete:
         typer.echo(f"distcheck attach: {done.incomplete}", err=True)
-        code = ExitCode.LAUNCH_FAILED if code == ExitCode.OK else code
-    done.tell_nodes(int(code))
-    raise typer.Exit(int(code))
+    raise typer.Exit(done.exit_code)
 
 
 def main() -> None:
@@ -398,7 +438,7 @@ def main() -> None:
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
             sys.stderr.write(f"distcheck: error: {usage_message(exc)}\n")
             sys.exit(int(ExitCode.USAGE))
-        if type(exc).__name__ == "Abort":
+        if isinstance(exc, typer.Abort):   # click's own Ctrl-C at a prompt
             sys.exit(int(ExitCode.INTERRUPTED))
         raise
 
@@ -406,7 +446,7 @@ def main() -> None:
 _FORMS = {int: ("a whole number", "4"), float: ("a number", "30")}
 
 
-def usage_message(exc: Exception) -> str:
+def usage_message(exc: Any) -> str:   # click's usage error (typer vendors click, which is not followed)
     """click's usage error as one line: what, where, the valid form ("--nproc-per-node: 'abc' is not a whole
     number (e.g. --nproc-per-node 4)"), instead of its usage block and pydantic's wording."""
     param = getattr(exc, "param", None)

@@ -7,14 +7,17 @@ redacted; ``redact()`` is pure and tested on its own.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import platform
 import re
 import socket
 import sys
+import sysconfig
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, TypedDict
 
 from distcheck import torch_features
 from distcheck.models import VERSION
@@ -33,6 +36,13 @@ SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "A
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
 
 OPTIONAL_LIBRARIES = ("torchmetrics", "lightning", "pytorch_lightning", "numpy", "typer", "rich", "psutil")
+
+# distcheck's two C extensions, built at install where a C compiler is (setup.py), each with a Python fallback:
+# the tracer's hot path (distcheck.rank.hot_path) and distcheck's thread in a rank (distcheck.rank.ticker).
+# Named by string: envinfo reports on them, as on torch, without depending on the rank layer.
+HOT_PATH_MODULE = "distcheck.rank._hot_path_c"
+NATIVE_THREAD_MODULE = "distcheck.rank._native_thread"
+FORCE_PYTHON = "DISTCHECK_HOT_PATH"   # =python: both fallbacks run, as rank.hot_path and rank.ticker read it
 
 
 def is_secret_name(name: str) -> bool:
@@ -78,6 +88,8 @@ class EnvInfo:
     torch_features: dict[str, bool] = field(default_factory=dict)   # distcheck.torch_features, by name
     torch_problem: str | None = None                                  # below distcheck's floor
     context: dict[str, str] = field(default_factory=dict)        # slurm / torchelastic job facts
+    hot_path: str = ""           # "C", or "Python (why)": the tracer's hot path that a rank runs
+    native_thread: str = ""      # "native", or "_thread fallback (why)": distcheck's thread in a rank
     env: dict[str, str] = field(default_factory=dict)            # redacted
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +116,33 @@ def _context(environ: Mapping[str, str]) -> dict[str, str]:
     if environ.get("RANK") and environ.get("WORLD_SIZE"):
         ctx["rank"] = f"{environ['RANK']} of {environ['WORLD_SIZE']}"
     return ctx
+
+
+def _why_not_loaded(module: str) -> str | None:
+    """None where the C module loads here; else why not, in a few words."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError:
+        if sysconfig.get_config_var("Py_GIL_DISABLED") and module == HOT_PATH_MODULE:
+            return "a free-threaded Python: the C hot path needs the GIL"
+        return "no C compiler at install"
+    except ImportError as exc:   # built, but refused here (a free-threaded Python, a build for another one)
+        return f"the C module did not load: {exc}"
+    return None
+
+
+class CPaths(TypedDict):
+    hot_path: str
+    native_thread: str
+
+
+def c_paths(environ: Mapping[str, str]) -> CPaths:
+    """Which of each C extension and its Python fallback a rank runs, and why the fallback where it is."""
+    forced = environ.get(FORCE_PYTHON, "").lower() == "python"
+    hot, thread = ((f"{FORCE_PYTHON}=python",) * 2 if forced
+                   else (_why_not_loaded(HOT_PATH_MODULE), _why_not_loaded(NATIVE_THREAD_MODULE)))
+    return {"hot_path": "C" if hot is None else f"Python ({hot})",
+            "native_thread": "native" if thread is None else f"_thread fallback ({thread})"}
 
 
 def _torch_facts() -> dict[str, Any]:
@@ -156,5 +195,5 @@ def collect(environ: Mapping[str, str] | None = None) -> EnvInfo:
         distcheck=VERSION, python=platform.python_version() + f" ({sys.executable})",
         platform=platform.platform(), hostname=socket.gethostname(), cpus=os.cpu_count(),
         libraries={name: _version(name) for name in OPTIONAL_LIBRARIES},
-        context=_context(environ), env=relevant_env(environ), **_torch_facts(),
+        context=_context(environ), env=relevant_env(environ), **c_paths(environ), **_torch_facts(),
     )

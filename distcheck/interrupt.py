@@ -28,8 +28,9 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 EXIT_CODE = 130   # errors.ExitCode.INTERRUPTED (not imported: this module loads before anything else)
 SIGNALS = ("SIGINT", "SIGTERM")
@@ -43,7 +44,7 @@ class _State:
     watched: int = 0             # launches whose watchdog ends them on a request
     requested_at: float | None = None
     signal_name: str | None = None
-    stop_everything: Callable[[], None] = lambda: None   # kills what distcheck started (``begin_run``)
+    stop_everything: Callable[[], object] = lambda: None   # kills what distcheck started (``begin_run``)
     # What an interrupt before the run began leaves in the run dir already made (its report); none: no run dir yet.
     before_start: Callable[[str], None] | None = None
     ending: Any = None           # the EndReason, once asked (``end_reason``)
@@ -77,7 +78,7 @@ def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
 
-def begin_run(stop_everything: Callable[[], None] = lambda: None) -> None:
+def begin_run(stop_everything: Callable[[], object] = lambda: None) -> None:
     """The run dir exists: from here an interrupted run still writes its report. In a library caller
     (the pytest plugin), each run starts with no request: its own Ctrl-C reaches it as KeyboardInterrupt.
     ``stop_everything`` kills whatever distcheck started, should a second signal come."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from distcheck.errors import UsageError
 from distcheck import interrupt
@@ -20,7 +21,7 @@ from distcheck.files.run_dir import make_run_dir
 from distcheck.files.saved_runs import write_interrupted_before_start
 from distcheck.launch.node_config import NodeConfig, node_config
 
-BACKEND_CHOICES = ("auto", "gloo", "nccl")
+BACKEND_CHOICES = ("auto", "gloo", "nccl", "emulated_nccl")   # emulated_nccl: NCCL's host view on CPU
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DEFAULT_NPROC = 4   # gloo ranks when there is no GPU per rank
 
@@ -42,6 +43,10 @@ class RunOptions:
     metric_memory_mb: float | None = None   # per-rank cap on recorded torchmetrics inputs (None: the default)
     scenario_options: tuple[tuple[str, str], ...] = ()   # passed to every scenario as ctx.options
     flight_recorder: bool | None = None   # None: on (C++-issued collectives; GPU-side state on NCCL)
+    require_process_group: bool = False   # ``run -- CMD`` that starts no process group is an error (else its own exit)
+    # What this run adds to every rank's environment (the launch's, never the calling process's own: under the
+    # pytest plugin that is the user's pytest): set by ``session.run_targets``.
+    rank_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -76,13 +81,15 @@ class RunFlags:
     flight_recorder: bool | None = None
     isolate: bool = False
     metric_memory_mb: float | None = None
+    require_process_group: bool = False
     command: str = ""
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> RunFlags:
         """The flags among ``values`` (a command's parameters, which hold more)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: (tuple(v) if k == "option" else v) for k, v in values.items() if k in names})
+        given: dict[str, Any] = {k: (tuple(v) if k == "option" else v) for k, v in values.items() if k in names}
+        return cls(**given)
 
 
 def positive(name: str, value: float | None) -> None:
@@ -93,7 +100,7 @@ def positive(name: str, value: float | None) -> None:
 def check_flags(flags: RunFlags) -> NodeConfig:
     """Refuse bad flags before anything slow happens; returns this node's place in the job."""
     if flags.backend not in BACKEND_CHOICES:
-        raise UsageError(f"unknown backend {flags.backend!r}", "use auto, gloo or nccl")
+        raise UsageError(f"unknown backend {flags.backend!r}", "use auto, gloo, nccl or emulated_nccl")
     if flags.device not in DEVICE_CHOICES:
         raise UsageError(f"unknown device {flags.device!r}", "use auto, cpu or cuda")
     positive("--stall-timeout", flags.stall_timeout)
@@ -125,7 +132,7 @@ def run_options(flags: RunFlags, nodes: NodeConfig) -> RunOptions:
         timeout=flags.timeout, max_duration=flags.max_duration, seed=flags.seed, nodes=nodes,
         scenario_options=scenario_options(flags.option, flags.min_busbw), flight_recorder=flags.flight_recorder,
         batching=not flags.isolate, run_dir=flags.run_dir, command=flags.command,
-        metric_memory_mb=flags.metric_memory_mb,
+        metric_memory_mb=flags.metric_memory_mb, require_process_group=flags.require_process_group,
     )
 
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
-from distcheck.models import FINDING_KINDS
+from distcheck.models import FINDING_KINDS, PASS
 
-EXPECTATIONS = ("pass",) + FINDING_KINDS
+EXPECTATIONS = (PASS, *(k.value for k in FINDING_KINDS))   # the user writes them as strings
 BACKENDS = ("gloo", "nccl")
 OPTIONAL_LIBRARIES = ("torchmetrics", "lightning")   # the 'distcheck[metrics]' and '[lightning]' extras
 TORCH_FEATURE = "torch:"   # requires=("torch:fully_shard",): a feature of torch (distcheck.torch_features)
@@ -100,7 +101,8 @@ def skip_reason(spec: ScenarioSpec, backend: str, nproc_per_node: int, device: s
         extra = (("'distcheck[lightning]'" if "lightning" in missing else "'distcheck[metrics]'")
                  if set(missing) <= set(OPTIONAL_LIBRARIES) else " ".join(missing))
         return f"needs {', '.join(missing)}, which is not installed (pip install {extra})"
-    if backend not in spec.backends:
+    # emulated_nccl runs on CPU tensors: what runs on gloo runs there, with NCCL's host view
+    if (backend if backend != "emulated_nccl" else "gloo") not in spec.backends:
         return f"only meaningful on {'/'.join(spec.backends)}; this run uses {backend}"
     if nproc_per_node < spec.min_world_size:
         return f"needs at least {spec.min_world_size} ranks; this run has {nproc_per_node}"

@@ -11,20 +11,20 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
-import os
 import secrets
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from distcheck import interrupt
 from distcheck.diagnose.verdict import run_info as build_run_info
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files import user_code
 from distcheck.files.launch_dir import write_json_atomic
+from distcheck.files.run_home import runs_root
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.launch import forkserver, procs, slurm
 from distcheck.launch.cluster import ClusterStore
@@ -47,7 +47,7 @@ class RunHooks:
     scenario_finished: Callable[[ScenarioResult], None] = lambda result: None
     on_poll: Callable | None = None
     note: Callable[[str], None] = lambda text: None      # what distcheck itself is waiting for
-    rank_output: Callable[[int, str], None] | None = None   # a script's ranks' lines, as they write them
+    rank_output: Callable[[int | None, str], None] | None = None   # a script's ranks' lines, as they write them
 
 
 @dataclass
@@ -74,7 +74,7 @@ def new_run_id() -> str:
 
 def make_run_dir(run_dir: Path | None, run_id: str) -> Path:
     """Writable (a real write), private (0700) when created; LaunchError before any launch otherwise."""
-    return claim_run_dir(run_dir or Path(".distcheck") / "runs" / run_id)
+    return claim_run_dir(run_dir or runs_root() / run_id)
 
 
 def library_versions() -> dict[str, str]:
@@ -87,21 +87,30 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def rank_environment(options: RunOptions, targets: list[Target]) -> tuple[tuple[str, str], ...]:
+    """What this run adds to every rank's environment, however the rank is launched: the metric recorder's cap,
+    and the files the user named (their code wherever it lives, ``files.user_code``)."""
+    env = {}
+    if options.metric_memory_mb is not None:
+        env[metric_recording.MEMORY_ENV] = f"{options.metric_memory_mb:g}"
+    env.update(user_code.environment([f for t in targets for f in t.named_files()]))
+    return tuple(env.items())
+
+
 def run_targets(targets: list[Target], options: RunOptions, hooks: RunHooks | None = None) -> Report:
     """Run every target (node 0 of a multi-node job writes the report); the report is saved
     in the run dir as well as returned."""
     hooks = hooks or RunHooks()
     if not targets:
         raise UsageError("nothing to run: no scenarios selected")
-    if options.metric_memory_mb is not None:   # the ranks inherit it, however they are launched
-        os.environ[metric_recording.MEMORY_ENV] = f"{options.metric_memory_mb:g}"
-    user_code.declare([f for t in targets for f in t.named_files()])   # the ranks inherit it
+    options = dataclasses.replace(options, rank_env=rank_environment(options, targets))
+    user_code.declare([f for t in targets for f in t.named_files()])   # for this process's own reading of stacks
     run_id = new_run_id()
     run_dir = make_run_dir(options.run_dir, run_id)
     # From here Ctrl-C still ends with a report (a second one kills what distcheck started).
     interrupt.begin_run(functools.partial(procs.kill_descendants, grace_s=0.0))
     # Every node must name its launches alike for torch's rendezvous to pair them.
-    launch_base = options.nodes.rdzv_id if options.nodes.multi else run_id
+    launch_base = options.nodes.rdzv_id if options.nodes.multi and options.nodes.rdzv_id else run_id   # multi: set
     check_endpoint_address(options.nodes)
     with slurm.stop_before_end():   # inside a Slurm job with a time limit: the report is written before it
         cluster = ClusterStore(options.nodes, note=hooks.note) if options.nodes.multi else None

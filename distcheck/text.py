@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def rank_list(ranks: Iterable[int]) -> str:
@@ -34,6 +35,12 @@ def short_path(path: str | None, base: str | None = None) -> str:
     if not rel.startswith(".."):
         file = rel
     return f"{file}{sep}{rest}"
+
+
+def call_site(file: str, line: int | str, function: str) -> str:
+    """'file.py:23:main': a frame as every record, status, stack reading and finding names it (``site`` and
+    ``short_path`` read it back)."""
+    return f"{file}:{line}:{function}"
 
 
 def site(callsite: str | None) -> str:
@@ -92,3 +99,17 @@ def size(n: int) -> str:
     if n >= 2**20:
         return gib(n)
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+# What a failed start prints first: the interpreter's own (``can't open file``), a traceback's last line, a
+# launcher's error line. A launcher's later report of its children's end (torchrun's ChildFailedError banner)
+# says less than the first.
+_ERROR_MARKS = ("can't open file", "No such file", "Error:", "Error", "error:", "not found", "cannot ")
+
+
+def first_error_line(output: str) -> str:
+    """The line of a command's output that says why it failed: the first that reads as an error, else its last."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    found = next((line for line in lines if any(mark in line for mark in _ERROR_MARKS)
+                  and not line.startswith(("Traceback", "File ", "raise "))), None)
+    return (found or (lines[-1] if lines else ""))[:200]

@@ -35,8 +35,9 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from distcheck.errors import UsageError
 

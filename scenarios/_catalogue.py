@@ -179,7 +179,8 @@ def dtensor_then_metrics(ctx, gathers: bool) -> None:
 
     world = ctx.world_size
     mesh = init_device_mesh("cpu", (world,))
-    weights = distribute_tensor(torch.arange(8 * world * 11, dtype=torch.float32).reshape(8 * world, 11), mesh, [Shard(0)])
+    weights = distribute_tensor(torch.arange(8 * world * 11, dtype=torch.float32).reshape(8 * world, 11), mesh,
+                                [Shard(0)])
     if gathers:
         full = weights.full_tensor()
         ctx.check_close("full_tensor", full, torch.arange(8 * world * 11, dtype=torch.float32).reshape(8 * world, 11))

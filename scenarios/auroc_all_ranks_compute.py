@@ -32,4 +32,5 @@ def auroc_all_ranks_compute(ctx):
             seen = [list(_batches(ctx, r))[: COMPUTE_AT + 1] for r in range(ctx.world_size)]
             preds_all = torch.cat([p for batches in seen for p, _ in batches])
             target_all = torch.cat([t for batches in seen for _, t in batches])
-            ctx.check_close("BinaryAUROC(thresholds=600)", value.cpu(), binary_auroc(preds_all, target_all, thresholds=600))
+            ctx.check_close("BinaryAUROC(thresholds=600)", value.cpu(),
+                            binary_auroc(preds_all, target_all, thresholds=600))

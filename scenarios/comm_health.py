@@ -124,7 +124,8 @@ def _pairs(ctx, s) -> None:
     for link in slow_links(matrix, s["slow_ratio"]):
         if ctx.rank in link.ranks:
             ctx.require(f"slow link {link.kind} {'->'.join(map(str, link.ranks))}", False, link.describe(),
-                        severity="error" if fails else "info", link=link.kind, ranks=list(link.ranks), gbps=link.gbps, reference_gbps=link.reference_gbps)
+                        severity="error" if fails else "info", link=link.kind, ranks=list(link.ranks), gbps=link.gbps,
+                        reference_gbps=link.reference_gbps)
 
 
 @scenario(expect="pass", min_world_size=1)

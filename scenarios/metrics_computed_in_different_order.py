@@ -23,7 +23,7 @@ def _reference(ctx):
 
     steps = [step for r in range(ctx.world_size) for step in _data(ctx, r)]
     spam = binary_confusion_matrix(torch.cat([s[0] for s, _ in steps]), torch.cat([s[1] for s, _ in steps]))
-    lang = multiclass_confusion_matrix(torch.cat([l[0] for _, l in steps]), torch.cat([l[1] for _, l in steps]),
+    lang = multiclass_confusion_matrix(torch.cat([g[0] for _, g in steps]), torch.cat([g[1] for _, g in steps]),
                                        num_classes=2)
     return {"spam": spam, "lang": lang}
 

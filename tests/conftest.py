@@ -35,6 +35,15 @@ MODULES_BESIDE_HOGS = ("test_records_e2e", "test_ecosystem_e2e")
 LOADED_TIMEOUT_S = 400
 
 
+def pytest_configure(config):
+    """Runs a test does not send elsewhere (``--run-dir``) go to a folder of this session's, not the user's
+    own runs folder (``distcheck.files.run_home``): every process the tests start inherits it."""
+    if "DISTCHECK_RUNS_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["DISTCHECK_RUNS_DIR"] = tempfile.mkdtemp(prefix="distcheck-test-runs-")
+
+
 def pytest_sessionstart(session):
     """Every launch starts processes that import distcheck anew (its CLI, a script's ranks, the replay):
     compile it once here, so that none compiles it from source. Where PYTHONDONTWRITEBYTECODE is set, each
@@ -53,6 +62,11 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__ if item.module else ""
         if module in SHARED_LAUNCH_MODULES:
             item.add_marker(pytest.mark.xdist_group(SHARED_LAUNCH_MODULES[module]))
+    # The static checks first, on one worker: a cold mypy (tens of seconds) overlaps the rest of the lane.
+    static = [item for item in items if item.module is not None and item.module.__name__ == "test_static_checks"]
+    for item in static:
+        item.add_marker(pytest.mark.xdist_group("static_checks"))
+    items[:] = static + [item for item in items if item not in static]
 
 
 @pytest.fixture(scope="session")
@@ -192,6 +206,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def kill_everything_below(proc: subprocess.Popen) -> None:
+    """The command's session and every process below it: a launcher's ranks may sit in sessions of their
+    own (torch's elastic agent), and one left alive keeps the output pipe open for ever."""
+    for p in process_tree(proc.pid):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    kill_tree(proc)
 
 
 class DistcheckRun:

@@ -9,6 +9,7 @@ of it survived.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,10 +18,12 @@ from pathlib import Path
 from conftest import DistcheckRun, finish_process, kill_tree
 
 
-def run_together(jobs: dict[str, list[str]], folder_for, timeout: float) -> dict[str, DistcheckRun]:
+def run_together(jobs: dict[str, list[str]], folder_for, timeout: float,
+                 env: dict[str, dict[str, str]] | None = None) -> dict[str, DistcheckRun]:
     """``jobs``: name -> ``distcheck run`` arguments (``{tmp}`` in one stands for that launch's folder);
     ``folder_for(name)``: a new folder for it (``tmp_path_factory.mktemp``). Returns name -> the finished run,
-    with --run-dir and --json added under its folder."""
+    with --run-dir and --json added under its folder. ``env``: name -> variables that job's run gets on top of this
+    process's environment."""
     started = {}
     try:
         for name, args in jobs.items():
@@ -31,7 +34,8 @@ def run_together(jobs: dict[str, list[str]], folder_for, timeout: float) -> dict
                    "--json", str(tmp / "report.json"), *args[cut:]]
             out, err = open(tmp / "stdout", "w+"), open(tmp / "stderr", "w+")
             started[name] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True,
-                                              cwd=tmp), tmp, out, err)
+                                              cwd=tmp, env={**os.environ, **(env or {}).get(name, {})}), tmp, out,
+                             err)
         runs, deadline = {}, time.monotonic() + timeout
         for name, (proc, tmp, out, err) in started.items():
             finish_process(proc, str(tmp / "run"), max(1.0, deadline - time.monotonic()))

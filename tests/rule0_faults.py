@@ -37,7 +37,7 @@ def break_after_init() -> None:
 
     runtime = PROCESS.current
     runtime.tracer._define = _raising("the tracer")
-    runtime.tracer._claim_batch = _raising("the tracer's batch_isend_irecv numbering")
+    runtime.tracer.numbering.claim_batch = _raising("the tracer's batch_isend_irecv numbering")
     runtime.watcher.poll = _raising("the sidecar")
     runtime.watcher.flush = _raising("the sidecar's flush before destroy_process_group")
     samples.ACTIVE._record = _raising("the sample recorder")

@@ -10,50 +10,88 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import free_port, kill_tree, run_distcheck, survivors, wait_for
+from distcheck.attach.discover import read_environ
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240),
               pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy (distcheck[attach])")]
 
 JOB = Path(__file__).parent / "scripts" / "attach" / "job.py"
+SYNC_JOB = JOB.parent / "device_sync.py"      # on emulated_nccl: rank 0 blocked in a device sync
 READY_S = 120          # torch imports slowly on a loaded machine
 ATTACH_S = 30          # issue 43: a verdict within 30 s
 
 
-def line_of(marker: str) -> str:
+def line_of(marker: str, script: Path = JOB) -> str:
     """``job.py:N``: the line of the job script that carries ``marker`` (its comment)."""
-    [n] = [i for i, text in enumerate(JOB.read_text().splitlines(), 1) if marker in text]
-    return f"job.py:{n}"
+    [n] = [i for i, text in enumerate(script.read_text().splitlines(), 1) if marker in text]
+    return f"{script.name}:{n}"
 
 
-def _torchrun(mode: str, folder: Path, nproc: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(nproc), str(JOB), mode, str(folder), *extra],
+def _torchrun(mode: str, folder: Path, nproc: int, extra: tuple[str, ...] = (), env: dict | None = None,
+              launch: tuple[str, ...] = ("--standalone",), prefix: tuple[str, ...] = (),
+              script: Path = JOB) -> subprocess.Popen:
+    """torchrun (``prefix``: the command it runs under, another user's), its rendezvous as ``launch`` says; a
+    ``script`` other than job.py takes the folder alone (no mode)."""
+    args = [mode, str(folder)] if script == JOB else [str(folder)]
+    return subprocess.Popen([*prefix, sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node",
+                             str(nproc), str(script), *args, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
 
 
+def rank_pids(folder: Path, nproc: int) -> list[int]:
+    """The ranks' pids, rank by rank, as each wrote it in its ready file."""
+    return [int((folder / f"ready{r}").read_text()) for r in range(nproc)]
+
+
+def kill_ranks(folder: Path) -> None:
+    """SIGKILL every rank that wrote a ready file in ``folder`` (and still runs the job script on it): a rank lives
+    in a session of its own, so killing torchrun's process group leaves it, and so does a SIGKILLed torchrun."""
+    for ready in folder.glob("ready*"):
+        try:
+            proc = psutil.Process(int(ready.read_text()))
+            if str(folder) in " ".join(proc.cmdline()):
+                proc.kill()
+        except (ValueError, OSError, psutil.Error):
+            continue
+
+
 @contextmanager
-def job(mode: str, folder: Path, nproc: int = 3, *extra: str, env: dict | None = None):
-    """A torchrun job whose ranks all stand where the mode wants them; killed whole afterwards."""
-    folder.mkdir(parents=True, exist_ok=True)
-    proc = _torchrun(mode, folder, nproc, *extra, env=env)
+def jobs(*specs: tuple[str, Path, int, dict]):
+    """torchrun jobs, all started at once, whose ranks all stand where their modes want them; each a (mode,
+    folder, nproc, keywords for ``_torchrun``). Killed whole afterwards, ranks included."""
+    for _, folder, _, _ in specs:
+        folder.mkdir(parents=True, exist_ok=True)
+    procs = [_torchrun(mode, folder, nproc, **kw) for mode, folder, nproc, kw in specs]
     try:
-        ready = wait_for(lambda: all((folder / f"ready{r}").exists() for r in range(nproc)) or proc.poll() is not None,
-                         timeout=READY_S)
-        assert ready and proc.poll() is None, f"the job did not get ready: {proc.poll()}"
-        yield proc
+        every = [(folder, nproc) for _, folder, nproc, _ in specs]
+        ready = wait_for(lambda: all((f / f"ready{r}").exists() for f, n in every for r in range(n))
+                         or any(p.poll() is not None for p in procs), timeout=READY_S)
+        assert ready and all(p.poll() is None for p in procs), f"a job did not get ready: {[p.poll() for p in procs]}"
+        yield procs
     finally:
-        (folder / "release").touch()
-        kill_tree(proc)
-        proc.communicate(timeout=30)
-        assert wait_for(lambda: not survivors(str(folder)), timeout=15), "the job's processes survived"
+        for proc, (_, folder, _, _) in zip(procs, specs):
+            (folder / "release").touch()
+            kill_tree(proc)
+            kill_ranks(folder)
+            proc.communicate(timeout=30)
+            assert wait_for(lambda: not survivors(str(folder)), timeout=15), "the job's processes survived"
+
+
+@contextmanager
+def job(mode: str, folder: Path, nproc: int = 3, *extra: str, env: dict | None = None, **launch):
+    """A torchrun job whose ranks all stand where the mode wants them; killed whole afterwards."""
+    with jobs((mode, folder, nproc, {"extra": extra, "env": env, **launch})) as procs:
+        yield procs[0]
 
 
 def attach(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -65,6 +103,15 @@ def attach(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dic
     assert took < ATTACH_S, f"attach took {took:.1f} s"
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return done, json.loads(out.read_text())["scenarios"][0]
+
+
+def report_of(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "attach.json").read_text())
+
+
+def table_states(out: str) -> dict[int, str]:
+    """The rank table's state column, rank by rank, as the terminal shows it."""
+    return {int(m[1]): m[2] for m in re.finditer(r"^\s+(\d+)\s+(\w+)\s+\d+\s", out, re.MULTILINE)}
 
 
 def _hang(s: dict) -> dict:
@@ -93,6 +140,12 @@ def test_rank0_in_all_reduce_others_in_user_code_is_a_hang(tmp_path):
     assert line_of("the user's line the hang report names") in hang["summary"]   # both lines
     assert "Decided: certain from outside" in hang["summary"]
     assert s["end_reason"] == "attached" and "all_reduce" in done.stdout
+    # the table's state of the absent ranks is the word the text says of them, and the text says no other
+    states = table_states(done.stdout)
+    assert states[1] == states[2] == "running" and "running outside any collective" in hang["summary"]
+    assert not re.search(r"\bidle\b", hang["summary"] + done.stdout)
+    # the backend, as the ranks' threads name it
+    assert report_of(tmp_path)["run"]["backend"] == "gloo" and "gloo × 3 ranks" in done.stdout
     again = subprocess.run([sys.executable, "-m", "distcheck", "report", str(tmp_path / "run")],
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and hang["summary"][:60] in again.stdout.replace("\n", " ")
@@ -132,7 +185,7 @@ def test_a_rank_busy_in_user_code_is_late_not_stuck(tmp_path):
 
 
 def test_a_healthy_job_attached_mid_run_ends_exactly_as_unattached(tmp_path):
-    alone = _torchrun("healthy", tmp_path / "alone", 2, "--steps", "120")
+    alone = _torchrun("healthy", tmp_path / "alone", 2, ("--steps", "120"))
     (tmp_path / "alone").mkdir()
     try:
         alone_out, _ = alone.communicate(timeout=180)
@@ -185,6 +238,21 @@ def _attach_node(n: int, agent: subprocess.Popen, port: int, tmp_path: Path, *ex
                             cwd=tmp_path)
 
 
+def _attach_alone(agent: subprocess.Popen, tmp_path: Path) -> subprocess.Popen:
+    """One agent's pid, without --nnodes: attach reads every rank of its job on this machine."""
+    args = [sys.executable, "-m", "distcheck", "attach", str(agent.pid), "--json", str(tmp_path / "alone1.json"),
+            "--run-dir", str(tmp_path / "run_alone1")]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=tmp_path)
+
+
+def assert_not_decided(out: str, s: dict) -> None:
+    """Ranks were not read and nothing was found among the others: "NOT DECIDED" first, never a pass."""
+    assert out.lstrip().startswith("NOT DECIDED"), out[:2000]
+    assert not re.search(r"\bPASS\b", out) and not s["ok"] and s["observed"] == ["coverage"]
+    assert s["findings"][0]["summary"].startswith("Not decided: ")
+
+
 def _finished(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -200,6 +268,8 @@ def test_two_nodes_node0_judges_the_whole_job_and_names_a_node_that_never_joins(
         [(rc, out, err)] = _finished([_attach_node(0, agents[0], free_port(), tmp_path, "--rdzv-timeout", "3")],
                                      ATTACH_S + 30)
         alone = json.loads((tmp_path / "attach0.json").read_text())["scenarios"][0]
+        # node 1's agent given alone, without --nnodes: every rank of the job on this machine is read, node 0's too
+        [(rc1_alone, out1_alone, _)] = _finished([_attach_alone(agents[1], tmp_path)], ATTACH_S + 30)
         started = time.monotonic()
         port = free_port()
         procs = [_attach_node(n, agents[n], port, tmp_path) for n in (0, 1)]
@@ -210,6 +280,10 @@ def test_two_nodes_node0_judges_the_whole_job_and_names_a_node_that_never_joins(
     assert not [f for f in alone["findings"] if f["kind"] == "hang"]            # not decided: no false hang
     [note] = [f for f in alone["findings"] if f["kind"] == "coverage"]
     assert note["data"]["unread_ranks"] == [2, 3] and note["waiting_ranks"] == [0]
+    assert_not_decided(out, alone)
+    assert rc1_alone == 1, out1_alone[-3000:]
+    s1 = json.loads((tmp_path / "alone1.json").read_text())["scenarios"][0]
+    assert sorted(r["rank"] for r in s1["ranks"]) == [0, 1, 2, 3] and _hang(s1)["absent_ranks"] == [1, 2, 3]
     assert rc0 == 1, out0[-3000:] + err0[-2000:]
     assert rc1 == 1 and "node 0 judged the job" in out1, out1[-2000:] + err1[-2000:]
     assert took < ATTACH_S, f"the two attaches took {took:.1f} s"
@@ -241,3 +315,137 @@ def test_ddp_hung_in_the_reducer_with_dumps_is_named_by_number_without_a_native_
     assert hang["seq"] and f"all_reduce #{hang['seq']}" in hang["summary"]
     assert line_of("the reducer's all_reduce waits") in hang["callsite"]
     assert "joined by sequence number" in hang["summary"] and "native frames" not in s["description"]
+
+
+def _c10d_without_id() -> dict:
+    """torchrun --rdzv-backend c10d without --rdzv-id: its ranks' TORCHELASTIC_RUN_ID is "none", as every such job's."""
+    return {"launch": ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nnodes", "1")}
+
+
+def _listed_jobs(err: str) -> list[set[int]]:
+    """The pids of each job a "several jobs" error lists."""
+    return [set(map(int, re.findall(r"\d+", pids))) for pids in re.findall(r"ranks \(pids ([\d, .]+)\)", err)]
+
+
+def test_two_jobs_with_torchrun_s_default_run_id_are_two_jobs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    with jobs(("allreduce", a, 2, _c10d_without_id()), ("allreduce", b, 2, _c10d_without_id())):
+        pids = {"a": rank_pids(a, 2), "b": rank_pids(b, 2)}
+        envs = [read_environ(p) for p in pids["a"] + pids["b"]]
+        listed = run_distcheck(["attach"], tmp_path, tmp_path / "listed", timeout=ATTACH_S + 30)
+        done, s = attach(tmp_path, str(pids["a"][1]))   # one rank's pid: its own job, whole, and no other
+    assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {"none"}
+    # with no pid: several jobs on the node (this machine may run others too), listed apart, exit 2
+    assert listed.returncode == 2 and "torch.distributed jobs on this node" in listed.stderr, listed.stderr[-2000:]
+    assert set(pids["a"]) in _listed_jobs(listed.stderr) and set(pids["b"]) in _listed_jobs(listed.stderr)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert sorted(r["pid"] for r in s["ranks"]) == sorted(pids["a"]) and _hang(s)["absent_ranks"] == [1]
+
+
+def test_a_job_whose_torchrun_was_sigkilled_is_found_whole_from_one_rank_s_pid(tmp_path):
+    folder = tmp_path / "job"
+    with job("barrier", folder) as proc:
+        pids = rank_pids(folder, 3)
+        proc.kill()                       # SIGKILL: torchrun ends, its ranks (each in a session of its own) run on
+        proc.wait(timeout=30)
+        assert wait_for(lambda: all(psutil.Process(p).ppid() != proc.pid for p in pids), timeout=10)
+        done, s = attach(tmp_path, str(pids[2]))    # an absent rank's pid, polling in user code
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert sorted(r["pid"] for r in s["ranks"]) == sorted(pids)
+    hang = _hang(s)
+    assert hang["op"] == "barrier" and hang["waiting_ranks"] == [0] and hang["absent_ranks"] == [1, 2]
+    assert line_of("only rank 0 enters the barrier") in hang["callsite"] and "Decided:" in hang["summary"]
+    assert "not read" not in done.stdout + done.stderr and "gloo × 3 ranks" in done.stdout
+
+
+def _venv_with_py_spy(where: Path) -> Path:
+    """A venv seeing this interpreter's packages (distcheck among them), with py-spy in its bin and a ``distcheck``
+    script as pip writes one; its bin is then called by path, never put on PATH."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(where)], check=True,
+                   timeout=120)
+    # what this interpreter imports (distcheck, torch), also where it runs from a venv of its own
+    site = where / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    (site / "outer.pth").write_text("\n".join(p for p in sys.path if p and Path(p).is_dir()) + "\n")
+    shutil.copy2(Path(sys.executable).parent / "py-spy", where / "bin" / "py-spy")
+    script = where / "bin" / "distcheck"
+    script.write_text(f"#!{where / 'bin' / 'python'}\nimport sys\nfrom distcheck.cli import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "py-spy").is_file(), reason="py-spy is not beside python")
+def test_installed_in_a_venv_called_by_path_it_finds_py_spy_beside_its_interpreter(tmp_path):
+    distcheck_in_venv = _venv_with_py_spy(tmp_path / "v")
+    path = "/usr/bin:/bin"
+    assert shutil.which("py-spy", path=path) is None     # py-spy is only in the venv's bin
+    with job("allreduce", tmp_path / "job", 2) as proc:
+        done = subprocess.run([str(distcheck_in_venv), "attach", str(proc.pid), "--json", str(tmp_path / "v.json"),
+                               "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                              timeout=ATTACH_S + 30, cwd=tmp_path, env={**os.environ, "PATH": path})
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "not installed" not in done.stderr
+    s = json.loads((tmp_path / "v.json").read_text())["scenarios"][0]
+    assert _hang(s)["waiting_ranks"] == [0] and _hang(s)["absent_ranks"] == [1]
+
+
+NOBODY = 65534        # the job's owner: the account every Linux has
+ATTACHER = 4242       # attach's user: a uid of no account and no process here (the kernel needs no account)
+
+
+def _can_switch_users() -> bool:
+    if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=30).returncode == 0
+
+
+def _as_user(uid: int, scratch: Path) -> tuple[str, ...]:
+    """The prefix that runs a command as ``uid`` with this interpreter (tests/scripts/attach/as_user.sh says how)."""
+    home = scratch / f"root-{uid}"
+    home.mkdir(mode=0o711)
+    home.chmod(0o711)
+    return ("unshare", "--mount", "--propagation", "private", "sh", str(JOB.parent / "as_user.sh"), str(home),
+            str(uid), str(uid))
+
+
+@pytest.mark.skipif(not _can_switch_users(), reason="needs root, unshare --mount and setpriv to run as two other users")
+def test_the_pid_of_another_user_s_torchrun_is_named_with_what_to_do(tmp_path):
+    scratch = Path(tempfile.mkdtemp(prefix="distcheck-attach-users-", dir="/tmp"))   # others may enter it
+    try:
+        scratch.chmod(0o755)
+        folder = scratch / "job"
+        folder.mkdir(mode=0o777)
+        folder.chmod(0o777)
+        with job("allreduce", folder, 2, prefix=_as_user(NOBODY, scratch), env={"HOME": str(folder)}) as proc:
+            assert all(psutil.Process(p).uids().real == NOBODY for p in [proc.pid, *rank_pids(folder, 2)])
+            done = subprocess.run([*_as_user(ATTACHER, scratch), sys.executable, "-m", "distcheck", "attach",
+                                   str(proc.pid)], capture_output=True, text=True, timeout=ATTACH_S + 30, cwd=folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"process {proc.pid} (" in done.stderr and "belongs to user nobody" in done.stderr
+    assert f"attach runs as uid {ATTACHER}" in done.stderr and "no torch.distributed job found" not in done.stderr
+    assert f"sudo -u nobody distcheck attach {proc.pid}" in done.stderr and "ptrace_scope" in done.stderr
+
+
+def test_a_rank_blocked_in_a_device_sync_is_named_there_and_no_call_number_is_claimed(tmp_path):
+    """emulated_nccl, no Flight Recorder: rank 0's all_reduce returned and its work waits on the stream for rank 1,
+    which sleeps in a loop; rank 0's host is blocked in ``emulated_nccl.synchronize()``. Not decided (nothing says
+    which call it waits in), never a pass: rank 0 named blocked in the device sync at its line, rank 1 outside any
+    collective, and what to set for the Flight Recorder."""
+    with job("", tmp_path / "job", 2, script=SYNC_JOB) as proc:
+        done, s = attach(tmp_path, str(proc.pid))
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-2000:]
+    first = s["findings"][0]
+    summary = first["summary"]
+    assert first["kind"] == "coverage" and summary.startswith("Not decided: ") and not s["ok"], summary
+    sync_line, sleep_line = line_of("the host blocks here", SYNC_JOB), line_of("rank 1: outside any", SYNC_JOB)
+    assert re.search(rf"the host of rank 0 is blocked in a device sync at \S*{re.escape(sync_line)} "
+                     r"\(emulated_nccl\.synchronize\(\)\)", summary), summary
+    assert re.search(rf"rank 1 is running outside any collective at \S*{re.escape(sleep_line)}\b", summary), summary
+    assert "no Flight Recorder dump was reachable" in summary and "TORCH_FR_BUFFER_SIZE" in summary
+    assert "TORCH_FR_DUMP_TEMP_FILE" in summary and "watchdog" in summary
+    assert not re.search(r"#\d", summary) and not [f for f in s["findings"] if f["kind"] == "hang"]   # no number
+    assert first["waiting_ranks"] == [0] and first["data"]["device_sync"]["0"]["callsite"].endswith(":main")
+    assert done.stdout.lstrip().startswith("NOT DECIDED") and "rank 0 blocked in a device sync" in done.stdout
+    assert table_states(done.stdout) == {0: "stuck", 1: "running"}

@@ -26,7 +26,7 @@ from conftest import HARD_TIMEOUT_S, REPO, kill_tree, survivors
 BENCHMARKS = REPO / "benchmarks"
 SCENARIO_PREFIX = "hang_scenario"
 # They launch multi-rank jobs (torchrun, `distcheck run`, simulated nodes) even tiny: seconds to a minute each.
-LAUNCHING = {"attach", "cluster_scale", "detection_latency", "recorder_memory", "soak", "suite_time"}
+LAUNCHING = {"attach", "detection_latency", "recorder_memory", "soak", "suite_time"}
 NEEDS = {"attach": "py-spy"}   # a tool on PATH, else the benchmark is skipped
 
 
@@ -83,8 +83,20 @@ def _finite(value) -> bool:
 @pytest.mark.timeout(HARD_TIMEOUT_S + 60)
 @pytest.mark.parametrize("name", [_param(n) for n in benchmark_names()])
 def test_tiny_configuration_runs_and_checks_its_output(name, tmp_path):
+    _tiny_runs_well_formed(name, tmp_path)
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S + 60)
+def test_attach_across_simulated_nodes_tiny_runs_in_the_quick_lane(tmp_path):
+    """attach's tiny run reads a real job with py-spy (the e2e lane); its simulated nodes alone (``--ranks`` with no
+    count: recorded stack samples, no reader) run here: node 0's attach names the stalled TP group's ranks."""
+    said = _tiny_runs_well_formed("attach", tmp_path, "--ranks")
+    assert said["found"] and all("nodes" in name for name in said["found"]), said
+
+
+def _tiny_runs_well_formed(name, tmp_path, *extra):
     # TMPDIR: every folder the benchmark makes is under tmp_path, and so is any command line that names one
-    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / f"{name}.py"), "--tiny"], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / f"{name}.py"), "--tiny", *extra], cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                                  "TMPDIR": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -102,6 +114,7 @@ def test_tiny_configuration_runs_and_checks_its_output(name, tmp_path):
     said = json.loads(lines[0].removeprefix("well formed: "))
     assert said["figures"] and all(_finite(v) for v in said["figures"].values()), said
     assert all(ok is True for ok in said["found"].values()), said
+    return said
 
 
 def test_every_hang_scenario_is_one_detection_latency_runs():
@@ -115,16 +128,90 @@ def test_every_hang_scenario_is_one_detection_latency_runs():
 
 
 def test_cluster_scale_judges_with_node_0s_own_code():
-    """Issue 45: cluster_scale once copied ``judged_across_nodes`` and measured its copy. Node 0 calls the
-    real one (the e2e tiny run shows it names the planted hang); no copy of it lives in the benchmark."""
+    """Issue 45: cluster_scale once copied ``judged_across_nodes`` and measured its copy. Node 0 (``_node0``) calls
+    the real one (the tiny run shows it names the planted faults); no copy of it lives in the benchmark."""
     import ast
 
-    tree = ast.parse((BENCHMARKS / "cluster_scale.py").read_text(encoding="utf-8"))
-    defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                for alias in node.names}
+    defined, imported = set(), set()
+    for path in [BENCHMARKS / "cluster_scale.py", *BENCHMARKS.glob("_*.py")]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined |= {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        if path.name == "_node0.py":
+            imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                        for alias in node.names}
     assert "judged_across_nodes" not in defined
     assert ("distcheck.targets.launching", "judged_across_nodes") in imported
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(HARD_TIMEOUT_S + 60)
+@pytest.mark.parametrize("args", [
+    ["--fault", "barrier_absent,node_lost,straggler_node"],
+    # a pipeline of 4 stages (8 nodes of 2 ranks): with 2, the skipped micro-batch makes one cycle of every rank,
+    # and the verdict's first finding is the world's all_reduce in it, not the pipeline's transfers
+    ["--fault", "pp_skip_microbatch", "--mesh", "tp=2,pp=4", "--nodes", "8"],
+], ids=["barrier-lost-straggler", "pp-skip"])
+def test_cluster_scale_names_every_fault_it_plants(tmp_path, args):
+    """The tiny configuration runs the faults the quick lane's run leaves out (a lost node waits out its 10 s of
+    silence; each row is three processes that import torch): each is named by node 0's verdict as ``_faults`` says
+    it must be."""
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "cluster_scale.py"), "--tiny", *args], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=HARD_TIMEOUT_S)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+
+
+def _mesh_modules():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _faults
+        import _mesh
+        import _mesh_traces
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return _mesh, _mesh_traces, _faults
+
+
+def test_a_mesh_ranks_derived_trace_is_the_real_tracers(tmp_path):
+    """cluster_scale traces one rank per pipeline stage for real and derives every other rank's trace from it (its
+    groups and peers moved): on a small mesh, every rank's derived trace reads as the real tracer's run as that rank
+    (the same groups, members, numbers, ops, peers and lines)."""
+    from distcheck.files.trace_reader import parse_trace
+
+    mesh_mod, traces, _ = _mesh_modules()
+    mesh, model = mesh_mod.Mesh.parse("tp=2,pp=3", 12), mesh_mod.Model(layers=2, micro_batches=4, eval_every=3)
+    info = traces.write_templates(mesh, model, 200, None, tmp_path / "tpl")
+
+    def calls(trace):
+        return [(e.group, e.seq, e.op, e.group_ranks, e.root, e.callsite, e.shapes) for e in trace.events]
+
+    for rank in range(mesh.world):
+        stage = mesh.stage(rank)
+        template = traces.Template.load(tmp_path / "tpl", f"stage{stage}", mesh, stage)
+        real = tmp_path / f"rank{rank}.trace"
+        traces.trace_rank(mesh, traces.schedule(mesh, model, info["steps"], stage), rank, real)
+        derived = parse_trace(rank, template.chunk(rank, 0, template.index["end"]))
+        assert calls(derived) == calls(parse_trace(rank, real.read_bytes())), rank
+        assert {e.group for e in derived.events} >= {"0", mesh.group_name("dp", rank), mesh.group_name("tp", rank)}
+
+
+def test_the_mesh_model_completes_healthy_and_stands_where_a_fault_leaves_it():
+    mesh_mod, _, faults = _mesh_modules()
+    mesh, model = mesh_mod.Mesh.parse("tp=2,pp=4", 32), mesh_mod.Model(layers=2, micro_batches=4)
+    ops = {r: model.step_ops(mesh, mesh.stage(r), evaluate=True) for r in range(mesh.world)}
+    assert all(at == len(ops[r]) for r, at in mesh_mod.standstill(mesh, ops).items())   # 1F1B pairs every transfer
+    assert len(ops[0]) < len(ops[mesh.rank(0, 1, 0)])                                   # stages differ in calls
+    stall = faults.plan("tp_group_stall", mesh, model, rpn=2)
+    assert stall.ranks == [30, 31] and all(stall.where(r) == (stall.where(30)[0], True) for r in stall.ranks)
+    assert all(stall.where(r)[0] < len(ops[r]) for r in range(mesh.world))   # nobody finishes the step
+    skip = faults.plan("pp_skip_microbatch", mesh, model, rpn=2)
+    assert skip.skipping == [mesh.rank(3, 1, 0), mesh.rank(3, 1, 1)]
+    absent = faults.plan("barrier_absent", mesh, model, rpn=2)
+    assert absent.finished == [31] and all(absent.where(r)[1] for r in range(31))
 
 
 def test_a_figure_that_is_no_number_or_a_missed_fault_ends_the_run(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch.distributed import HashStore, PrefixStore
 
+from distcheck.launch import cluster
 from distcheck.launch.cluster import LaunchChannel, NodeLiveness
 from distcheck.launch.node_config import node_config
 from distcheck.launch.progress import RankProgress
@@ -107,7 +108,8 @@ def test_what_is_only_measured_crosses_at_most_every_refresh_and_what_is_judged_
     assert version() == 4
 
 
-def test_only_node_0_reads_every_node_and_the_others_follow_its_release():
+def test_only_node_0_reads_every_node_and_the_others_follow_its_release(monkeypatch):
+    monkeypatch.setattr(cluster, "say_every_s", lambda nnodes: 0.0)   # every ask reads the store
     store = HashStore()
     leader, other = _node(store, 0), _node(store, 1)
     other.publish({2: RankProgress(phase=Phase.FINISHED), 3: RankProgress(phase=Phase.FINISHED)})
@@ -119,6 +121,30 @@ def test_only_node_0_reads_every_node_and_the_others_follow_its_release():
     leader.post_decision("deadlock", 10.0, 12.0)   # what it said before stays said
     assert other.node0_says() == {"released": True,
                                   "decision": {"decision": "deadlock", "stall_onset": 10.0, "detected_at": 12.0}}
+
+
+class _CountedStore:
+    def __init__(self, store):
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        self.requests += 1
+        return getattr(self.store, name)
+
+
+def test_another_node_reads_node_0s_word_once_per_poll_and_less_often_at_scale():
+    """A follower's poll asks twice (released? decided?): one read serves both, and past 128 nodes the reads space
+    out (2,048 nodes asking twice a poll were 40,000 requests a second to node 0's store)."""
+    assert cluster.say_every_s(8) == 0.05 and cluster.say_every_s(512) == 0.2 and cluster.say_every_s(2048) == 0.8
+    store = HashStore()
+    leader = _node(store, 0)
+    leader.post_decision("deadlock", 10.0, 12.0)
+    other = _node(store, 1)
+    counted = _CountedStore(other.store)
+    other.store = counted
+    said = [other.node0_says().get("decision"), other.node0_says().get("released")]
+    assert said[0]["decision"] == "deadlock" and said[1] is None
+    assert counted.requests == 2   # check + get, once for both asks
 
 
 def test_node_0_reads_every_heartbeat_in_one_multi_get():
@@ -180,3 +206,31 @@ def test_past_64_ranks_the_other_nodes_get_the_verdict_without_per_rank_tables()
         assert got["ok"] is False and got["findings"][0]["summary"] == "Rank 0 is waiting"
         assert (got["ranks"] == ranks and got["findings"][0]["ranks"] == finding["ranks"]) is kept
         assert kept or (got["ranks"] == [] and got["findings"][0]["ranks"] == [])
+
+
+def test_a_pipeline_pairs_send_and_receive_digests_agree_across_the_window(tmp_path):
+    """A P2P pair's sender records ``send`` and its receiver ``recv`` at the same numbers: the digests of the calls
+    before their windows must agree (they differed in every block, a false mismatch on every pipeline pair of a
+    3-D job at scale), and node 0 finds no divergence between them."""
+    import torch
+
+    from distcheck.diagnose.windows import find_window_divergence
+    from distcheck.files.trace_reader import read_trace_bytes, read_trace_dir
+    from distcheck.files.trace_window import window
+    from distcheck.rank.tracer import Tracer
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for rank, peer, fn in ((0, 1, "send"), (1, 0, "recv")):
+        world = object()
+        path = tmp_path / f"whole{rank}.trace"
+        tracer = Tracer(path, rank, group_resolver=lambda pg: ("0", (0, 1)), default_group=lambda: world)
+        call = tracer.wrap(fn, (lambda tensor, dst=None, group=None, tag=0, group_dst=None: None) if fn == "send"
+                           else (lambda tensor, src=None, group=None, tag=0, group_src=None: None))
+        for _ in range(3000):
+            call(torch.ones(4), peer)
+        tracer.close()
+        (traces / f"rank{rank}.trace").write_bytes(window(read_trace_bytes(path), node=1, held_at=str(path)))
+    read = read_trace_dir(traces)
+    assert read[0].elided["p2p:0>1"].digests == read[1].elided["p2p:0>1"].digests != {}
+    assert find_window_divergence({r: t.elided for r, t in read.items()}) == []

@@ -141,9 +141,22 @@ def test_a_script_that_spawns_its_own_ranks_is_refused_with_the_command_form(dis
     assert f"distcheck run -- python {SPAWN} --bug" in line and "crash" not in line
 
 
-def test_a_command_that_never_initializes_a_process_group_is_a_usage_error(distcheck):
-    r = distcheck("run", "--", sys.executable, "-c", "print('hello')", json=False, timeout=60)
-    assert r.returncode == 2 and "init_process_group" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("code", [0, 5])
+def test_a_command_that_never_initializes_a_process_group_ends_with_its_own_exit_code(distcheck, code):
+    """A CI job wraps its whole suite, some of whose selections are not distributed (pytest's own 0, or 5 for
+    "no tests collected"): distcheck says in one line that nothing was checked and ends as the command ended."""
+    r = distcheck("run", "--", sys.executable, "-c", f"import sys; print('hello'); sys.exit({code})", json=False,
+                  timeout=60)
+    assert r.returncode == code, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "hello" in r.stdout
+    assert f"started no process group, so nothing was checked (it exited with code {code}" in r.stdout
+    assert "NOTHING CHECKED" in r.stdout and "timeline" not in r.stdout
+
+
+def test_require_process_group_makes_a_command_without_one_an_error(distcheck):
+    r = distcheck("run", "--require-process-group", "--", sys.executable, "-c", "print('hello')", json=False,
+                  timeout=60)
+    assert r.returncode == 6 and "--require-process-group makes that an error" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -223,14 +236,15 @@ def test_ctrl_c_before_any_rank_started_leaves_a_report_that_says_nothing_ran(di
 def test_a_command_that_could_not_start_keeps_its_log_and_a_report_saying_why(distcheck, tmp_path):
     missing = tmp_path / "no-such-program"
     r = distcheck("run", "--", str(missing), "--flag", json=False, timeout=120)
-    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    # the shell's own code for a program that cannot start, and the line that says why
+    assert r.returncode == 127 and "Traceback" not in r.stderr, r.stderr
+    assert "nothing was checked (it exited with code 127" in r.stdout and "No such file or directory" in r.stdout
     [launch] = [p for p in r.run_dir.iterdir() if p.is_dir()]
     assert "No such file or directory" in (launch / "logs" / "command.log").read_text()
     code, report = _report_of(distcheck, r.run_dir, tmp_path)
-    [crash] = _only(report)["findings"]
-    assert code == 1 and report["verdict"] == "fail" and crash["kind"] == "crash"
-    assert "exited with code 127 before any process it started called init_process_group" in crash["summary"]
-    assert "No such file or directory" in _only(report)["log_tail"]
+    scenario = _only(report)
+    assert code == 127 and scenario["command_exit"] == 127 and not scenario["findings"]
+    assert "No such file or directory" in scenario["skipped"] and "No such file or directory" in scenario["log_tail"]
     runs = distcheck("runs", "--dir", str(tmp_path), "--json", json=False, timeout=60)
     assert runs.returncode == 0 and "incomplete" not in runs.stdout, runs.stdout
 
@@ -275,3 +289,50 @@ def test_the_commands_ranks_output_reaches_the_terminal_as_under_torchrun(distch
     assert "[rank0]:rank 0 up" in r.stdout and "[rank1]:rank 1 up" in r.stdout
     quiet = distcheck("run", *FAST, "--quiet-ranks", "--", sys.executable, str(SPAWN), "--port", str(free_port()))
     assert quiet.returncode == 0 and "[rank0]:" not in quiet.stdout
+
+
+BUGGY = SCRIPTS / "buggy.py"
+
+
+def test_under_torchrun_the_diagnosis_leads_and_the_launchers_report_is_one_line(distcheck, no_survivors):
+    """What the report says is what was seen (item 4): ``distcheck run -- torchrun --nproc-per-node 3 buggy.py``,
+    typed as a user types it (in the script's folder, torchrun on PATH, the default --stall-timeout), prints the
+    finding within its first 6 lines and at most 25 in all (it printed 83-86: the launcher's ChildFailedError
+    traceback before the finding and again in the tails); the ranks' lines carry one ``[rankN]:``; a rank whose
+    log ends in gloo's "Connection closed by peer" is shown with it, not as stuck; the logs keep every line."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    r = distcheck("run", "--", "torchrun", "--nproc-per-node", "3", BUGGY.name, cwd=SCRIPTS, env={"PATH": path})
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) <= 25, r.stdout
+    finding = next(i for i, line in enumerate(lines) if line.lstrip().startswith("HANG [error]"))
+    assert finding < 6, r.stdout
+    assert not any("[rank0]:[rank0]:" in line or "[rank1]:[rank1]:" in line for line in lines), r.stdout
+    assert "=====" not in r.stdout and "raise ChildFailedError" not in r.stdout, r.stdout
+    [folded] = [line for line in lines if "ChildFailedError" in line]
+    assert "buggy.py FAILED" in folded and "lines" in r.stdout.split("ChildFailedError", 1)[1], folded
+    # the verdict block ends the output: the FAIL line, then what needs attention and the run dir
+    assert lines[-1].strip().startswith("run dir:") and "timeline.html" in lines[-1], lines[-3:]
+    assert any(line.startswith("FAIL  ") for line in lines[-4:]), lines[-4:]
+    s = _only(r.report)
+    launch = Path(s["launch_dir"])
+    assert "ChildFailedError" in (launch / "logs" / "command.log").read_text()   # kept whole in the logs
+    rank0 = next(x for x in s["ranks"] if x["rank"] == 0)
+    row = next(line for line in lines if line.split()[:1] == ["0"])
+    if "Connection closed by peer" in (rank0["exception"] or ""):   # gloo ended rank 0's wait before distcheck did
+        assert row.split()[1] == "error" and "Connection closed by peer" in row, row
+        assert "Connection closed by peer" not in r.stdout.replace(row, ""), r.stdout   # once: its row
+    assert _line_of(BUGGY, "THE BUG") == int(_hang(s)["callsite"].split(":")[1])
+
+
+def test_a_command_that_never_started_a_rank_says_its_own_first_error(distcheck, no_survivors, tmp_path):
+    """torchrun's children could not open the script: the skip line says the interpreter's own words, once, and
+    the launcher's ChildFailedError banner is one line (the log keeps it)."""
+    missing = tmp_path / "missing.py"
+    r = distcheck("run", *FAST, "--", *_torchrun("--nproc-per-node", "2", str(missing)))
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    said = " ".join(r.stdout.split())   # as one line: the terminal wraps it at 140 columns
+    assert "nothing was checked (it exited with code 1: " in said and f"can't open file '{missing}'" in said, r.stdout
+    assert said.split("nothing was checked", 1)[1].count("can't open file") == 1, r.stdout   # not again under it
+    assert "=====" not in r.stdout and len([ln for ln in r.stdout.splitlines() if "ChildFailedError" in ln]) == 1, r.stdout
+    assert len(r.stdout.splitlines()) <= 16, r.stdout   # 56 before: the banner whole, and again in the tail

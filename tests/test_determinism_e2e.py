@@ -2,7 +2,8 @@
 
 Every fault scenario of the built-in catalogue (expectation other than pass) and the fault scripts of the
 e2e tests run ``REPEATS`` times; the last repetition runs beside CPU hogs. A verdict is the kind of each
-error finding, the ranks it names (odd, waiting, absent, tie) and its line, plus the observed kinds; any
+finding (errors and warnings, but those that measure time), the ranks it names (odd, waiting, absent, tie) and
+its lines, plus the observed kinds; any
 difference between runs of one target fails that target's test, with every run's verdict and run dir.
 
 Each repetition starts all of its launches at once (``launch_group.run_together``): the scenarios share
@@ -44,6 +45,11 @@ FAULT_SCRIPTS = {
     "fsdp2_peers_full_tensor": [str(SCRIPTS / "determinism" / "fsdp2_peers_full_tensor.py"), "--nproc-per-node", "3",
                                 *STALL],
     "store_wait_alone": [str(SCRIPTS / "store_wait_alone.py"), "--nproc-per-node", "2", *STALL],
+    # tests/test_sentences_e2e.py: a root two ranks share; the call every peer left; rows the ranks read
+    "object_src_local": [str(SCRIPTS / "sentences" / "object_src_local.py"), "--nproc-per-node", "4", *STALL],
+    "confmat_at_8": ["confmat_local_num_classes", "--nproc-per-node", "8", "--backend", "gloo", *STALL],
+    "iterable_unsynced_models": [str(SCRIPTS / "sentences" / "iterable_unsynced_models.py"), "--nproc-per-node", "2",
+                                 *STALL],
 }
 
 
@@ -75,16 +81,26 @@ def _line(callsite: str | None) -> str | None:
 BYSTANDERS = ("majority", "peer")
 
 
+# Findings whose presence is a measurement of time, not of what the job did: a straggler is a rank later than a
+# bound, a health note is the node's measured speed, a coverage note says what distcheck's own records caught
+# before it stopped the job (how far each rank's record got is the machine's timing). Every other kind, errors and
+# warnings alike, must be the same on every run; info notes are context, not findings.
+TIMED_KINDS = ("straggler", "health", "coverage")
+
+
 def verdict(s: dict) -> tuple:
-    """What must be the same on every run: observed kinds, and each error's kind, the ranks it blames (odd,
-    tie, waiting, absent) and its line, with the line of every blamed rank's row. A crash the report calls a
-    consequence of a mismatch (gloo aborts every rank that receives a buffer of the wrong size, and which of
-    them it aborts first is the machine's timing) is judged by that cause."""
-    errors = sorted(_error(f) for f in s["findings"] if f["severity"] == "error")
-    return tuple(s["observed"]), tuple(errors)
+    """What must be the same on every run: observed kinds, and each finding's (errors and warnings, but the
+    ``TIMED_KINDS``) severity, kind, the ranks it blames (odd, tie, waiting, absent) and its line, with the line
+    of every blamed rank's row. A crash the report calls a consequence of a mismatch (gloo aborts every rank that
+    receives a buffer of the wrong size, and which of them it aborts first is the machine's timing) is judged by
+    that cause."""
+    findings = sorted([(f["severity"], *_finding(f)) for f in s["findings"]
+                       if f["severity"] in ("error", "warning") and f["kind"] not in TIMED_KINDS],
+                      key=repr)   # None beside a line: order by the text, never compare them
+    return tuple(s["observed"]), tuple(findings)
 
 
-def _error(f: dict) -> tuple:
+def _finding(f: dict) -> tuple:
     cause = (f.get("data") or {}).get("caused_by")
     if f["kind"] == "crash" and cause and cause.get("kind") == "mismatch":
         # by kind and group: which of a receive-from-any-source's calls aborted first is timing too

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from distcheck.cli import _exit_code
+from distcheck.diagnose.verdict import exit_code as _exit_code
 from distcheck.errors import ExitCode
 from distcheck.models import EndReason, Report, RunInfo, ScenarioResult
 from distcheck.report import terminal
@@ -125,8 +125,11 @@ def test_an_inherited_ignored_sigint_is_still_honoured():
     """A job started with '&' from a script ignores SIGINT; distcheck's handler replaces that."""
     code = ("import os, signal, time; from distcheck import interrupt; interrupt.install(); "
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    # An ignored disposition survives exec: a parent that ignores SIGINT and execs the job, as a shell's '&' does
+    # (preexec_fn would do it too, but is unsafe in a test process that has threads).
+    ignoring = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "os.execv(sys.executable, [sys.executable, '-c', sys.argv[1]])")
+    done = subprocess.run([sys.executable, "-c", ignoring, code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 130
 
 

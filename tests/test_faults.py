@@ -450,10 +450,11 @@ def test_the_command_under_the_guard_takes_the_oom_standing_meant_for_the_job():
 
     job = _oom_score_adj() + 7      # raising it needs no privilege: a value nobody had by chance
     read = f"import os; print(open('/proc/self/oom_score_adj').read().strip(), os.environ.get({JOB_OOM_SCORE_ADJ_ENV!r}))"
-    distcheck_alive, hold = os.pipe()         # the guard ends everything once its stdin closes
+    distcheck_alive, hold = os.pipe()         # the guard ends everything once the watched pipe closes
     try:
-        done = subprocess.run([sys.executable, "-m", "distcheck.launch.subreaper", sys.executable, "-c", read],
-                              env={**os.environ, JOB_OOM_SCORE_ADJ_ENV: str(job)}, stdin=distcheck_alive,
+        done = subprocess.run([sys.executable, "-m", "distcheck.launch.subreaper", "--watch-fd", str(distcheck_alive),
+                               sys.executable, "-c", read],
+                              env={**os.environ, JOB_OOM_SCORE_ADJ_ENV: str(job)}, pass_fds=(distcheck_alive,),
                               capture_output=True, text=True, timeout=60)
     finally:
         os.close(distcheck_alive)

@@ -24,7 +24,7 @@ from distcheck.files.stacks import IDLE_IN_POOL, StackFrame, idle_in_pool
 from distcheck.launch.command import CommandQuiet
 from distcheck.launch.progress import RankProgress
 from distcheck.launch.watchdog import generation_over
-from distcheck.models import EndReason, Finding, Phase, RankOutcome, Report, RunInfo, ScenarioResult
+from distcheck.models import EndReason, Finding, Kind, Phase, RankOutcome, Report, RunInfo, ScenarioResult, Severity
 from distcheck.rank import injected
 from distcheck.report import junit, terminal
 
@@ -134,7 +134,7 @@ def _result(name, ok=True, findings=(), test=None, end=EndReason.COMPLETED):
                           ranks=(RankOutcome(rank=0, state="finished"),))
 
 
-HANG = Finding(kind="hang", severity="error", summary="Rank 0 is waiting in barrier #1", op="barrier", seq=1)
+HANG = Finding(kind=Kind.HANG, severity=Severity.ERROR, summary="Rank 0 is waiting in barrier #1", op="barrier", seq=1)
 
 
 def test_a_run_distcheck_ended_is_never_a_pass_even_with_nothing_open():

@@ -76,9 +76,9 @@ def _reference(check, chain="0:m0,1:m0"):
 
 def test_agreement_is_one_info_line_with_samples_and_class_counts():
     results = _two_ranks([[2, 0], [1, 3]], [[2, 0], [1, 3]])
-    results[0]["metric_reference"] = _reference({"reference": [[2, 0], [1, 3]], "samples": 6, "class_counts": [2, 4],
-                                                 "bad_states": []})
-    [f] = find_metric_results(results)
+    reference = _reference({"reference": [[2, 0], [1, 3]], "samples": 6, "class_counts": [2, 4],
+                            "bad_states": []})
+    [f] = find_metric_results(results, reference=reference)
     assert f.severity == "info" and f.data["agrees"] and f.data["class_counts"] == [2, 4]
     assert f.summary.startswith("MulticlassConfusionMatrix at model.py:41 matches a single-process computation "
                                 "over the 6 samples the 2 ranks saw")
@@ -88,9 +88,9 @@ def test_a_wrong_reduction_is_an_error_naming_state_reduce_values_line_and_the_f
     bad = [{"state": "n", "reduce": "max", "synced": 12, "single_process": 30, "right": "sum", "integer": True}]
     results = {r: {"metrics": [_metric("m0", [_compute(12, group_rank=r, ranks=range(4))], cls="SampleCount")]}
                for r in range(4)}
-    results[0]["metric_reference"] = _reference({"reference": 30, "samples": 30, "class_counts": None,
-                                                 "bad_states": bad}, chain="0:m0,1:m0,2:m0,3:m0")
-    [f] = find_metric_results(results)
+    reference = _reference({"reference": 30, "samples": 30, "class_counts": None,
+                            "bad_states": bad}, chain="0:m0,1:m0,2:m0,3:m0")
+    [f] = find_metric_results(results, reference=reference)
     assert (f.kind, f.severity, f.data["state"], f.data["dist_reduce_fx"]) == ("numeric", "error", "n", "max")
     assert (f.data["actual"], f.data["reference"]) == (12, 30)
     assert f.summary.startswith("SampleCount at model.py:41: the synced compute() gave 12, a single process over "
@@ -106,9 +106,9 @@ def test_computes_pair_by_their_sync_not_by_creation_order():
                1: {"metrics": [_metric("m0", [_compute(3.0, group_rank=1)], cls="SumMetric")]}}
     [chain] = chains(joint_computes({r: res["metrics"] for r, res in results.items()}))
     assert chain["members"] == [[0, "m1"], [1, "m0"]]
-    results[0]["metric_reference"] = _reference({"reference": 3.0, "samples": 2, "class_counts": None,
-                                                 "bad_states": []}, chain="0:m1,1:m0")
-    [f] = find_metric_results(results)
+    reference = _reference({"reference": 3.0, "samples": 2, "class_counts": None,
+                            "bad_states": []}, chain="0:m1,1:m0")
+    [f] = find_metric_results(results, reference=reference)
     assert f.severity == "info" and f.data["metric"] == "SumMetric"
 
 
@@ -161,12 +161,12 @@ def test_a_synced_compute_with_different_values_is_an_error_and_crossed_metrics_
 
 def test_a_check_that_could_not_run_is_a_warning_with_its_cause():
     results = _two_ranks(2.0, 2.0)
-    results[0]["metric_reference"] = {"chains": {"0:m0,1:m0": {"skipped": "could not copy it for the replay "
-                                                                          "(PicklingError: x)"}}}
-    [f] = find_metric_results(results)
+    reference = {"chains": {"0:m0,1:m0": {"skipped": "could not copy it for the replay "
+                                                     "(PicklingError: x)"}}}
+    [f] = find_metric_results(results, reference=reference)
     assert f.severity == "warning" and "could not be checked against a single process: could not copy" in f.summary
-    results[0]["metric_reference"] = _reference({"unexplained": {"rank": 1, "state": "sum_value", "updates": 0}})
-    [u] = find_metric_results(results)
+    reference = _reference({"unexplained": {"rank": 1, "state": "sum_value", "updates": 0}})
+    [u] = find_metric_results(results, reference=reference)
     assert u.severity == "warning" and "does not give the state 'sum_value'" in u.summary
     assert observed_kinds([f, u]) == ("pass",)
 

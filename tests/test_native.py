@@ -7,7 +7,8 @@ import threading
 
 from distcheck.files.trace_reader import parse_trace
 from distcheck.files.trace_writer import TraceWriter
-from distcheck.rank.native import NativeCall, NativeWatcher, issuer_label
+from distcheck.rank.issuers import issuer_label
+from distcheck.rank.native import NativeCall, NativeWatcher
 
 
 class Counter:
@@ -27,6 +28,7 @@ class PythonSide:
         self.writer = TraceWriter(path)
         self.lock = threading.Lock()
         self.busy_group = None
+        self.completion = None
         self.written: dict[str, list[int]] = {}
 
     def take_written(self, key: str) -> list[int]:
@@ -37,6 +39,12 @@ class PythonSide:
 
     def trace_seq(self, key: str, offset: int) -> int:
         return offset
+
+    def handles_on_device(self) -> bool:
+        return False
+
+    def completed_on_device(self) -> list[int]:
+        return []
 
 
 def watcher(tmp_path, calls):

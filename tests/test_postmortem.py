@@ -130,6 +130,10 @@ def test_gloo_dumps_name_the_collective_the_waiting_and_the_missing_ranks(dumps,
     text = flat(proc.stdout)
     assert "rank 0 is the odd one out" in text
     assert "do not record the reduce op" in text and "inferred" in text
+    # a post-mortem expected nothing and ran no stall timeout: it says what the dumps show
+    assert scenario["end_reason"] == "postmortem" and scenario["script"]
+    assert "expected" not in text and "stall-timeout" not in text and "behaved as expected" not in text
+    assert "read from the dumps the job left" in text
 
 
 @pytest.mark.e2e

@@ -15,10 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import kill_tree, process_tree
+from conftest import kill_everything_below
 
 pytestmark = [pytest.mark.e2e, pytest.mark.public, pytest.mark.timeout(1800)]   # several jobs per test
 
@@ -47,22 +46,11 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tupl
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
-        _kill_everything_below(proc)
+        kill_everything_below(proc)
         out, _ = proc.communicate()
         return None, out
     finally:
-        _kill_everything_below(proc)
-
-
-def _kill_everything_below(proc: subprocess.Popen) -> None:
-    """The command's session and every process below it: a launcher's ranks may sit in sessions of their
-    own (torch's elastic agent), and one left alive keeps the output pipe open for ever."""
-    for p in process_tree(proc.pid):
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    kill_tree(proc)
+        kill_everything_below(proc)
 
 
 def _side_by_side(tmp_path: Path, cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT,

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import survivors
+from conftest import survivors, wait_for
 
 pytest_plugins = ("pytester",)
 
@@ -198,3 +198,100 @@ def test_dist_ctx_outside_a_distributed_test_is_a_clear_failure(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*dist_ctx exists only in @pytest.mark.distributed tests*"])
+
+
+WORLD_CONFTEST = '''
+import os, signal, threading, warnings
+from pathlib import Path
+import pytest
+
+@pytest.fixture(autouse=True)
+def the_same_world_after_every_test():
+    """What a suite's own checks look at after each test (Lightning's thread police, its artifact and environment
+    checks): the plugin runs its launches in this very process, and must leave it as it found it."""
+    root = Path(__file__).parent
+    threads = set(threading.enumerate())
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    files = {p for p in root.rglob("*") if "__pycache__" not in p.parts}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [t for t in set(threading.enumerate()) - threads if t.is_alive()], "threads left"
+    now = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    assert now == env, sorted(set(now.items()) ^ set(env.items()))
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "signal handlers changed"
+    assert not {p for p in root.rglob("*") if "__pycache__" not in p.parts} - files, "files left"
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
+'''
+
+WORLD_TESTS = '''
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(nproc=2)
+def test_all_reduce(dist_ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+def test_plain():
+    assert True
+'''
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(270)
+def test_the_plugin_leaves_the_pytest_process_as_it_found_it(pytester):
+    """Threads, environment variables, signal handlers, files under the suite and warnings: the same after a
+    distributed test as before it (torch's launcher sets TORCHELASTIC_SIGNALS_TO_HANDLE in the process that calls
+    it; the run dir is outside the suite)."""
+    pytester.makeconftest(WORLD_CONFTEST)
+    path = pytester.makepyfile(test_world=WORLD_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(path), timeout=240)
+    result.assert_outcomes(passed=2)
+    # the fork server's multiprocessing helper (its command line names the suite's folder in its sys.path) ends
+    # once the pytest that started it is gone: given a moment, nothing is left
+    assert wait_for(lambda: not survivors(str(pytester.path)), timeout=15), \
+        [p.info["cmdline"] for p in survivors(str(pytester.path))]
+
+
+TEARDOWN_MODULE = """
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(nproc=2)
+def test_sigterm_handler(dist_ctx):
+    if dist.get_rank() == 0:
+        def on_sigterm(signum, frame):
+            dist.broadcast(torch.ones(1), src=0)   # HANDLER LINE
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, on_sigterm)
+        time.sleep(3600)   # ASLEEP LINE
+    else:
+        dist.barrier()   # BARRIER LINE
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_sigterm_handler_that_issues_a_collective_in_the_teardown_changes_nothing(pytester):
+    """The plugin ends the launch as distcheck run does: rank 0's own SIGTERM handler then issues a broadcast; the
+    test fails with the hang as it was decided (tests/test_teardown_e2e.py for run and the Slurm tests for srun)."""
+    path = pytester.makepyfile(test_teardown=TEARDOWN_MODULE)
+    lines = path.read_text().splitlines()
+    barrier = next(i for i, line in enumerate(lines, 1) if "# BARRIER LINE" in line)
+    asleep = next(i for i, line in enumerate(lines, 1) if "# ASLEEP LINE" in line)
+    junit = str(pytester.path / "junit.xml")
+    result = run_pytest(pytester, str(path), "--distcheck-stall-timeout", "3", f"--junitxml={junit}")
+    result.assert_outcomes(failed=1)
+    text = " ".join(failures(junit)["test_sigterm_handler"].split())
+    hang = text[text.index("Rank 1 is waiting in"):]
+    hang = hang[:hang.index(". ")]
+    assert f"test_teardown.py:{barrier}" in hang and "rank 0 never entered it" in hang, text
+    assert f"test_teardown.py:{asleep}" in hang and "broadcast" not in hang, text

@@ -9,6 +9,7 @@ structurally.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -21,7 +22,7 @@ from rich.console import Console
 
 from distcheck import envinfo
 from distcheck.errors import CorruptInputError, ExitCode, UsageError
-from distcheck.models import Event, Finding, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult
+from distcheck.models import Event, Finding, Kind, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult, Severity
 from distcheck.report import (chrome_trace, env_view, html_timeline, json_report, json_schema, junit, runs_table,
                               scenario_list, terminal)
 from distcheck.report.live import ANNOUNCE_AFTER_S, LiveState, LiveView, rank_rows, renderable
@@ -49,7 +50,7 @@ def hang_scenario():
     stuck = ev(0, 4, op="barrier", t=0.05, returned=False, label="BinaryAUROC.compute")
     events[0].append(stuck)
     finding = Finding(
-        kind="hang", severity="error", group="0", seq=4, op="barrier", label="BinaryAUROC.compute", callsite=SITE,
+        kind=Kind.HANG, severity=Severity.ERROR, group="0", seq=4, op="barrier", label="BinaryAUROC.compute", callsite=SITE,
         waiting_ranks=(0,), absent_ranks=(1, 2, 3), detected_after_s=3.05,
         summary="Rank 0 is waiting in barrier #4 (group 0) called from BinaryAUROC.compute at eval.py:24; "
                 "ranks 1, 2, 3 never entered it (finished, now idle).",
@@ -78,7 +79,7 @@ def mismatch_scenario():
                   ev(r, 3, op="all_gather", t=0.007, ranks=pair, group="1")] for r in pair}
     fields = ("reduce_op",)
     finding = Finding(
-        kind="mismatch", severity="error", group="1", seq=2, op="all_reduce", callsite=SITE, fields=fields, tie=True,
+        kind=Kind.MISMATCH, severity=Severity.ERROR, group="1", seq=2, op="all_reduce", callsite=SITE, fields=fields, tie=True,
         summary="Collective #2 on group 1: ranks disagree and no side has a majority (tie): reduce_op SUM (rank 0) "
                 "vs MAX (rank 1).",
         ranks=tuple(RankDetail(rank=r, role="tie", op="all_reduce", seq=2, callsite=SITE,
@@ -97,7 +98,7 @@ def crash_scenario():
     events = {0: [ev(0, 1, ranks=pair), ev(0, 2, t=0.01, ranks=pair, error="RuntimeError: Connection closed")],
               1: [ev(1, 1, ranks=pair, t=0.002)]}
     finding = Finding(
-        kind="crash", severity="error", group="0", seq=1, op="all_reduce", callsite="/home/u/eval.py:30:main",
+        kind=Kind.CRASH, severity=Severity.ERROR, group="0", seq=1, op="all_reduce", callsite="/home/u/eval.py:30:main",
         odd_ranks=(1,), summary="Rank 1 raised ValueError: bad batch at eval.py:30.",
         ranks=(RankDetail(rank=1, role="crashed", state="crashed", where="/home/u/eval.py:30:main",
                           note="ValueError: bad batch"),
@@ -560,3 +561,138 @@ def test_a_script_is_worded_as_a_script(fixed):
     assert terminal.summary_line(failed).plain.startswith("FAIL  train.py: hang (ended by --stall-timeout)  ·")
     assert "scenario" not in terminal.summary_line(failed).plain
     assert Report.from_dict(json.loads(json_report.render(failed))).scenarios[0].script
+
+
+# -- what the report says is what was seen: the diagnosis first, a launcher's report of its children's end folded --
+
+from distcheck.diagnose.mismatch import consequence   # noqa: E402
+from distcheck.launch.rank_output import Ends, folded_output, shown_with_prefix   # noqa: E402
+
+GLOG = "W1207 03:39:45.705000 25888 site-packages/torch/distributed/run.py:874] "
+AGENT = "E1207 03:39:51.872000 25888 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] "
+TORCHRUN_LOG = [
+    GLOG, GLOG + "*" * 41, GLOG + "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default",
+    GLOG + "*" * 41,
+    AGENT + "failed (exitcode: 1) local_rank: 0 (pid: 25941) of binary: /usr/bin/python3.11",
+    "Traceback (most recent call last):",
+    '  File "/usr/bin/torchrun", line 8, in <module>', "    sys.exit(main())",
+    '  File "/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent',
+    "    raise ChildFailedError(",
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    "=" * 60, "buggy.py FAILED", "-" * 60, "Failures:", "  <NO_OTHER_FAILURES>", "-" * 60,
+    "Root Cause (first observed failure):", "[0]:", "  time      : 2026-12-07_03:39:51", "  host      : localhost",
+    "  rank      : 0 (local_rank: 0)", "  exitcode  : 1 (pid: 25941)", "  error_file: <N/A>",
+    "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html", "=" * 60,
+]
+GLOO_GONE = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+             "by peer [127.0.0.1]:22193. This is typically caused by a remote worker crashing. Check the logs of the "
+             "remote worker before reporting an error. GLHF!")
+RANK0_LOG = ["[rank0]: Traceback (most recent call last):", '[rank0]:   File "/tmp/buggy.py", line 9, in <module>',
+             "[rank0]:     dist.all_reduce(t)", '[rank0]:   File "/site-packages/torch/distributed/distributed_c10d.py", '
+             'line 3252, in all_reduce', "[rank0]:     work.wait()", f"[rank0]: {GLOO_GONE}"]
+
+
+def _feed(source: Ends, lines: list[str]) -> list[str]:
+    return [shown for line in lines for shown in source.feed(line)]
+
+
+def test_a_launchers_report_of_its_childrens_end_is_one_line_live_and_in_the_tail():
+    live = Ends(launcher=True)
+    shown = _feed(live, TORCHRUN_LOG)
+    assert shown == [GLOG + "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default"]
+    state, held = live.end()
+    assert state == "folded" and len(held) == len(TORCHRUN_LOG) - 4   # the agent's line, the traceback, the banner
+    [omp, folded] = folded_output("\n".join(TORCHRUN_LOG))
+    assert folded.startswith("the launcher's ChildFailedError: buggy.py FAILED; first failure: rank 0 "
+                             "(local_rank: 0), exitcode 1 (22 lines folded"), folded
+    # a launcher's other traceback is its own news: shown whole, as it came
+    other = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>', "ValueError: bad flag"]
+    assert folded_output("\n".join(other)) == other and _feed(Ends(launcher=True), other) == other
+
+
+def test_a_ranks_backend_error_after_its_peers_left_waits_for_the_result_and_its_own_error_does_not():
+    rank = Ends(launcher=False)
+    assert _feed(rank, RANK0_LOG) == [] and rank.end() == ("consequence", RANK0_LOG)
+    crash = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "/tmp/train.py", line 10, in <module>',
+             "[rank1]: ValueError: rank 1 gives up"]
+    assert _feed(Ends(launcher=False), crash) == crash   # the rank's own error: shown at its last line
+    later = Ends(launcher=False)   # a backend error the rank caught and went on from: shown once it goes on
+    assert _feed(later, [*RANK0_LOG, "[rank0]: retrying"]) == [*RANK0_LOG, "[rank0]: retrying"]
+    assert shown_with_prefix(0, "[rank0]: Traceback") == "[rank0]: Traceback"   # torch's own prefix: one
+    assert shown_with_prefix(0, "loss 0.25") == "[rank0]:loss 0.25" and shown_with_prefix(None, "x") == "x"
+
+
+def _buggy_result() -> ScenarioResult:
+    stuck = ev(0, 1, returned=False, ranks=(0, 1, 2), error=GLOO_GONE)
+    finding = Finding(kind=Kind.HANG, severity=Severity.ERROR, group="0", seq=1, op="all_reduce", callsite=SITE,
+                      waiting_ranks=(0,), absent_ranks=(1, 2), summary="Rank 0 is waiting in all_reduce #1 (group 0).")
+    ranks = (RankOutcome(rank=0, state="stuck", pid=1, collectives=1, last_event=stuck, where=SITE, exit_code=1,
+                         exception=GLOO_GONE, phase="error",
+                         flight_recorder={"0": {"last_enqueued_collective": 2, "last_completed_collective": 1}}),
+             *(RankOutcome(rank=r, state="finished", pid=1 + r, collectives=0) for r in (1, 2)))
+    return ScenarioResult(name="buggy", source="torchrun --nproc-per-node 3 buggy.py", expected=("pass",),
+                          observed=("hang",), ok=False, duration_s=9.5, findings=(finding,), ranks=ranks, script=True,
+                          end_reason="crash", log_tail="\n".join(RANK0_LOG))
+
+
+def _text(renderable, width=140) -> str:
+    c = console(width)
+    c.print(renderable)
+    return c.file.getvalue()
+
+
+def test_a_stuck_rank_whose_log_ends_in_a_backend_error_is_shown_with_it_once():
+    result = _buggy_result()
+    out = _text(terminal.scenario_block(result))
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["0"])
+    assert row.split()[1] == "error" and "RuntimeError: Connection closed by peer [127.0.0.1]:22193" in row, row
+    assert "pair.cc" not in out and "typically caused" not in out and "stuck" not in out
+    assert out.count("Connection closed by peer") == 1, out   # the log tail that only repeats it: one line
+    assert "log tail: rank 0's traceback of the error in its row above" in out
+    assert terminal.shows_error_of(result, 0) and not terminal.shows_error_of(result, 1)
+
+
+def test_the_flight_recorders_count_is_labelled_as_its_own_and_shown_at_v():
+    result = _buggy_result()
+    assert "Flight Recorder" not in _text(terminal.scenario_block(result))
+    verbose = _text(terminal.scenario_block(result, verbose=True))
+    assert "(Flight Recorder's own count, group 0: enqueued 2, started none, completed 1)" in " ".join(verbose.split())
+    assert "FR[" not in verbose and "enqueued #" not in verbose   # never read as the trace's "#N"
+
+
+def test_the_verdict_block_ends_the_output_and_the_launchers_report_is_one_line_above_it(fixed):
+    report, _ = fixed
+    tail = "\n".join(folded_output("\n".join(TORCHRUN_LOG)))
+    with_command = Report(run=dataclasses.replace(report.run, command_output=tail), scenarios=(_buggy_result(),))
+    out = _text(terminal.summary_line(with_command, timeline=True))
+    lines = out.splitlines()
+    assert lines[-1].strip() == "run dir: /tmp/run  (timeline.html inside)", lines
+    assert lines[0].startswith("    the command's last output: the launcher's ChildFailedError: buggy.py FAILED")
+    assert "=====" not in out and "OMP_NUM_THREADS" not in out and lines[-3].startswith("FAIL  ")
+    # a command that started no rank: its skip line says its first error; the tail under it says the rest, once
+    said = "\n".join(["python: can't open file 'x.py'", folded_output("\n".join(TORCHRUN_LOG))[-1]])
+    skip = dataclasses.replace(_buggy_result(), skipped="it exited with code 1: python: can't open file 'x.py'",
+                               observed=(), ok=False, log_tail=said)   # a skip's block shows no log tail
+    unchecked = Report(run=dataclasses.replace(report.run, command_output=said), scenarios=(skip,))
+    shown = _text(terminal.command_output(unchecked))
+    assert "can't open file" not in shown and "the launcher's ChildFailedError: buggy.py FAILED" in shown, shown
+
+
+def _mm(r, **fields):
+    base = dict(rank=r, group="0", seq=1, op="all_reduce", reduce_op="SUM", shapes=((4,),), dtypes=("float32",),
+                device="cpu", group_ranks=(0, 1))
+    return Event(**{**base, **fields})
+
+
+def test_a_mismatchs_consequence_holds_together_and_for_the_backend_it_ran_on():
+    both = consequence(("reduce_op", "shape"), {0: _mm(0), 1: _mm(1, reduce_op="MAX", shapes=((8,),))})
+    assert "without any error on every backend" not in both and "completes without an error" not in both
+    assert "alone would raise no error" in both and "gloo aborts" in both and "NCCL" not in both   # CPU tensors: gloo
+    assert consequence(("reduce_op",), {0: _mm(0), 1: _mm(1, reduce_op="MAX")}).startswith(
+        "no backend checks the reduce op: the call completes without an error")
+    same = consequence(("shape",), {0: _mm(0, shapes=((2, 3),)), 1: _mm(1, shapes=((3, 2),))})
+    assert "same number of bytes (24)" in same and "aborts" not in same   # a transpose passes every check
+    nccl = consequence(("shape",), {r: _mm(r, shapes=((4 * (r + 1),),), t_returned=T0) for r in (0, 1)})
+    assert "NCCL checks nothing" in nccl and "gloo" not in nccl and "(16 B vs 32 B)" in nccl
+    cuda = consequence(("dtype",), {0: _mm(0, device="cuda"), 1: _mm(1, device="cuda", dtypes=("float64",))})
+    assert "gloo aborts" in cuda and "NCCL checks nothing" in cuda   # CUDA tensors: gloo or NCCL

@@ -1,5 +1,5 @@
 """The replay process (``launch.replay.Replayer``): one per distcheck run, kept between launches, started anew
-after one that failed or ran past its time. Real subprocesses, requests as ``with_metric_reference`` sends them."""
+after one that failed or ran past its time. Real subprocesses, requests as ``metric_reference`` sends them."""
 
 from __future__ import annotations
 

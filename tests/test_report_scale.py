@@ -10,7 +10,7 @@ import functools
 import json
 import re
 
-from distcheck.models import Event, Finding, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult
+from distcheck.models import Event, Finding, Kind, RankDetail, RankOutcome, Report, RunInfo, ScenarioResult, Severity
 from distcheck.report import chrome_trace, html_timeline
 from distcheck.report.timeline import FULL_CALLS, MAX_LANES, WINDOW_CALLS, build
 
@@ -54,7 +54,7 @@ def hang(world: int, calls: int, finished: int) -> tuple[Report, dict]:
     waiting = tuple(r for r in range(world) if r != finished)
     for r in waiting:
         events[r].append(_event(r, calls + 1, world, op="barrier", returned=False))
-    finding = Finding(kind="hang", severity="error", group="0", seq=calls + 1, op="barrier", callsite=SITE,
+    finding = Finding(kind=Kind.HANG, severity=Severity.ERROR, group="0", seq=calls + 1, op="barrier", callsite=SITE,
                       waiting_ranks=waiting, absent_ranks=(finished,), summary="the planted hang",
                       ranks=(RankDetail(rank=finished, role="absent", state="finished", note="finished, now idle"),))
     ranks = tuple(RankOutcome(rank=r, state="finished" if r == finished else "stuck", collectives=len(events[r]))
@@ -175,3 +175,102 @@ def test_a_wide_jobs_terminal_and_junit_reports_give_one_line_to_ranks_alike():
     out = io.StringIO()
     terminal.render(small, Console(file=out, width=120, color_system=None), verbose=True)
     assert sum(1 for line in out.getvalue().splitlines() if " stuck " in f" {line} ") == 3
+
+
+def _stalled_tp_group(world: int = 64, tp: int = 16) -> dict[int, list[Event]]:
+    """A TP group (the last ``tp`` ranks) stuck in its second all_reduce; every other rank ran on into its DP
+    group's all_gather, where it waits on the stuck group's member: one wait per DP group, downstream of the stall."""
+    traces: dict[int, list[Event]] = {}
+    for r in range(world):
+        tp_group = tuple(range(r - r % tp, r - r % tp + tp))
+        dp_group = tuple(range(r % tp, world, tp))
+        stuck = r >= world - tp
+
+        def call(seq, group, members, op, done, r=r):
+            t = T0 + seq * 0.01
+            return Event(rank=r, group=group, seq=seq, op=op, reduce_op=None, shapes=((4,),), dtypes=("float32",),
+                         device="cpu", group_ranks=members, t_enter=t, t_exit=t + 0.001 if done else None,
+                         callsite=f"/home/u/train.py:{140 if op == 'all_reduce' else 120}:step")
+
+        tp_name, dp_name = f"{1 + tp + r // tp}", f"{1 + r % tp}"
+        traces[r] = [call(1, tp_name, tp_group, "all_reduce", True), call(2, tp_name, tp_group, "all_reduce", not stuck)]
+        if not stuck:
+            traces[r].append(call(1, dp_name, dp_group, "all_gather_into_tensor", False))
+    return traces
+
+
+def test_a_stalled_tp_group_is_one_finding_that_says_what_waits_downstream_of_it():
+    """Issue 57: the TP group stuck in its all_reduce is the finding; the DP groups' waits on its members (one per
+    DP group: thousands at 16,384 ranks, a 1,989-line terminal report and a 43 MB timeline at 512) are a sentence
+    of it. A few such waits stay findings of their own."""
+    import io
+
+    from rich.console import Console
+
+    from distcheck.diagnose.hang import FOLD_PAST
+    from distcheck.diagnose.rules import RunFacts, analyze
+    from distcheck.report import terminal
+
+    world, tp = 64, 16
+    traces = _stalled_tp_group(world, tp)
+    outcomes = {r: RankOutcome(rank=r, state="stuck") for r in range(world)}
+    found = analyze(traces, outcomes, RunFacts(world_size=world, end_reason="stall", evidence="stuck: 5 s"))
+    hangs = [f for f in found if f.kind == "hang"]
+    assert len(hangs) == 1 and hangs[0].op == "all_reduce" and hangs[0].waiting_ranks == tuple(range(48, 64))
+    assert hangs[0].data["downstream"] == {"ranks": 48, "calls": tp, "ops": {"all_gather_into_tensor": tp}}
+    assert "Ranks 0-47 wait downstream of it, in 16 calls of other groups" in hangs[0].summary
+    result = ScenarioResult(name="train", source="train.py", expected=("hang",), observed=("hang",), ok=True,
+                            duration_s=5.0, findings=tuple(found), ranks=tuple(outcomes.values()), end_reason="stall",
+                            started_at=T0, ended_at=T0 + 5)
+    out = io.StringIO()
+    terminal.render(Report(run=_run(world), scenarios=(result,)), Console(file=out, width=120, color_system=None))
+    assert len(out.getvalue().splitlines()) <= 60
+
+    few = _stalled_tp_group(world=2 * FOLD_PAST, tp=FOLD_PAST)   # FOLD_PAST waits downstream: each its own finding
+    found = analyze(few, {r: RankOutcome(rank=r, state="stuck") for r in few},
+                    RunFacts(world_size=len(few), end_reason="stall"))
+    assert len([f for f in found if f.kind == "hang"]) == 1 + FOLD_PAST
+
+
+def test_a_group_waiting_on_a_lost_nodes_rank_is_the_finding():
+    """Issue 57, a node lost mid-step: its ranks' records went with it. The DP group whose other members wait in
+    its all_gather is the hang, the lost rank "not known" in it (the group was no finding at all, and a 512-rank
+    job's report was the 130 waits downstream of it)."""
+    from distcheck.diagnose.rules import RunFacts, analyze
+
+    members = (0, 1, 2, 3)
+
+    def call(rank, seq, done):
+        t = T0 + seq * 0.01
+        return Event(rank=rank, group="1", seq=seq, op="all_gather_into_tensor", reduce_op=None, shapes=((4,),),
+                     dtypes=("float32",), device="cpu", group_ranks=members, t_enter=t,
+                     t_exit=t + 0.001 if done else None, callsite="/home/u/train.py:120:unshard")
+
+    traces = {r: [call(r, s, s < 5) for s in range(1, 6)] for r in (0, 1, 2)}
+    outcomes = {r: RankOutcome(rank=r, state="stuck") for r in (0, 1, 2)} | {3: RankOutcome(rank=3, state="killed")}
+    found = analyze(traces, outcomes, RunFacts(world_size=4, end_reason="certain_hang", records_lost=(3,)))
+    [h] = [f for f in found if f.kind == "hang"]
+    assert (h.group, h.seq, h.waiting_ranks, h.absent_ranks) == ("1", 5, (0, 1, 2), (3,))
+    assert "rank 3: not known (their records went with their lost node)" in h.summary
+
+
+def test_cycles_alike_on_every_tp_lane_are_one_finding():
+    """Issue 57: a pipeline stage that skipped a micro-batch leaves a cycle of receives per TP lane of the stage
+    pair (8 at tp=8: 91 terminal lines at 512 ranks); cycles of the same calls on other ranks are said once."""
+    from distcheck.diagnose.rules import RunFacts, analyze
+
+    lanes, world = 4, 8
+
+    def recv(rank, peer, line):
+        return Event(rank=rank, group=f"p2p:{peer}>{rank}", seq=1, op="recv", reduce_op=None, shapes=((4,),),
+                     dtypes=("float32",), device="cpu", group_ranks=(peer, rank), t_enter=T0, t_exit=None,
+                     callsite=f"/home/u/train.py:{line}:pipeline")
+
+    traces = {}
+    for t in range(lanes):   # stage 0 is ranks 0-3, stage 1 ranks 4-7: each waits for the other's send
+        traces[t], traces[lanes + t] = [recv(t, lanes + t, 230)], [recv(lanes + t, t, 205)]
+    found = analyze(traces, {r: RankOutcome(rank=r, state="stuck") for r in range(world)},
+                    RunFacts(world_size=world, end_reason="certain_hang"))
+    [h] = [f for f in found if f.kind == "hang"]
+    assert h.waiting_ranks == tuple(range(world)) and len(h.data["alike"]) == lanes and len(h.data["cycle"]) == 2
+    assert h.summary.startswith(f"Ranks 0-7 wait for each other in {lanes} cycles alike")

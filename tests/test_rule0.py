@@ -83,8 +83,9 @@ def test_a_failing_tracer_returns_the_users_result_and_raises_the_users_own_exce
 
 
 def test_a_failing_fast_path_returns_the_users_result_and_counts_the_failure(tmp_path, process_group, hot_path):
-    # A call like one seen before takes the fast path (in C, or the generated Python wrapper): distcheck's errors
-    # there, before the call (the group's counter) and after it (the exit record), reach the user as nothing.
+    # A call like one seen before takes the fast path (in C; the Python path takes the slow one every time):
+    # distcheck's errors there, before the call (the group's counter) and after it (the exit record), reach the
+    # user as nothing.
     tracer = Tracer(tmp_path / "rank0.trace", 0)
     all_reduce = tracer.wrap("all_reduce", dist.all_reduce)
     assert (type(all_reduce).__name__ == "FastCall") == (hot_path == "c")
@@ -93,15 +94,16 @@ def test_a_failing_fast_path_returns_the_users_result_and_counts_the_failure(tmp
     def call():
         return all_reduce(t)   # one call site: the second call onwards is a fast one
 
+    slow = (lambda c, total: c) if hot_path == "c" else (lambda c, total: total)
     assert call() is None and tracer.slow_calls == 1
-    (entry,) = tracer._groups.values()
+    (entry,) = tracer.numbering.groups.values()
     entry.counter = planted
-    assert call() is None and t.tolist() == [0.0, 1.0, 2.0] and tracer.slow_calls == 1
+    assert call() is None and t.tolist() == [0.0, 1.0, 2.0] and tracer.slow_calls == slow(1, 1)   # it failed: not written
     assert guard.failures()["tracer"] == {"count": 1, "error": "Planted: planted"}
     entry.counter = None        # numbered by the tracer's own count from here
-    tracer._hold = planted      # an async call's handle cannot be held (after the call)
+    tracer.handles.hold = planted   # an async call's handle cannot be held (after the call)
     works = [all_reduce(t, async_op=True) for _ in range(2)]   # the first a slow call, the second a fast one
-    assert all(w.wait() for w in works) and tracer.slow_calls == 2
+    assert all(w.wait() for w in works) and tracer.slow_calls == slow(2, 3)
     assert guard.failures()["tracer"]["count"] == 3
     tracer.close()
 
@@ -176,16 +178,16 @@ def test_a_failing_group_counter_in_the_numbering_is_counted_and_noted(tmp_path)
     """Each place the numbering reads a group's counter and gives up (the call keeps its number, later ones
     may shift) is a counted failure, so the report's coverage note says the comparison may be off."""
     tracer = Tracer(tmp_path / "rank0.trace", 0)
+    numbering = tracer.numbering
     entry = GroupEntry("g", None, 0, planted, 0, deque(), 0, 0, 0)   # the group's counter raises
-    tracer._skew_after(entry, 0, 1)
-    tracer._claim_rest(entry, 0)
-    tracer._claim_batch([Mark(entry, 0)])
-    tracer._multi = ("g", planted, 0)
-    tracer._resync()
-    tracer._group = planted
-    tracer._claim_p2p_number(object(), None)
-    tracer._groups = None                                         # .get fails in _mark
-    assert tracer._mark(object()) is None
+    numbering.settle(Mark(entry, 0), 1, p2p=True)                  # its skew, then the P2P call's other numbers
+    numbering.claim_batch([Mark(entry, 0)])
+    numbering._multi = entry
+    numbering.resync()
+    numbering.group = planted
+    numbering._claim_p2p_number(object(), None)
+    numbering.groups = None                                        # .get fails in mark
+    assert numbering.mark(object()) is None
     assert guard.failures()["numbering"] == {"count": 6, "error": "Planted: planted"}
     (note,) = find_coverage_gaps({0: _outcome(0, guard.failures())})
     assert note.kind == "coverage" and HOOK_LOST[Hook.NUMBERING] in note.summary
@@ -327,20 +329,23 @@ def test_a_failing_lightning_attribution_leaves_self_log_as_it_was(monkeypatch):
 
 def test_a_failing_flight_recorder_sidecar_thread_is_counted_and_prints_nothing(process_group, tmp_path, monkeypatch,
                                                                                   capfd):
-    """The thread that dumps the Flight Recorder on the launcher's request: its own error ends it quietly
-    (a thread's uncaught exception would be printed into the user's output)."""
+    """The task that dumps the Flight Recorder on the launcher's request: its own error ends it quietly
+    (a thread's uncaught exception would be printed into the user's output), on a thread the job never sees."""
     from distcheck import torch_features
     from distcheck.files.launch_dir import LaunchFiles
-    from distcheck.rank.runtime import start_flight_recorder_sidecar
+    from distcheck.rank.runtime import FLIGHT_RECORDER_TASK, start_flight_recorder_sidecar
+    from distcheck.rank.ticker import TICKER
 
     files = LaunchFiles(tmp_path)
     files.flight_recorder_request.touch()
     monkeypatch.setattr(torch_features, "fr_dump_json_function", planted)
-    before = set(threading.enumerate())
-    start_flight_recorder_sidecar(files, 0, still_wanted=lambda: True)
-    for thread in set(threading.enumerate()) - before:
-        thread.join(30)
-        assert not thread.is_alive()
+    before = threading.enumerate()
+    start_flight_recorder_sidecar(files, 0)
+    assert threading.enumerate() == before
+    deadline = time.monotonic() + 30
+    while TICKER.has(FLIGHT_RECORDER_TASK) and time.monotonic() < deadline:   # one request, one dump
+        time.sleep(0.01)
+    assert not TICKER.has(FLIGHT_RECORDER_TASK)
     assert guard.failures()["sidecar"] == {"count": 1, "error": "Planted: planted"}
     assert not files.flight_recorder(0).exists()
     assert capfd.readouterr().err == ""

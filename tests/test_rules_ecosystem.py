@@ -13,7 +13,7 @@ from distcheck.diagnose.unrecorded import is_unrecorded, unrecorded_call, with_u
 from distcheck.files import user_code
 from distcheck.files.stacks import LIBRARY, USER, classify_file, torch_dir
 from distcheck.knowledge.library_shapes import functional_call_in, group_pattern, wire_op, waits_elsewhere
-from distcheck.models import Event, RankOutcome
+from distcheck.models import Event, Kind, RankOutcome
 
 SITE = "/home/u/train.py:{}:main"
 
@@ -82,13 +82,16 @@ def test_a_file_named_on_the_command_line_is_user_code_even_under_site_packages(
     script, other = site / "test_loop.py", site / "helpers.py"
     script.write_text("")
     other.write_text("")
-    monkeypatch.setenv(user_code.USER_FILES_ENV, "")   # restored after the test, whatever declare() sets
+    monkeypatch.setattr(user_code, "_declared", None)   # restored after the test, whatever declare() sets
+    monkeypatch.delenv(user_code.USER_FILES_ENV, raising=False)
     assert classify_file(str(script), torch_dir()) == LIBRARY
     named = user_code.named_paths(["accelerate", "launch", "--num_processes", "2", str(script),
                                    f"--config={tmp_path / 'missing.py'}"], cwd=str(tmp_path))
     assert named == [str(script)]
+    before = dict(os.environ)
     user_code.declare(named)
-    assert os.environ[user_code.USER_FILES_ENV] == str(script)
+    assert dict(os.environ) == before   # this process's environment is never written (it may be the user's)
+    assert user_code.environment(named) == {user_code.USER_FILES_ENV: str(script)}   # what the ranks are given
     assert classify_file(str(script), torch_dir()) == USER
     assert classify_file(str(other), torch_dir()) == LIBRARY   # only what was named
 
@@ -97,7 +100,7 @@ def test_a_test_folder_and_a_pytest_node_id_name_user_code(tmp_path, monkeypatch
     tests = tmp_path / "site-packages" / "pkg" / "tests"
     tests.mkdir(parents=True)
     (tests / "test_a.py").write_text("")
-    monkeypatch.setenv(user_code.USER_FILES_ENV, "")   # restored after the test, whatever declare() sets
+    monkeypatch.setattr(user_code, "_declared", None)   # restored after the test, whatever declare() sets
     named = user_code.named_paths(["pytest", "-x", str(tests), f"{tests / 'test_a.py'}::test_one"])
     assert named == [str(tests) + os.sep, str(tests / "test_a.py")]
     user_code.declare(named)
@@ -181,7 +184,7 @@ def test_full_tensor_on_one_rank_aborted_by_gloo_names_that_rank_the_shape_and_i
     assert lines == {0: SITE.format(30), 1: SITE.format(34), 2: SITE.format(34)}
     assert "DTensor.full_tensor()" in m.summary and "train.py:30" in m.summary and "train.py:34" in m.summary
     assert "cannot be told" not in m.summary
-    assert crash.data["caused_by"]["seq"] == 3 and "most likely a consequence" in crash.summary
+    assert crash.caused_by.seq == 3 and "most likely a consequence" in crash.summary
 
 
 def test_full_tensor_on_one_of_two_ranks_is_a_tie():
@@ -327,7 +330,7 @@ def test_the_rank_that_used_the_wrong_mesh_dimension_is_named_before_the_cycle()
     assert culprit.odd_ranks == (1,) and culprit.callsite == SITE.format(LOSS) and culprit.fields == ("group",)
     assert (culprit.group, culprit.seq) == ("3", 1) and culprit.data["out_of_step"]["expected_group"] == "2"
     assert "Rank 1" in culprit.summary and "train.py:24" in culprit.summary
-    assert cycle.waiting_ranks == (0, 1, 2, 3) and cycle.data["caused_by"]["ranks"] == [1]
+    assert cycle.waiting_ranks == (0, 1, 2, 3) and cycle.caused_by.ranks == (1,)
 
 
 DP8 = {r: (str(r % 4 + 1), (r % 4, r % 4 + 4)) for r in range(8)}          # a (2, 4) mesh: "dp" pairs
@@ -347,7 +350,7 @@ def test_at_8_ranks_the_rank_that_used_the_wrong_mesh_dimension_is_still_named()
     errors = [f for f in stalled(traces) if f.severity == "error"]
     assert errors[0].kind == "order" and errors[0].odd_ranks == (7,)
     hangs = errors[1:]
-    assert hangs and all(f.kind == "hang" and f.data["caused_by"]["ranks"] == [7] for f in hangs)
+    assert hangs and all(f.kind is Kind.HANG and f.caused_by.ranks == (7,) for f in hangs)
 
 
 def test_ranks_that_follow_one_mesh_pattern_have_no_rank_out_of_step():

@@ -61,7 +61,9 @@ class Job:
         self.slurm, self.folder = slurm, folder
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=folder,
                                      start_new_session=True,
-                                     env={**slurm.env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
+                                     env={**slurm.env, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+                                          # each job's runs in its own folder, where its tests look for them
+                                          "DISTCHECK_RUNS_DIR": str(folder / "runs"), **(env or {})})
         self.output = ""
 
     def finish(self, timeout: float = HARD_TIMEOUT_S) -> int:
@@ -183,6 +185,17 @@ def test_srun_started_ranks(slurm, tmp_path, mode, code):
     assert report["scenarios"][0]["ranks"] and len(report["scenarios"][0]["ranks"]) == 3
     if mode == "hang":
         assert f"job.py:{BARRIER_LINE}" in _the_hang(report)
+
+
+def test_a_sigterm_handler_that_issues_a_collective_as_slurm_ends_the_step_changes_nothing(slurm, tmp_path):
+    """distcheck wraps srun: the ranks get their SIGTERM from Slurm (srun forwards it as distcheck ends the step), and
+    rank 0's handler issues a broadcast then; the verdict decided before stands (tests/test_teardown_e2e.py)."""
+    from test_teardown_e2e import SCRIPT as TEARDOWN, assert_the_teardown_changed_nothing
+
+    job = Job(slurm, tmp_path, [*DISTCHECK, "--json", "report.json", "--stall-timeout", "3", "--", "srun", "-N", "1",
+                                "-n", "2", sys.executable, str(TEARDOWN)], env=_master())
+    assert job.finish() == 1, job.output[-3000:]
+    assert_the_teardown_changed_nothing(json.loads((tmp_path / "report.json").read_text()), job.output)
 
 
 def test_the_per_node_pattern_names_a_hang_with_no_flags(slurm, tmp_path):

@@ -75,7 +75,12 @@ def test_same_line_in_a_loop_is_one_site_with_fresh_times(traced, tmp_path):
     assert _text_records(tmp_path / "rank0.trace").count("\nF\t") == 1   # the fingerprint is written once
 
 
-def test_a_repeated_call_takes_the_fast_path(process_group, tmp_path):
+def slow_calls(hot_path: str, c_path: int, total: int) -> int:
+    """How many calls take the tracer's slow path: in C, the first of each kind; the Python path takes it for all."""
+    return c_path if hot_path == "c" else total
+
+
+def test_a_repeated_call_takes_the_fast_path(process_group, tmp_path, hot_path):
     # The fast path must build the very key the slow path stores: a key that drifts apart makes every
     # call slow (+2 µs each) with no other symptom.
     tracer = Tracer(tmp_path / "rank0.trace", 0)
@@ -88,7 +93,7 @@ def test_a_repeated_call_takes_the_fast_path(process_group, tmp_path):
     finally:
         tracer.uninstall()
         tracer.close()
-    assert tracer.count == 40 and tracer.slow_calls == 2
+    assert tracer.count == 40 and tracer.slow_calls == slow_calls(hot_path, 2, 40)
 
 
 def test_async_and_keyword_arguments(traced):
@@ -162,7 +167,7 @@ def test_a_failing_call_records_its_error(traced):
 
 
 
-def test_the_sidecar_learns_each_number_and_the_group_is_busy_while_the_call_runs(process_group, tmp_path):
+def test_the_sidecar_learns_each_number_and_the_group_is_busy_while_the_call_runs(process_group, tmp_path, hot_path):
     # rank.native takes the numbers Python calls wrote (``take_written``) and leaves the busy group's alone; a number
     # it does not learn would be recorded a second time, as a C++-issued collective.
     tracer = Tracer(tmp_path / "rank0.trace", 0)
@@ -182,7 +187,7 @@ def test_the_sidecar_learns_each_number_and_the_group_is_busy_while_the_call_run
         tracer.close()
     assert busy[0] is not None and busy == busy[:1] * 5 and tracer.busy_group is None
     assert tracer.take_written(busy[0]) == [1, 2, 3, 4, 5] and tracer.take_written(busy[0]) == []
-    assert tracer.count == 5 and tracer.slow_calls == 1
+    assert tracer.count == 5 and tracer.slow_calls == slow_calls(hot_path, 1, 5)
 
 
 
@@ -225,7 +230,7 @@ def _stand_in_all_reduce(tensor, op=None, group=None, async_op=False):
     return None
 
 
-def test_a_group_without_a_counter_leaves_no_numbers_for_the_sidecar(tmp_path):
+def test_a_group_without_a_counter_leaves_no_numbers_for_the_sidecar(tmp_path, hot_path):
     # Its numbers are the tracer's own (nothing C++-issued to tell apart), so none are kept for a sidecar that
     # never reads such a group: they would pile up for the life of the rank.
     tracer = _fake_tracer(tmp_path / "rank0.trace")
@@ -235,7 +240,7 @@ def test_a_group_without_a_counter_leaves_no_numbers_for_the_sidecar(tmp_path):
             call(torch.ones(1))
     finally:
         tracer.close()
-    assert tracer.count == 5 and tracer.slow_calls == 1 and tracer.busy_group is None
+    assert tracer.count == 5 and tracer.slow_calls == slow_calls(hot_path, 1, 5) and tracer.busy_group is None
     assert tracer.take_written("w") == []
     assert [e.seq for e in parse_trace(0, (tmp_path / "rank0.trace").read_bytes()).events] == [1, 2, 3, 4, 5]
 
@@ -297,9 +302,8 @@ def test_keywords_named_by_strings_built_at_run_time_are_read(tmp_path):
 
 
 def test_the_wrapper_adds_at_most_one_frame_and_it_is_distchecks_own(tmp_path, hot_path):
-    # The C hot path adds no frame. The Python wrapper is generated per op: in a traceback through it, and to the
-    # call-site walk, its frame must read as distcheck's (left out of what the user is shown), and it must be the
-    # only one distcheck adds.
+    # The C hot path adds no frame. The Python wrapper's frame, in a traceback through it and to the call-site walk,
+    # must read as distcheck's (left out of what the user is shown), and it must be the only one distcheck adds.
     import traceback
 
     from distcheck.files.stacks import SKIP, classify_file, torch_dir
@@ -321,7 +325,7 @@ def test_the_wrapper_adds_at_most_one_frame_and_it_is_distchecks_own(tmp_path, h
         return
     assert [f.name for f in frames] == ["traced", "all_reduce"]   # the wrapper, then the user's collective
     assert is_own_frame(frames[0].filename) and classify_file(frames[0].filename, torch_dir()) == SKIP
-    assert tracer.slow_calls == 1 and tracer.count == 2
+    assert tracer.slow_calls == 2 and tracer.count == 2
 
 
 def test_a_traced_collective_stands_in_for_the_function_it_wraps(traced):
@@ -351,7 +355,7 @@ def test_a_traced_collective_stands_in_for_the_function_it_wraps(traced):
     assert Holder.reduce(t) is None and len(traced()) == 1
 
 
-def test_fast_path_tells_devices_apart_at_one_site(tmp_path):
+def test_fast_path_tells_devices_apart_at_one_site(tmp_path, hot_path):
     # The fast key reads a CPU tensor's device as True (no torch.device made); any other device is in it as itself.
     path = tmp_path / "rank0.trace"
     tracer = _fake_tracer(path)
@@ -359,7 +363,7 @@ def test_fast_path_tells_devices_apart_at_one_site(tmp_path):
     for device in ("cpu", "meta", "cpu", "meta"):
         traced(torch.ones(2, device=device))
     ev = parse_trace(0, path.read_bytes()).events
-    assert [e.device for e in ev] == ["cpu", "meta", "cpu", "meta"] and tracer.slow_calls == 2
+    assert [e.device for e in ev] == ["cpu", "meta", "cpu", "meta"] and tracer.slow_calls == slow_calls(hot_path, 2, 4)
 
 
 def test_exception_inside_the_collective_is_recorded_and_raised(tmp_path):
@@ -505,6 +509,6 @@ def test_reduce_ops_made_per_call_are_not_kept(tmp_path):
     t = torch.ones(2)
     for _ in range(3 * MAX_FAST_OPS):
         traced(t, op=dist.ReduceOp(dist.ReduceOp.MAX))   # a new ReduceOp object each call
-    assert len(tracer._op_ids) <= MAX_FAST_OPS
+    assert len(tracer.hot_path.op_ids) <= MAX_FAST_OPS
     events = parse_trace(0, (tmp_path / "rank0.trace").read_bytes()).events
     assert len(events) == 3 * MAX_FAST_OPS and {e.reduce_op for e in events} == {"MAX"}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distcheck.diagnose.unwaited import find_unwaited_handles
-from distcheck.models import Event, Finding
+from distcheck.models import Event, Finding, Kind, Severity
 
 SCRIPT = Path(__file__).parent / "scripts" / "async" / "unwaited_handle.py"
 
@@ -18,7 +18,7 @@ def _event(rank: int, seq: int, op: str, t: float, async_op: bool = False) -> Ev
                  callsite=f"train.py:{10 + seq}:main")
 
 
-PARTED = Finding(kind="mismatch", severity="error", summary="they parted", op="all_reduce", seq=2)
+PARTED = Finding(kind=Kind.MISMATCH, severity=Severity.ERROR, summary="they parted", op="all_reduce", seq=2)
 
 
 def _traces() -> dict[int, list[Event]]:
@@ -44,7 +44,7 @@ def test_a_wait_after_the_next_call_is_no_wait_before_going_on():
     ({0: {("0", 1): 2.0}, 1: {("0", 1): 2.0}, 2: {("0", 1): 2.0}}, [PARTED]),   # everyone waited
     ({}, [PARTED]),                                                              # nobody did: alike
     ({0: {("0", 1): 2.0}}, []),                                                  # the ranks never parted
-    ({0: {("0", 1): 2.0}}, [Finding(kind="straggler", severity="warning", summary="late")]),
+    ({0: {("0", 1): 2.0}}, [Finding(kind=Kind.STRAGGLER, severity=Severity.WARNING, summary="late")]),
 ])
 def test_no_finding_where_the_ranks_agree_or_never_parted(waited, later):
     assert find_unwaited_handles(_traces(), waited, later) == []

@@ -101,7 +101,7 @@ def test_ranks_in_one_call_are_followed_once_and_an_unsettled_one_does_not_speak
     """certain_hang follows a call's absent members from one settled rank in it, not from each: with 2,048 ranks
     waiting while 2,048 others are on their way, none is certain; an unsettled rank found free says nothing of
     a settled one in the same call, whose peer finished."""
-    from distcheck.launch.waitfor import certain_hang
+    from distcheck.diagnose.waitfor import certain_hang
 
     world = tuple(range(4096))
     on_the_way = RankProgress(records=4, phase="running", settled=True, entered={"0": 4})

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from distcheck.attach.flight import FrState
 from distcheck.attach.judge import RankView

@@ -1,6 +1,8 @@
 """Where a rank stands, from a stack read from outside: inside a collective (the op from torch's
 ``distributed_c10d`` frame or a backend's native wait, the library entry point as the label, the user's
-line), or outside every collective (its user line), or gone. The same words the tracer records: the
+line), blocked in a device sync (NCCL: the host waits for work it enqueued, at ``loss.item()`` or
+``torch.cuda.synchronize()``; the user's line that caused it), or outside every collective (its user line),
+or gone. The same words the tracer records: the
 user's frame is ``files.stacks.classify_file``'s, the label is ``rank.callsite``'s rule (the entry point
 into the object that issued the call, ``BinaryAUROC.compute``). Pure."""
 
@@ -22,18 +24,38 @@ _CALL_ENTRY = {"_wrapped_call_impl": "forward", "_call_impl": "forward"}
 _WRAPPED = re.compile(r"_wrap_(\w+)\.<locals>")     # torchmetrics' compute/update wrappers
 # A backend's wait in native frames, and the op each names (the Python thread may be elsewhere: DDP's
 # reducer issues its all_reduce from autograd, NCCL's kernels run after Python has moved on).
-_NATIVE_WAITS: tuple[tuple[str, str, None], ...] = (("sync_bucket_indices", "broadcast", None), ("Reducer", "all_reduce", None), ("allreduce", "all_reduce", None),
-                 ("allgather", "all_gather", None), ("broadcast", "broadcast", None), ("barrier", "barrier", None),
-                 ("ProcessGroupGloo", "collective", None), ("ProcessGroupNCCL", "collective", None),
-                 ("cudaStreamSynchronize", "collective", None))
+_NATIVE_WAITS: tuple[tuple[str, str, None], ...] = (
+    ("sync_bucket_indices", "broadcast", None), ("Reducer", "all_reduce", None), ("allreduce", "all_reduce", None),
+    ("allgather", "all_gather", None), ("broadcast", "broadcast", None), ("barrier", "barrier", None),
+    ("ProcessGroupGloo", "collective", None), ("ProcessGroupNCCL", "collective", None),
+    ("cudaStreamSynchronize", "collective", None))
 _BACKENDS = ("gloo", "ProcessGroupGloo", "ProcessGroupNCCL", "nccl", "c10d::")
+# The host blocked in a device sync, in native frames: the CUDA runtime's and driver's waits (ROCm's too), named with
+# torch's call that made it where its frame is there (``Tensor.item()`` is ``at::native::_local_scalar_dense_cuda``:
+# a copy to the host, then a stream sync).
+_SYNC_NATIVE = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cuStreamSynchronize",
+                "cuEventSynchronize", "cuCtxSynchronize", "cudaMemcpy", "cuMemcpyDtoH", "hipStreamSynchronize",
+                "hipDeviceSynchronize", "hipEventSynchronize", "hipMemcpy")
+_SYNC_TORCH = (("_local_scalar_dense_cuda", "Tensor.item()"),
+               ("THCPModule_cudaSynchronize", "torch.cuda.synchronize()"),
+               ("c10::cuda::device_synchronize", "torch.cuda.synchronize()"),
+               ("CUDAStream::synchronize", "a CUDA stream's synchronize()"),
+               ("CUDAEvent::synchronize", "a CUDA event's synchronize()"),
+               ("c10::cuda::memcpy_and_sync", "a copy to the host"), ("at::native::copy_", "a copy to the host"))
+# ... and in Python frames: torch's synchronize functions (a C call below them), and emulated_nccl's stand-ins (its
+# ``synchronize()`` draining the streams; a read of a tensor a pending call touches, waiting for that call).
+_SYNC_PYTHON = {"torch/cuda/__init__.py": "torch.cuda", "torch/cuda/streams.py": "torch.cuda",
+                "torch/accelerator/__init__.py": "torch.accelerator", "torch/xpu/__init__.py": "torch.xpu"}
+_EMULATED = "distcheck/testing/emulated_nccl.py"
+_EMULATED_WAITS = {"synchronize": "emulated_nccl.synchronize()", "drain": "emulated_nccl.synchronize()",
+                   "wait_for": "a read of a tensor a pending emulated_nccl call touches"}
 
 
 @dataclass(frozen=True)
 class Position:
     """Where one rank was in one read."""
 
-    kind: str                          # "collective" | "outside" | "gone" | "unreadable"
+    kind: str                          # "collective" | "device_sync" | "outside" | "gone" | "unreadable"
     op: str | None = None
     label: str | None = None
     callsite: str | None = None        # the user's innermost frame: file:line:function
@@ -45,6 +67,7 @@ class Position:
     # no torch): a loop polling in one function (``while not done(): time.sleep``) keeps them, work moves them.
     calls: int = 0
     active: bool = False               # the main thread was running (or runnable) when read
+    sync: str | None = None            # "device_sync": the wait it is blocked in (``cudaStreamSynchronize``)
 
 
 def frame_kind(filename: str) -> int:
@@ -63,15 +86,17 @@ def position(read: StackRead) -> Position:
     py = [f for f in frames if not f.native]
     digest = zlib.crc32("|".join(map(str, py)).encode())
     user, library = _sites(py)
-    op, native = _python_op(py), None
+    op, native, sync = _python_op(py), None, None
     if op is None:
         op, native = _native_op(frames)
-    kind = "collective" if op else "outside"
+    if op is None:
+        sync = device_sync(frames)
+    kind = "collective" if op else "device_sync" if sync else "outside"
     calls = zlib.crc32("|".join(f"{f.file}:{f.function}" for f in py if frame_kind(f.file) in (USER, LIBRARY))
                        .encode())
     return Position(kind, op, _label(py) if op else None, str(user) if user else None,
                     str(library) if library and op else None, native, digest, _text(read.threads), calls,
-                    bool(main and main.active))
+                    bool(main and main.active), sync)
 
 
 def _sites(frames: list[Frame]) -> tuple[Frame | None, Frame | None]:
@@ -95,6 +120,26 @@ def _native_op(frames: tuple[Frame, ...]) -> tuple[str | None, str | None]:
             if word.lower() in f.function.lower():
                 return op, f.function
     return None, None
+
+
+def device_sync(frames: tuple[Frame, ...]) -> str | None:
+    """The device sync the thread is blocked in: a CUDA wait in native frames (with torch's call that made it, where
+    its frame is there), torch's ``synchronize`` in Python frames, or emulated_nccl's waits (only while blocked: the
+    innermost Python frame a ``threading`` wait). None: no device sync."""
+    native = [f.function for f in frames if f.native]
+    api = next((n.split("@")[0] for n in native if any(w in n for w in _SYNC_NATIVE)), None)
+    made = next((words for marker, words in _SYNC_TORCH if any(marker in n for n in native)), None)
+    if api or made:
+        return f"{api} in {made}" if api and made else api or made
+    py = [f for f in frames if not f.native]
+    for f in py:
+        name, path = f.function.rsplit(".", 1)[-1], f.file.replace("\\", "/")
+        prefix = next((p for tail, p in _SYNC_PYTHON.items() if path.endswith(tail)), None)
+        if prefix and name == "synchronize":
+            return f"{prefix}.{f.function}()"
+        if path.endswith(_EMULATED) and name in _EMULATED_WAITS:
+            return _EMULATED_WAITS[name] if py[0].function.rsplit(".", 1)[-1] == "wait" else None
+    return None
 
 
 def _label(frames: list[Frame]) -> str | None:

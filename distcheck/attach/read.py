@@ -6,12 +6,17 @@ pip-installable reader that needs no code in the target and reads its memory wit
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from distcheck.errors import LaunchError
+from distcheck.text import call_site
 
 INSTALL_HINT = "install the reader: pip install 'distcheck[attach]' (py-spy>=0.4)"
 DENIED_HINT = ("run attach as the job's user or as root; in a container add CAP_SYS_PTRACE "
@@ -29,7 +34,7 @@ class Frame:
     native: bool = False
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.function}"
+        return call_site(self.file, self.line, self.function)
 
 
 @dataclass(frozen=True)
@@ -54,12 +59,26 @@ class StackRead:
         return next((t for t in self.threads if t.os_id == self.pid), self.threads[0] if self.threads else None)
 
 
+def _beside_python() -> list[Path]:
+    """Where ``pip install 'distcheck[attach]'`` put py-spy for this interpreter: beside it (a venv's bin, called
+    by its path without the venv on PATH), its scripts folder, the user's (``pip install --user``)."""
+    folders = [Path(sys.executable).parent]   # not resolved: a venv's python is a link to the base interpreter
+    for scheme in (None, f"{os.name}_user"):
+        try:
+            folders.append(Path(sysconfig.get_path("scripts", scheme) if scheme else sysconfig.get_path("scripts")))
+        except KeyError:
+            continue
+    return [f / "py-spy" for f in dict.fromkeys(folders)]
+
+
 def reader() -> str:
-    """The py-spy executable; a clear error with the install hint when it is missing."""
-    path = shutil.which("py-spy")
-    if path is None:
-        raise LaunchError("distcheck attach reads stacks with py-spy, which is not installed", INSTALL_HINT)
-    return path
+    """The py-spy executable: the one installed with distcheck's interpreter, else the first on PATH; a clear
+    error with the install hint when there is none."""
+    for path in [*_beside_python(), shutil.which("py-spy")]:
+        if path is not None and os.path.isfile(path) and os.access(path, os.X_OK):
+            return str(path)
+    raise LaunchError(f"distcheck attach reads stacks with py-spy, which is not installed (not beside "
+                      f"{sys.executable}, not on PATH)", INSTALL_HINT)
 
 
 def read_stacks(pid: int, *, native: bool = False, with_locals: bool = False, timeout_s: float = 5.0) -> StackRead:
@@ -77,10 +96,15 @@ def read_stacks(pid: int, *, native: bool = False, with_locals: bool = False, ti
     if done.returncode != 0:
         err = (done.stderr.strip().splitlines() or ["py-spy failed"])[0]
         return StackRead(pid, error=err, denied=any(w in done.stderr for w in _DENIED_WORDS), took_s=took)
+    return parse_dump(pid, done.stdout, took)
+
+
+def parse_dump(pid: int, output: str, took_s: float = 0.0) -> StackRead:
+    """What ``py-spy dump --json`` printed (with ``--native``: native frames among the Python ones), as a read."""
     try:
-        return StackRead(pid, threads=tuple(_thread(t) for t in json.loads(done.stdout)), took_s=took)
+        return StackRead(pid, threads=tuple(_thread(t) for t in json.loads(output)), took_s=took_s)
     except (ValueError, TypeError, KeyError) as exc:
-        return StackRead(pid, error=f"py-spy's output could not be read: {exc}", took_s=took)
+        return StackRead(pid, error=f"py-spy's output could not be read: {exc}", took_s=took_s)
 
 
 def _thread(t: dict) -> Thread:
@@ -97,12 +121,43 @@ def _frame(f: dict) -> Frame:
 
 @dataclass(frozen=True)
 class ProcState:
-    """What /proc says of a process without touching it: its state letter and the kernel function it
-    sleeps in; ``alive`` False once it is gone (or a zombie)."""
+    """What /proc says of a process without touching it: its state letter, the kernel function it sleeps in,
+    and the backends its threads are named for; ``alive`` False once it is gone (or a zombie)."""
 
     alive: bool
     state: str = ""
     wchan: str = ""
+    backend: str = ""        # "gloo", "nccl", "nccl+gloo"; "" when no backend's thread runs in it
+
+
+# The threads a backend's process group starts when it is created, by the names torch gives them (gloo: its work
+# loop and its TCP transport's; NCCL: ProcessGroupNCCL's watchdog and heartbeat monitor). A rank's libraries do not
+# say it (a CUDA build of torch loads libnccl whichever backend the job uses) and its environment names none.
+_BACKEND_THREADS = {"pt_gloo_runloop": "gloo", "gloo_tcp_loop": "gloo", "pt_nccl_watchdg": "nccl",
+                    "pt_nccl_heartbt": "nccl"}
+BACKENDS = ("nccl", "gloo")   # in the order a job using both is named: "nccl+gloo"
+
+
+def thread_names(pid: int) -> tuple[str, ...]:
+    """The names of a process's threads (``/proc/<pid>/task/*/comm``: anyone may read them)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return ()
+    names = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    return tuple(names)
+
+
+def backend_of(names: tuple[str, ...] | list[str]) -> str:
+    """The backends whose threads run among ``names``, "nccl+gloo" for both; "" for none."""
+    found = {_BACKEND_THREADS[n] for n in names if n in _BACKEND_THREADS}
+    return "+".join(b for b in BACKENDS if b in found)
 
 
 def proc_state(pid: int) -> ProcState:
@@ -116,4 +171,4 @@ def proc_state(pid: int) -> ProcState:
             wchan = f.read().strip()
     except OSError:
         wchan = ""
-    return ProcState(state not in ("Z", "X"), state, "" if wchan == "0" else wchan)
+    return ProcState(state not in ("Z", "X"), state, "" if wchan == "0" else wchan, backend_of(thread_names(pid)))

@@ -1,7 +1,8 @@
 """``distcheck attach``: find the job, read every rank a few times an interval apart, judge, save.
 
 Nothing here writes to the job: stacks come through py-spy without pausing the ranks (``--nonblocking``);
-only a rank whose Python thread waits inside torch's C++ (DDP's reducer, a backend's wait) is read once
+only a rank whose Python thread waits inside torch's C++ (DDP's reducer, a backend's wait), or, on NCCL, sits at
+one line outside every collective (a device sync below ``loss.item()`` shows in no Python frame), is read once
 more with native frames, which pauses it for the unwind (bounded by a time-out, measured, reported)."""
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from distcheck.attach import discover, flight
 from distcheck.attach.judge import Judged, RankView, fr_joined, judge, unread
 from distcheck.attach.nodes import Gathered, Meeting
 from distcheck.attach.position import Position, position
-from distcheck.attach.read import DENIED_HINT, StackRead, proc_state, read_stacks, reader
-from distcheck.diagnose.verdict import Scenario, run_info
+from distcheck.attach.read import (BACKENDS, DENIED_HINT, StackRead, backend_of, proc_state, read_stacks, reader,
+                                   thread_names)
+from distcheck.diagnose.verdict import Scenario, exit_code, run_info
 from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.run_dir import make_run_dir
+from distcheck.files.run_home import runs_root
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.files.stacks import TORCH
-from distcheck.errors import UsageError
+from distcheck.errors import ExitCode, UsageError
 from distcheck.launch.node_config import NodeConfig
 from distcheck.launch.procs import ActivityMeter
 from distcheck.launch.slurm import slurm_job
@@ -61,6 +64,11 @@ class Attached:
     unread: tuple[int, ...] = ()           # the job's ranks nobody read
 
     @property
+    def undecided(self) -> str | None:
+        """Why nothing is decided (ranks not read, and nothing found among the others): attach exits 3."""
+        return self.judged.undecided if self.judged is not None else None
+
+    @property
     def incomplete(self) -> str | None:
         """Why the verdict does not cover the whole job (denied reads, ranks not read), in one line."""
         if self.denied:
@@ -73,14 +81,25 @@ class Attached:
             return f"{rank_list(self.unread)} {'was' if len(self.unread) == 1 else 'were'} not read ({why})"
         return None
 
-    def tell_nodes(self, code: int) -> None:
+    @property
+    def exit_code(self) -> int:
+        """distcheck attach's exit code: the report's, except that a verdict not reached, or one that does not cover
+        the whole job and found nothing, is never a pass (3); another node exits with node 0's."""
+        if self.report is None:
+            return int((self.node0 or {}).get("code", ExitCode.LAUNCH_FAILED))
+        code = exit_code(self.report)
+        if self.undecided or (self.incomplete and code == ExitCode.OK):
+            return int(ExitCode.LAUNCH_FAILED)
+        return int(code)
+
+    def tell_nodes(self) -> None:
         """Node 0 of several: the verdict and the exit code, for the other nodes' attach."""
         if self.meeting is None or self.report is None:
             return
         result = self.report.scenarios[0]
-        first = next((f.summary for f in result.findings if f.severity == "error"), None)
+        first = next((f.summary for f in result.findings if f.severity == "error"), self.undecided)
         readers = tuple(n for n in range(1, self.meeting.config.nnodes) if n not in self.missing_nodes)
-        self.meeting.post_verdict(code, first or "no error found", self.report.run.run_dir, readers)
+        self.meeting.post_verdict(self.exit_code, first or "no error found", self.report.run.run_dir, readers)
 
 
 def sample(ranks: Sequence[discover.RankProc], samples: int, interval_s: float,
@@ -94,7 +113,7 @@ def sample(ranks: Sequence[discover.RankProc], samples: int, interval_s: float,
         for i in range(samples):
             due = time.monotonic() + interval_s
             last = i == samples - 1
-            for r, got in zip(ranks, pool.map(lambda r: read(r.pid, with_locals=last), ranks)):
+            for r, got in zip(ranks, pool.map(lambda r: read(r.pid, with_locals=last), ranks)):  # noqa: B023 - map ends in this pass
                 reads[r.rank].append(got)
             if not last:
                 time.sleep(max(0.0, due - time.monotonic()))   # the interval between samples, not a wait on the job
@@ -112,11 +131,26 @@ def _in_torch_native(p: Position, read: StackRead) -> bool:
     return p.kind == "outside" and top is not None and frame_kind(top.file) == TORCH
 
 
+def wants_native(reads: Sequence[StackRead], on_device: bool) -> bool:
+    """Whether a rank is read once with native frames: its main thread in torch's C++ outside any Python collective
+    in every sample (DDP's reducer, a backend's wait); or, where its calls complete on the device (NCCL), at one
+    Python stack outside every collective in every sample: a device sync below ``loss.item()`` or ``.cpu()`` shows
+    in no Python frame."""
+    seen = [(position(x), x) for x in reads]
+    if all(_in_torch_native(p, x) for p, x in seen):
+        return True
+    return on_device and len(seen) > 1 and all(p.kind == "outside" for p, _ in seen) \
+        and len({p.digest for p, _ in seen}) == 1
+
+
 def attach(options: AttachOptions) -> Attached:
     """Judge the job the options name, as one ``Report`` saved in its run dir. Several nodes: this node's
     views go to node 0, which judges them all; another node gets node 0's verdict (``Attached.node0``)."""
-    reader()   # the install hint before anything else
-    job = discover.one_job(discover.find_jobs(options.pids or None, options.slurm_job or _slurm_default(options)))
+    # The job first: whose it is, or that there are several, says more than how its stacks would be read.
+    found = discover.find_jobs(options.pids or None, options.slurm_job or _slurm_default(options),
+                               one_agent=options.nodes.multi)   # one attach per node: its own agent's ranks
+    job = discover.one_job(found)
+    reader()   # the install hint before reading anything
     meeting = _meet(options.nodes, job) if options.nodes.multi else None
     started = time.time()
     local, paused, denied = _views(job, options)
@@ -131,10 +165,12 @@ def attach(options: AttachOptions) -> Attached:
                         f"({len(gathered.views)} of {job.world_size} ranks read, on {_nodes_read(gathered)}), "
                         "the job left running")
     judged = judge(gathered.views, job.world_size, scenario, started=started, ended=time.time(), notes=notes,
-                   unread_why=why)
-    report = _report(judged, job, options, started, len(gathered.views))
-    return Attached(report, judged, denied, paused, meeting=meeting, missing_nodes=gathered.missing,
-                    unread=tuple(unread(gathered.views, job.world_size)))
+                   unread_why=why, unread_todo=DENIED_HINT.capitalize() + "." if denied else "")
+    report = _report(judged, job, options, started, gathered.views)
+    attached = Attached(report, judged, denied, paused, meeting=meeting, missing_nodes=gathered.missing,
+                        unread=tuple(unread(gathered.views, job.world_size)))
+    attached.tell_nodes()   # the other nodes wait for node 0's verdict before they exit
+    return attached
 
 
 def _views(job: discover.Job, options: AttachOptions) -> tuple[dict[int, RankView], dict[int, float], tuple[int, ...]]:
@@ -142,15 +178,22 @@ def _views(job: discover.Job, options: AttachOptions) -> tuple[dict[int, RankVie
     reads, meter = sample(job.ranks, max(2, options.samples), options.interval_s)
     dumps = {r.rank: flight.read_state(r.pid, r.rank, job.world_size, r.env) for r in job.ranks}
     # A native read stops its rank for a second or more (measured): not where the Flight Recorder already says
-    # which call each rank has in flight (every rank here has a dump, and this one's holds its call).
+    # which call each rank has in flight (every rank here has a dump, and this one's holds its call), unless the
+    # call waits on the device (NCCL): then only native frames tell a host blocked in a device sync from one at work.
     told = all(isinstance(d, flight.FrState) for d in dumps.values())
-    paused = _native_reads([r for r in job.ranks if not (told and dumps[r.rank].open is not None)], reads)
+    on_device = {r.rank: "nccl" in backend_of(thread_names(r.pid)) or _device_dump(dumps[r.rank]) for r in job.ranks}
+    paused = _native_reads([r for r in job.ranks if not (told and _host_call_known(dumps[r.rank]))], reads,
+                           on_device)
     host, node = socket.gethostname(), options.nodes.node_rank
     views = {r.rank: RankView(r.rank, r.pid, tuple(position(x) for x in reads[r.rank]), meter.latest.get(r.rank),
                               proc_state(r.pid), host=host, node=node,
                               fr=d if isinstance(d := dumps[r.rank], flight.FrState) else None) for r in job.ranks}
     denied = tuple(sorted(r for r, rs in reads.items() if any(x.denied for x in rs)))
     return views, paused, denied
+
+
+def _device_dump(dump: flight.FrState | str | None) -> bool:
+    return isinstance(dump, flight.FrState) and dump.device
 
 
 def _slurm_default(options: AttachOptions) -> str | None:
@@ -174,10 +217,11 @@ def _nodes_read(gathered: Gathered) -> str:
     return f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {', '.join(map(str, nodes))}"
 
 
-def _native_reads(ranks: Sequence[discover.RankProc], reads: dict[int, list[StackRead]]) -> dict[int, float]:
-    """One native read of each rank seen in torch's C++ outside a Python collective in every sample (DDP's
-    reducer, an NCCL wait): its last read is replaced by it. Returns how long each such read held its rank."""
-    chosen = [r for r in ranks if all(_in_torch_native(position(x), x) for x in reads[r.rank])]
+def _native_reads(ranks: Sequence[discover.RankProc], reads: dict[int, list[StackRead]],
+                  device: dict[int, bool]) -> dict[int, float]:
+    """One native read of each rank ``wants_native`` chooses: its last read is replaced by it. Returns how long
+    each such read held its rank."""
+    chosen = [r for r in ranks if wants_native(reads[r.rank], device.get(r.rank, False))]
     if not chosen:
         return {}
     with ThreadPoolExecutor(max_workers=min(READERS, len(chosen))) as pool:
@@ -217,12 +261,12 @@ def _notes(job: discover.Job, gathered: Gathered, denied: tuple[int, ...], pause
     return notes
 
 
-def _report(judged: Judged, job: discover.Job, options: AttachOptions, started: float, read: int) -> Report:
+def _report(judged: Judged, job: discover.Job, options: AttachOptions, started: float,
+            views: dict[int, RankView]) -> Report:
     run_id = "attach-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-    run_dir = make_run_dir(options.run_dir or Path(".distcheck") / "runs" / run_id)
-    backend = _backend(judged)
-    info = run_info(backend=backend, world_size=job.world_size, nnodes=options.nodes.nnodes,
-                    nproc_per_node=max(1, read // options.nodes.nnodes),
+    run_dir = make_run_dir(options.run_dir or runs_root() / run_id)
+    info = run_info(backend=backend(views), world_size=job.world_size, nnodes=options.nodes.nnodes,
+                    nproc_per_node=max(1, len(views) // options.nodes.nnodes),
                     torch_version="the job's", command=options.command, run_dir=str(run_dir), seed=0,
                     started=started, ended=time.time(), versions={})
     report = Report(run=info, scenarios=(judged.result,))
@@ -230,6 +274,16 @@ def _report(judged: Judged, job: discover.Job, options: AttachOptions, started: 
     return report
 
 
-def _backend(judged: Judged) -> str:
-    stacks = " ".join(r.stack or "" for r in judged.result.ranks)
-    return "nccl" if "NCCL" in stacks else "gloo" if "Gloo" in stacks or "gloo" in stacks else "unknown"
+def backend(views: dict[int, RankView]) -> str:
+    """The job's backend, as its ranks' threads name it (``read.backend_of``); failing that, a native frame of
+    ProcessGroupNCCL or ProcessGroupGloo in a stack read; "unknown" before any process group was created."""
+    found = {b for v in views.values() for b in v.state.backend.split("+")}
+    if found - {""}:
+        return "+".join(b for b in BACKENDS if b in found)
+    stacks = " ".join(p.stack for v in views.values() for p in v.positions)
+    return "nccl" if "ProcessGroupNCCL" in stacks else "gloo" if "ProcessGroupGloo" in stacks else "unknown"
+
+
+def _host_call_known(dump: flight.FrState | str | None) -> bool:
+    """The rank's dump holds its call in flight, and that call does not wait on the device."""
+    return isinstance(dump, flight.FrState) and dump.open is not None and not dump.device

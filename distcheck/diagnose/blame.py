@@ -5,9 +5,9 @@ and which ranks cannot be judged because their dump is missing or cut short. Pur
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
-from distcheck.models import Finding, RankDetail
+from distcheck.models import Finding, Kind, RankDetail
 from distcheck.text import rank_list
 
 
@@ -22,7 +22,7 @@ def attribute_by_majority(findings: list[Finding], missing: Sequence[int] = (),
     """
     out = []
     for f in findings:
-        if f.kind != "hang" or not f.waiting_ranks or not f.absent_ranks or f.odd_ranks:
+        if f.kind is not Kind.HANG or not f.waiting_ranks or not f.absent_ranks or f.odd_ranks:
             out.append(_with_unknown(f, missing, cut_short))
             continue
         waiting, absent = f.waiting_ranks, f.absent_ranks
@@ -48,7 +48,7 @@ def attribute_by_majority(findings: list[Finding], missing: Sequence[int] = (),
 
 
 def _with_unknown(f: Finding, missing: Sequence[int], cut_short: Sequence[int]) -> Finding:
-    if f.kind != "hang" or f.op is None or not (missing or cut_short):
+    if f.kind is not Kind.HANG or f.op is None or not (missing or cut_short):
         return f
     extra = tuple(RankDetail(rank=r, role="no dump", note="left no dump") for r in missing)
     extra += tuple(RankDetail(rank=r, role="cut short", note="dump cut short") for r in cut_short)

@@ -9,20 +9,23 @@ sequence number is decided by majority, and a tie is stated as a tie — never
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from distcheck.files.stacks import IDLE_IN_POOL
-from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState
+from distcheck.models import EndReason, Event, Finding, GroupKey, Kind, Phase, RankDetail, RankOutcome, RankState
 from distcheck.text import site
 
 
 # Ends that stop a run before every rank is done: what was left open is a hang, not a count difference.
 ABNORMAL_ENDS = (EndReason.CERTAIN_HANG, EndReason.STALL, EndReason.BUSY_TIMEOUT, EndReason.TIMEOUT, EndReason.CRASH,
-                 EndReason.INTERRUPTED, EndReason.SLURM_TIME_LIMIT, EndReason.SLURM_CANCELLED, EndReason.SLURM_PREEMPTED)
+                 EndReason.POSTMORTEM,
+                 EndReason.INTERRUPTED, EndReason.SLURM_TIME_LIMIT, EndReason.SLURM_CANCELLED,
+                 EndReason.SLURM_PREEMPTED)
 
-GroupKey = tuple[str, tuple[int, ...]]   # (group name, member ranks)
-Table = Mapping[GroupKey, Mapping[int, Mapping[int, Event]]]
+TableKey = tuple[GroupKey, tuple[int, ...]]   # (group, member ranks)
+Table = Mapping[TableKey, Mapping[int, Mapping[int, Event]]]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class RunFacts:
     elided: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     # rank -> (group, seq) -> when it began waiting on that async call's handle (``work.wait()``)
     waited: Mapping[int, Mapping[tuple[str, int], float]] = field(default_factory=dict)
+    # rank -> the calls it entered after distcheck decided (its teardown's reactions: diagnose.teardown)
+    after_decision: Mapping[int, Sequence[Event]] = field(default_factory=dict)
+    # the single-process replay's answer for the torchmetrics results (``launch.replay``, run before judging;
+    # ``analyze`` reads the one the run kept): None where there was none
+    metric_reference: Mapping[str, Any] | None = None
 
 
 
@@ -75,21 +83,21 @@ def _member_sets(traces: Mapping[int, Sequence[Event]]) -> dict[str, set[tuple[i
     return sets
 
 
-def group_table(traces: Mapping[int, Sequence[Event]]) -> dict[GroupKey, dict[int, dict[int, Event]]]:
+def group_table(traces: Mapping[int, Sequence[Event]]) -> dict[TableKey, dict[int, dict[int, Event]]]:
     """{(group, members): {seq: {rank: event}}} over every rank's events.
 
     Disjoint subgroups that happen to share a name stay apart; overlapping member
     lists under one name are merged, so ranks that disagree about a group's
     members meet at the same (group, seq) and show up as a ``group`` mismatch.
     """
-    keys: dict[tuple[str, tuple[int, ...]], GroupKey] = {}
+    keys: dict[tuple[str, tuple[int, ...]], TableKey] = {}
     for name, member_sets in _member_sets(traces).items():
         for component in _components(sorted(member_sets)):
-            key = (name, tuple(sorted(component)))
+            key = (GroupKey.of(name), tuple(sorted(component)))
             for members in member_sets:
                 if set(members) <= component:
                     keys[(name, members)] = key
-    table: dict[GroupKey, dict[int, dict[int, Event]]] = defaultdict(lambda: defaultdict(dict))
+    table: dict[TableKey, dict[int, dict[int, Event]]] = defaultdict(lambda: defaultdict(dict))
     for rank, events in traces.items():
         # Keep the group's own dict, not its key: hashing a 1000-rank member tuple per event is slow.
         cache: dict[str, tuple[tuple[int, ...], dict[int, dict[int, Event]]]] = {}
@@ -106,6 +114,18 @@ PEER_FAILURE_MARKERS = (
     "connection closed by peer", "connection reset by peer", "remote worker", "broken pipe",
     "communicator was aborted", "timed out", "timeout", "connection refused", "socket closed",
 )
+
+
+def _failure_words(error: str) -> str:
+    """'when a peer was gone (Connection closed by peer)': the backend's words that say so, the same on every
+    rank (no address or port); another error by its first line."""
+    low = error.lower()
+    marker = next((m for m in PEER_FAILURE_MARKERS if m in low), None)
+    if marker is not None:
+        start = low.index(marker)
+        return f"when a peer was gone ({error[start:start + len(marker)]})"
+    first = error.strip().splitlines()[0] if error.strip() else error
+    return f"with {first[:160]}"
 
 
 def is_peer_failure(exception: str | None) -> bool:
@@ -147,10 +167,14 @@ def whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = Non
         left = f"; it ended its work early at {outcome.where}" if outcome.where else ""   # rank.exit_site
         return f"finished, now idle{left}"
     if outcome.state == RankState.CRASHED:
-        cause = outcome.exception or (f"killed by {outcome.signal}" if outcome.signal else f"exit code {outcome.exit_code}")
+        cause = outcome.exception or (f"killed by {outcome.signal}" if outcome.signal
+                                      else f"exit code {outcome.exit_code}")
         return f"crashed ({cause})"
     if outcome.state == RankState.STUCK and outcome.last_event is not None:
         e = outcome.last_event
+        error = e.error or (outcome.exception if outcome.phase == Phase.ERROR else None)
+        if error:   # it was not waiting at the end: the call raised, and the rank exited with that error
+            return f"failed in {call(e)} {who(e)} {_failure_words(error)}"
         return f"waiting in {call(e)} {who(e)}"
     if outcome.phase == Phase.STARTING:
         return "still starting up (init_process_group)"
@@ -168,10 +192,11 @@ def whereabouts(rank: int, outcome: RankOutcome | None, last: Event | None = Non
 def contradicts(f: Finding, outcomes: Mapping[int, RankOutcome]) -> bool:
     """A hang finding that puts a rank in a call its outcome says it was not in at the end:
     it had finished, or it was stuck in another call."""
-    if f.kind != "hang" or f.seq is None:
+    if f.kind is not Kind.HANG or f.seq is None:
         return False
     # a cycle puts each rank in its own part's call
-    parts = {r: (p.get("group"), p.get("seq"), p.get("op")) for p in f.data.get("cycle") or () for r in p.get("ranks", ())}
+    parts = {r: (p.get("group"), p.get("seq"), p.get("op"))
+             for p in f.data.get("cycle") or () for r in p.get("ranks", ())}
     for r in f.waiting_ranks:
         o = outcomes.get(r)
         if o is None:
@@ -179,7 +204,8 @@ def contradicts(f: Finding, outcomes: Mapping[int, RankOutcome]) -> bool:
         if o.state == RankState.FINISHED:
             return True
         e = o.last_event
-        if o.state == RankState.STUCK and e is not None and (e.group, e.seq, e.op) != parts.get(r, (f.group, f.seq, f.op)):
+        if (o.state == RankState.STUCK and e is not None
+                and (e.group, e.seq, e.op) != parts.get(r, (f.group, f.seq, f.op))):
             return True
     return False
 

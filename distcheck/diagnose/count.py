@@ -7,10 +7,10 @@ completed call prove the call was made). Pure.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
-from distcheck.diagnose.common import RunFacts, Table, detail, majority
-from distcheck.models import EndReason, Event, Finding, RankOutcome
+from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, majority
+from distcheck.models import EndReason, Event, Finding, GroupKey, Kind, RankOutcome, Severity
 from distcheck.text import rank_list, site
 
 
@@ -24,16 +24,17 @@ FROM_ROOT = {"broadcast", "broadcast_object_list", "scatter", "scatter_object_li
 RECV_OPS = {"recv", "recv_object_list"}
 
 
-def find_count_differences(table: Table, facts: RunFacts, explained: bool,
+def find_count_differences(table: Table, facts: RunFacts,
                            outcomes: Mapping[int, RankOutcome] | None = None) -> list[Finding]:
-    """Ranks of one group that issued different numbers of collectives by the end of a run.
+    """Ranks of one group that issued different numbers of collectives by the end of a run that ended on its
+    own (a run cut short leaves calls open: a hang says that, and a crash explains what follows it).
 
     A call a rank lacks is distcheck's loss only with evidence (``_lost_evidence``): the rank's own
     numbering went past it, its Flight Recorder counted it, or a peer returned from a call that
     returns only once every member entered it. Said as a ``coverage`` warning, never as the user's
     error. Without evidence the rank never called it: the job's divergence, said as what happened.
     """
-    if explained or facts.end_reason == EndReason.MAX_DURATION:
+    if facts.end_reason in ABNORMAL_ENDS or facts.end_reason == EndReason.MAX_DURATION:
         return []
     findings = []
     for (group, members), seqs in sorted(table.items()):
@@ -68,14 +69,14 @@ def _counts(members: tuple[int, ...], seqs: Mapping[int, Mapping[int, Event]]) -
     return {m: counts[m] for m in members}
 
 
-def _lost_evidence(rank: int, group: str, seq: int, events: Mapping[int, Event],
+def _lost_evidence(rank: int, group: GroupKey, seq: int, events: Mapping[int, Event],
                    seqs: Mapping[int, Mapping[int, Event]], outcomes: Mapping[int, RankOutcome] | None) -> str | None:
     """Why rank ``rank`` must have issued call ``seq`` that its record lacks; None: nothing says it did."""
     if any(s > seq and rank in evs for s, evs in seqs.items()):
         return "its own numbering went past it"   # the group's counter (or the tracer's) counted it
     outcome = (outcomes or {}).get(rank)
     fr = (outcome.flight_recorder or {}).get(group) if outcome is not None else None
-    if fr and fr.get("last_enqueued_collective", 0) >= seq and not group.startswith("p2p:"):
+    if fr and not group.is_p2p and fr.get("last_enqueued_collective", 0) >= seq:
         return "its Flight Recorder counted it"
     for peer, e in events.items():
         if e.t_exit is None or e.error or e.async_op:
@@ -86,7 +87,7 @@ def _lost_evidence(rank: int, group: str, seq: int, events: Mapping[int, Event],
     return None
 
 
-def _divergence(group: str, members: tuple[int, ...], seqs: Mapping[int, Mapping[int, Event]],
+def _divergence(group: GroupKey, members: tuple[int, ...], seqs: Mapping[int, Mapping[int, Event]],
                 never: Mapping[int, tuple[int, ...]]) -> list[Finding]:
     """Calls some members never made: a partial new_group and a call that raised on the ranks that
     entered it alone are each said as what happened; the rest is a count difference."""
@@ -108,14 +109,16 @@ def _divergence(group: str, members: tuple[int, ...], seqs: Mapping[int, Mapping
     return out
 
 
-def _partial_new_group(group: str, seq: int, events: Mapping[int, Event], absent: tuple[int, ...]) -> Finding:
+def _partial_new_group(group: GroupKey, seq: int, events: Mapping[int, Event], absent: tuple[int, ...]) -> Finding:
     made = sorted(events)
     e = events[made[0]]
     asked = f" for ranks {list(e.members)}" if e.members else ""
     return Finding(
-        kind="count", severity="error", group=group, seq=seq, op="new_group", label=e.label, callsite=e.callsite,
+        kind=Kind.COUNT, severity=Severity.ERROR, group=group, seq=seq, op="new_group", label=e.label,
+        callsite=e.callsite,
         odd_ranks=tuple(absent), fields=("count",),
-        ranks=tuple([detail(r, "created", events[r]) for r in made] + [detail(r, "never called", None) for r in absent]),
+        ranks=tuple([detail(r, "created", events[r]) for r in made]
+                    + [detail(r, "never called", None) for r in absent]),
         summary=(f"new_group #{seq}{asked} was created by {rank_list(made)} only (at {site(e.callsite)}); "
                  f"{rank_list(absent)} never called it. A new_group must be called by every rank of the job, "
                  f"members or not, in the same order: torch numbers groups with a job-wide counter, so every group "
@@ -125,15 +128,16 @@ def _partial_new_group(group: str, seq: int, events: Mapping[int, Event], absent
     )
 
 
-def _entered_alone(group: str, seq: int, events: Mapping[int, Event], absent: tuple[int, ...]) -> Finding:
+def _entered_alone(group: GroupKey, seq: int, events: Mapping[int, Event], absent: tuple[int, ...]) -> Finding:
     """A call the other members never made, which raised (its time-out) on the ranks that entered it."""
     entered = sorted(events)
     e = events[entered[0]]
     waited = f" after {e.t_exit - e.t_enter:.1f} s" if e.t_exit is not None else ""
     return Finding(
-        kind="count", severity="info", group=group, seq=seq, op=e.op, label=e.label, callsite=e.callsite,
+        kind=Kind.COUNT, severity=Severity.INFO, group=group, seq=seq, op=e.op, label=e.label, callsite=e.callsite,
         odd_ranks=tuple(entered), fields=("count",),
-        ranks=tuple([detail(r, "entered", events[r]) for r in entered] + [detail(r, "never called", None) for r in absent]),
+        ranks=tuple([detail(r, "entered", events[r]) for r in entered]
+                    + [detail(r, "never called", None) for r in absent]),
         summary=(f"{e.op} #{seq} (group {group}) was entered by {rank_list(entered)} alone (at {site(e.callsite)}); "
                  f"{rank_list(absent)} never called it, and it raised{waited} on {rank_list(entered)}: {e.error}. "
                  f"The program went on after the error."),
@@ -141,11 +145,11 @@ def _entered_alone(group: str, seq: int, events: Mapping[int, Event], absent: tu
     )
 
 
-def _lost_records(group: str, seqs: Mapping[int, Mapping[int, Event]], counts: Mapping[int, int],
+def _lost_records(group: GroupKey, seqs: Mapping[int, Mapping[int, Event]], counts: Mapping[int, int],
                   missing: Mapping[int, list[int]], reasons: Mapping[int, str]) -> Finding:
     said = "; ".join(f"rank {r} lacks {_numbers(m)} ({reasons[r]})" for r, m in sorted(missing.items()))
     return Finding(
-        kind="coverage", severity="warning", group=group, odd_ranks=tuple(sorted(missing)),
+        kind=Kind.COVERAGE, severity=Severity.WARNING, group=group, odd_ranks=tuple(sorted(missing)),
         summary=(f"distcheck lost records on group {group}: {said}. Those calls were not compared; "
                  f"this is distcheck's shortcoming, not your job's (please report it)."),
         data={"missing": {str(r): m for r, m in sorted(missing.items())},
@@ -159,7 +163,7 @@ def _numbers(seqs: list[int]) -> str:
     return shown + (f" and {len(seqs) - 8} more" if len(seqs) > 8 else "")
 
 
-def _count_finding(group: str, seqs: Mapping[int, Mapping[int, Event]], counts: Mapping[int, int]) -> Finding:
+def _count_finding(group: GroupKey, seqs: Mapping[int, Mapping[int, Event]], counts: Mapping[int, int]) -> Finding:
     expected, odd, tie = majority(counts)
     fewest = min(counts.values())
     by_count: dict[int, list[int]] = defaultdict(list)
@@ -178,7 +182,7 @@ def _count_finding(group: str, seqs: Mapping[int, Mapping[int, Event]], counts: 
         d = extra[0]
         summary += f"; the first extra call is {d.op} #{d.seq} {d.label + ' ' if d.label else ''}at {site(d.callsite)}"
     return Finding(
-        kind="count", severity="error", group=group, odd_ranks=tuple(odd), tie=tie, fields=("count",),
+        kind=Kind.COUNT, severity=Severity.ERROR, group=group, odd_ranks=tuple(odd), tie=tie, fields=("count",),
         majority={"count": expected} if not tie else None, summary=summary + ".", ranks=tuple(details),
         data={"counts": {str(r): c for r, c in sorted(counts.items())}},
     )

@@ -1,7 +1,8 @@
 """Duplicated or missed samples: the DataLoader passes every rank recorded,
 per dataset, with the likely cause in plain words; and how much of the
 dataset a pass cut short covered. Where no sampler tells (an IterableDataset),
-the rows the ranks fed a synced torchmetrics metric (``find_fed_duplicates``). Pure.
+the rows the ranks read from their DataLoaders (``find_read_duplicates``) and the rows
+they fed a synced torchmetrics metric (``find_fed_duplicates``). Pure.
 
 Repeated or missing samples are an error only where they reach a result compared or
 reported across ranks: a pass whose samples no collective consumed, a training pass
@@ -15,11 +16,14 @@ the pass got. Samples it never drew are not "missed": they are its coverage.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, defaultdict
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from distcheck.models import Event, Finding
+from distcheck.models import Event, Finding, Kind, Severity
+from distcheck.diagnose.sample_evidence import different_rows_at_the_same_indices, told_a_wrong_rank
 from distcheck.text import id_list, plural
 
 
@@ -38,16 +42,20 @@ def find_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int,
     records = _records(results)
     findings = []
     for dataset, by_rank in per_dataset.items():
+        if different_rows_at_the_same_indices(records[dataset]):
+            continue   # each rank's own dataset: a coinciding index is not the same sample
         use = _use_of(records[dataset], results, traces)
         f = _sample_finding(dataset, sizes[dataset], by_rank, world_size, partial=dataset in partial,
-                            use=use, sampler=_sampler_of(records[dataset]))
+                            use=use, sampler=_sampler_of(records[dataset]),
+                            told_wrong_rank=told_a_wrong_rank(records[dataset], world_size))
         if f is not None:
             findings.append(f)
-    return findings + find_fed_duplicates(results, world_size)
+    fed = find_fed_duplicates(results, world_size)
+    return findings + fed + [f for f in find_read_duplicates(results, world_size, traces) if not _told(f, fed)]
 
 
-def _records(results: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, dict]]:
-    out: dict[str, dict[int, dict]] = defaultdict(dict)
+def _records(results: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, Mapping[str, Any]]]:
+    out: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
     for rank, res in sorted(results.items()):
         for rec in _drawn(res):
             out[rec["dataset"]][rank] = rec
@@ -92,11 +100,12 @@ def _window(rank: int, rec: Mapping[str, Any], results: Mapping[int, Mapping[str
     return [e for e in traces.get(rank, ()) if start <= e.t_enter < end]
 
 
-def _passes(results: Mapping[int, Mapping[str, Any]]) -> tuple[dict, dict[str, int], dict[str, dict[int, dict]]]:
+def _passes(results: Mapping[int, Mapping[str, Any]]
+            ) -> tuple[dict, dict[str, int], dict[str, dict[int, Mapping[str, Any]]]]:
     """(dataset -> rank -> ids, dataset -> size, dataset -> rank -> record, for passes cut short)."""
     per_dataset: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     sizes: dict[str, int] = {}
-    records: dict[str, dict[int, dict]] = defaultdict(dict)
+    records: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
     for rank, res in sorted(results.items()):
         for rec in _drawn(res):
             per_dataset[rec["dataset"]][rank].extend(rec["ids"])
@@ -118,7 +127,7 @@ def find_partial_coverage(results: Mapping[int, Mapping[str, Any]]) -> list[Find
     for text, passes in lines.items():
         summary = text + (f", in each of {len(passes)} passes" if len(passes) > 1 else "")
         summary += f" ({', '.join(p['dataset'] for p in passes[:3])}{', ...' if len(passes) > 3 else ''})."
-        findings.append(Finding(kind="coverage", severity="info", summary=summary,
+        findings.append(Finding(kind=Kind.COVERAGE, severity=Severity.INFO, summary=summary,
                                 data={**passes[0], "passes": [p["dataset"] for p in passes]}))
     return findings
 
@@ -218,14 +227,16 @@ _HARMLESS = {
 
 
 def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]], world_size: int,
-                    partial: bool = False, use: str | None = None, sampler: str | None = None) -> Finding | None:
+                    partial: bool = False, use: str | None = None, sampler: str | None = None,
+                    told_wrong_rank: tuple[str, str] | None = None) -> Finding | None:
     acc = sample_accounting(size, by_rank)
     if partial:   # a cut pass never drew the rest: not "never seen", only its coverage (find_partial_coverage)
         acc["missing"] = []
     duplicated, missing = acc["duplicated"], acc["missing"]
     if not duplicated and not missing:
         return None
-    cause, fix = _sample_cause(size, by_rank, world_size, acc, sampler)
+    cause, fix = told_wrong_rank if told_wrong_rank and duplicated else \
+        _sample_cause(size, by_rank, world_size, acc, sampler)
     counted = _how_counted(duplicated, missing)
     shown = ", ".join(f"id {i} (ranks {', '.join(map(str, rs))})" for i, rs in list(duplicated.items())[:10])
     same_everywhere = cause.startswith("every rank evaluated")
@@ -238,7 +249,7 @@ def _sample_finding(dataset: str, size: int, by_rank: Mapping[int, Sequence[int]
         (f"No harm: {harmless}." if harmless else f"Fix: {fix}.")
     extra = acc["total"] - len(acc["counts"])   # draws beyond the first of each sample
     return Finding(
-        kind="duplicates", severity="info" if harmless else "error", summary=summary,
+        kind=Kind.DUPLICATES, severity=Severity.INFO if harmless else Severity.ERROR, summary=summary,
         odd_ranks=tuple(sorted({r for rs in duplicated.values() for r in rs})),
         data={"dataset": dataset, "dataset_size": size, "duplicated": {str(i): rs for i, rs in duplicated.items()},
               "missing": missing, "extra": extra, "cause": cause, "counted": counted,
@@ -278,7 +289,6 @@ def _how_counted(duplicated: Mapping[int, list[int]], missing: Sequence[int]) ->
 MIN_DISTINCT_ROWS = 16      # distinctive rows a rank needs before its share says anything
 STRONG_SHARE = 0.5          # of a rank's distinctive rows, fed on another rank too: an error
 WEAK_SHARE = 0.1            # ...: an info line
-_SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 
 
 def find_fed_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int) -> list[Finding]:
@@ -341,11 +351,11 @@ def fed_overlap(streams: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | No
         len({s["rows"] for s in streams.values()}) == 1
     strong = sorted(r for r in evidence if share[r] >= STRONG_SHARE)
     if len(strong) >= 2:
-        severity, ranks = "error", strong
+        severity, ranks = Severity.ERROR, strong
     elif identical and len(first) >= MIN_DISTINCT_ROWS and _changes(first) >= MIN_DISTINCT_ROWS:
-        severity, ranks = "warning", sorted(seqs)
+        severity, ranks = Severity.WARNING, sorted(seqs)
     elif any(share[r] >= WEAK_SHARE for r in evidence):
-        severity, ranks = "info", sorted(r for r in evidence if share[r] >= WEAK_SHARE)
+        severity, ranks = Severity.INFO, sorted(r for r in evidence if share[r] >= WEAK_SHARE)
     else:
         return None
     return {"severity": severity, "ranks": ranks, "identical": identical,
@@ -355,7 +365,7 @@ def fed_overlap(streams: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | No
 
 def _changes(seq: Sequence[int]) -> int:
     """How often consecutive rows differ: sorted data (a run of each class) changes rarely."""
-    return sum(1 for a, b in zip(seq, seq[1:]) if a != b)
+    return sum(1 for a, b in itertools.pairwise(seq) if a != b)
 
 
 def _fed_finding(members: Sequence[tuple[int, Mapping[str, Any]]], found: tuple[list[dict[str, Any]], int],
@@ -363,7 +373,7 @@ def _fed_finding(members: Sequence[tuple[int, Mapping[str, Any]]], found: tuple[
     verdicts, checked = found
     if not verdicts:
         return None
-    worst = min(verdicts, key=lambda v: (_SEVERITY_RANK[v["severity"]], -max(v["share"].values())))
+    worst = min(verdicts, key=lambda v: (v["severity"].weight, -max(v["share"].values())))
     m = members[0][1]
     site = m["computes"][worst["compute"]].get("callsite")
     where = f"{m['class']} at {_site_line(site)}"
@@ -371,11 +381,11 @@ def _fed_finding(members: Sequence[tuple[int, Mapping[str, Any]]], found: tuple[
     often = f", in {len(verdicts)} of the {checked} evaluations checked" if checked > 1 else ""
     ranks = worst["ranks"]
     n = next(iter(worst["rows"].values()))
-    if worst["identical"] and worst["severity"] == "error":
+    if worst["identical"] and worst["severity"] is Severity.ERROR:
         counted, cause = f"{fed:,} rows were counted for {n:,} samples", "every rank fed the metric the same rows"
         what = (f"each of its {len(worst['rows'])} ranks fed its update() the same {plural(n, 'row')}{often}: the "
                 f"data is not split across the ranks, so its synced compute() counted {fed:,} rows for {n:,} samples")
-    elif worst["severity"] == "warning":
+    elif worst["severity"] is Severity.WARNING:
         counted, cause = f"{fed:,} rows were counted", "every rank may have fed the metric the same rows"
         what = (f"every rank fed it the same {plural(n, 'row')} in the same order{often}, but its rows repeat within "
                 f"a rank too (few distinct values), so this may be the data itself")
@@ -387,11 +397,11 @@ def _fed_finding(members: Sequence[tuple[int, Mapping[str, Any]]], found: tuple[
     fix = ("give every rank its own shard: an IterableDataset must split its stream itself (each rank takes "
            "every world_size-th item from its rank, or datasets' split_dataset_by_node), or use a map-style dataset "
            "with a DistributedSampler")
-    tail = (f"Fix: {fix}." if worst["severity"] == "error" else
-            f"If each rank should see different samples, {fix}." if worst["severity"] == "warning" else
+    tail = (f"Fix: {fix}." if worst["severity"] is Severity.ERROR else
+            f"If each rank should see different samples, {fix}." if worst["severity"] is Severity.WARNING else
             "Real data can repeat rows, so this is only a note.")
     return Finding(
-        kind="duplicates", severity=worst["severity"], odd_ranks=tuple(ranks), callsite=site,
+        kind=Kind.DUPLICATES, severity=worst["severity"], odd_ranks=tuple(ranks), callsite=site,
         summary=f"{where}: {what}. {tail}",
         data={"metric": m["class"], "callsite": site, "fed": True, "same_on_every_rank": worst["identical"],
               "counted": counted, "cause": cause,
@@ -404,3 +414,67 @@ def _fed_finding(members: Sequence[tuple[int, Mapping[str, Any]]], found: tuple[
 def _site_line(site: str | None) -> str:
     """'eval.py:41': the file's name and the compute() line."""
     return ":".join(site.rsplit("/", 1)[-1].split(":")[:2]) if site else "an unknown line"
+
+
+# -- duplicates seen in the data: what the ranks read ---------------------------------------------------------
+#
+# A pass over an IterableDataset has no indices, but the rows its batches held were digested as the loader
+# yielded them (``rank.samples``): the samples a rank read, whatever its model made of them (ranks whose models
+# are not synchronised yet feed their metrics different predictions for the same samples). The same rules as
+# the fed rows decide (``fed_overlap``); whether it reached a compared result, as for a sampler's pass.
+
+
+def find_read_duplicates(results: Mapping[int, Mapping[str, Any]], world_size: int,
+                         traces: Mapping[int, Sequence[Event]] | None = None) -> list[Finding]:
+    """One finding per IterableDataset pass whose ranks read the same rows."""
+    passes: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
+    for rank, res in sorted(results.items()):
+        for rec in res.get("samples", ()):
+            if rec.get("iterable") and rec.get("rows") and "t_start" in rec:
+                passes[rec["dataset"]][rank] = rec
+    findings = []
+    for dataset, recs in passes.items():
+        verdict = fed_overlap({r: rec["rows"] for r, rec in recs.items()}) if len(recs) > 1 else None
+        if verdict is not None:
+            findings.append(_read_finding(dataset, verdict, _use_of(recs, results, traces), world_size))
+    return findings
+
+
+def _read_finding(dataset: str, v: Mapping[str, Any], use: str | None, world_size: int) -> Finding:
+    harmless = _HARMLESS.get(use or "")
+    severity = Severity.INFO if harmless else v["severity"]
+    ranks, n = v["ranks"], next(iter(v["rows"].values()))
+    sampled = " (a hash-chosen sample of them compared)" if v["sampled"] else ""
+    if v["identical"] and v["severity"] is Severity.ERROR:
+        read = sum(v["rows"].values())
+        counted, cause = f"{read:,} rows were read for {n:,} samples", "the stream is not split across the ranks"
+        what = (f"each of its {len(v['rows'])} ranks read the same {plural(n, 'row')}, by their content{sampled}: "
+                f"the stream is not split across the ranks, so what they compute together counts {read:,} rows for "
+                f"{n:,} samples")
+    elif v["severity"] is Severity.WARNING:
+        counted, cause = "the same rows were read on every rank", "every rank may have read the same stream"
+        what = (f"every rank read the same {plural(n, 'row')} in the same order{sampled}, but its rows repeat "
+                f"within a rank too (few distinct values), so this may be the data itself")
+    else:
+        pct = ", ".join(f"rank {r}: {v['share'][r]:.0%}" for r in ranks)
+        counted, cause = "some rows were read on several ranks", "several ranks read the same rows"
+        what = f"of the rows that occur once on a rank{sampled}, {pct} were read on another rank too"
+    fix = ("split the stream by rank in the IterableDataset (each rank takes every world_size-th item from its "
+           "rank, or datasets' split_dataset_by_node), or use a map-style dataset with a DistributedSampler")
+    tail = (f"No harm: {harmless}." if harmless else f"Fix: {fix}." if severity is Severity.ERROR else
+            f"If each rank should read different samples, {fix}." if severity is Severity.WARNING else
+            "Real data can repeat rows, so this is only a note.")
+    return Finding(
+        kind=Kind.DUPLICATES, severity=severity, odd_ranks=tuple(ranks),
+        summary=f"Dataset {dataset!r} (an IterableDataset, no sampler): {what}. {tail}",
+        data={"dataset": dataset, "read": True, "same_on_every_rank": v["identical"], "counted": counted,
+              "cause": cause, "use": use, "share": {str(r): x for r, x in v["share"].items()},
+              "rows": {str(r): x for r, x in v["rows"].items()},
+              "distinct_rows": {str(r): x for r, x in v["distinct_rows"].items()}, "sampled": v["sampled"],
+              "world_size": world_size})
+
+
+def _told(f: Finding, fed: Sequence[Finding]) -> bool:
+    """Whether a finding from the rows a metric was fed already says as much of the same ranks."""
+    return any(g.severity.weight <= f.severity.weight and set(f.odd_ranks) <= set(g.odd_ranks)
+               for g in fed)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts, who
 from distcheck.knowledge.library_shapes import waits_elsewhere
-from distcheck.models import EndReason, Event, Finding, Phase, RankDetail, RankOutcome, RankState
+from distcheck.models import (Cause, EndReason, Event, Finding, GroupKey, Kind, Phase, RankDetail, RankOutcome,
+                              RankState, Severity)
 from distcheck.text import rank_list, site
 
 
@@ -24,8 +25,9 @@ def _reached(seqs: Mapping[int, Mapping[int, Event]], members: tuple[int, ...]) 
     return reached
 
 
-def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFacts,
-               mismatches: Sequence[Finding] = ()) -> list[Finding]:
+def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
+    """Ranks waiting in a call others never entered or that never completed (a mismatch in that very call is
+    linked to it afterwards: ``because_of``)."""
     if facts.end_reason not in ABNORMAL_ENDS:
         return []
     detected_after = None
@@ -36,10 +38,13 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
         if len(members) < 2:
             continue
         reached = _reached(seqs, members)
-        if len(set(reached.values())) > 1:
-            seq = min(reached.values()) + 1
+        # a member whose records went with a lost node reached no call that anyone knows of: the others' calls
+        # say where the group stands (its DP group waiting on a lost node's rank was no finding at all)
+        known = [n for r, n in reached.items() if r not in facts.records_lost] or list(reached.values())
+        if len(set(known)) > 1:
+            seq = min(known) + 1
         else:
-            seq = max(reached.values())
+            seq = max(known)
             if all(e.completed for e in seqs.get(seq, {}).values()):
                 continue
         present = seqs.get(seq, {})
@@ -53,14 +58,93 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
         if split is not None:   # a barrier on one side, a data call on the other: each waits in its own
             findings.append(_elsewhere_finding(group, seq, *split, absent, outcomes, last, detected_after))
             continue
-        cause = next((m for m in mismatches if (m.group, m.seq) == (group, seq)), None)
-        findings.append(_hang_finding(group, seq, present, absent, outcomes, last, cause, detected_after,
+        findings.append(_hang_finding(group, seq, present, absent, outcomes, last, detected_after,
                                       facts.records_lost))
-    findings = merge_cycles(findings)
+    findings = fold_downstream(roots_first(merge_alike_cycles(merge_cycles(findings))))
     if facts.evidence:
         findings = [dataclasses.replace(f, summary=f"{f.summary} Decided: {facts.evidence}.",
                                         data={**f.data, "evidence": facts.evidence}) for f in findings]
     return findings
+
+
+def roots_first(findings: list[Finding]) -> list[Finding]:
+    """The calls the others wait on before the waits they cause: a hang whose absent ranks wait in no other
+    hang's call comes first (a TP group stuck in its all-reduce, ahead of the DP and pipeline waits of
+    thousands of ranks downstream of it); otherwise the order stays."""
+    waiting = {r for f in findings for r in f.waiting_ranks}
+    return sorted(findings, key=lambda f: any(r in waiting for r in f.absent_ranks))
+
+
+FOLD_PAST = 8   # more waits downstream of the root hangs than this: said as one sentence on each root, not each
+
+
+def fold_downstream(findings: list[Finding]) -> list[Finding]:
+    """The waits a stuck call causes, said with it when they are many: a hang whose absent ranks all wait in
+    another hang's call is downstream of it. Past ``FOLD_PAST`` of them (a TP group stuck in its all-reduce, and
+    the DP all-gathers and pipeline receives of thousands of ranks waiting on it: one finding per group), each root
+    says how many ranks wait downstream of it and in which calls (``data["downstream"]``), and they are not
+    findings of their own: a 16,384-rank job's report was every DP group's and pipeline pair's wait."""
+    waiting_in = {r: i for i, f in enumerate(findings) for r in f.waiting_ranks}
+    feeds = {i: {waiting_in[a] for a in f.absent_ranks if a in waiting_in} - {i} for i, f in enumerate(findings)}
+    down = [i for i, f in enumerate(findings) if f.absent_ranks and len(feeds[i]) and
+            all(a in waiting_in for a in f.absent_ranks)]
+    roots = [i for i in range(len(findings)) if i not in set(down)]
+    if len(down) <= FOLD_PAST or not roots:
+        return findings
+    below: dict[int, set[int]] = {i: set() for i in roots}   # root -> the downstream findings that wait on it
+    for i in down:
+        seen, todo = {i}, list(feeds[i])
+        while todo:
+            j = todo.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            if j in below:
+                below[j].add(i)
+            else:
+                todo += feeds[j]
+    return [_with_downstream(findings[i], [findings[j] for j in sorted(below[i])]) for i in roots]
+
+
+def _with_downstream(root: Finding, below: list[Finding]) -> Finding:
+    if not below:
+        return root
+    ranks = sorted({r for f in below for r in f.waiting_ranks} - set(root.waiting_ranks))
+    ops = Counter(f.op for f in below)
+    calls = ", ".join(f"{op} x{n}" if n > 1 else str(op) for op, n in ops.most_common())
+    said = (f" {rank_list(ranks).capitalize()} wait downstream of it, in {len(below)} calls of other groups "
+            f"({calls}): each waits on a rank that waits here.")
+    return dataclasses.replace(root, summary=root.summary + said, data={**root.data, "downstream": {
+        "ranks": len(ranks), "calls": len(below), "ops": dict(ops)}})
+
+
+ALIKE_PAST = 2   # more cycles of one shape than this (the same calls, other ranks): said as one finding
+
+
+def merge_alike_cycles(findings: list[Finding]) -> list[Finding]:
+    """Cycles of the same calls on other ranks are one fault said once: a pipeline stage that skipped a micro-batch
+    leaves one cycle per TP lane of the stage pair (8 findings alike at tp=8), each naming the same calls."""
+    def shape(f: Finding) -> tuple | None:
+        parts = f.data.get("cycle")
+        return tuple((p["op"], p["seq"], p["callsite"], len(p["ranks"])) for p in parts) if parts else None
+
+    alike: dict[tuple, list[int]] = defaultdict(list)
+    for i, f in enumerate(findings):
+        key = shape(f)
+        if key is not None:
+            alike[key].append(i)
+    merged = {idx[0]: [findings[i] for i in idx] for idx in alike.values() if len(idx) > ALIKE_PAST}
+    gone = {i for idx in alike.values() if len(idx) > ALIKE_PAST for i in idx[1:]}
+    return [_alike(merged[i]) if i in merged else f for i, f in enumerate(findings) if i not in gone]
+
+
+def _alike(cycles: list[Finding]) -> Finding:
+    first = cycles[0]
+    waiting = tuple(sorted(r for f in cycles for r in f.waiting_ranks))
+    said = (f"{rank_list(waiting).capitalize()} wait for each other in {len(cycles)} cycles alike (the same calls, "
+            f"other ranks); the first: {first.summary}")
+    return dataclasses.replace(first, waiting_ranks=waiting, summary=said, ranks=tuple(
+        d for f in cycles for d in f.ranks), data={**first.data, "alike": [list(f.waiting_ranks) for f in cycles]})
 
 
 def merge_cycles(findings: list[Finding]) -> list[Finding]:
@@ -83,7 +167,7 @@ def merge_cycles(findings: list[Finding]) -> list[Finding]:
 
 def _symmetric(f: Finding) -> bool:
     """A part of a cycle with no majority to blame: a P2P call, or as many ranks waiting as absent."""
-    return bool(f.group and f.group.startswith("p2p:")) or len(f.waiting_ranks) == len(f.absent_ranks)
+    return (f.group is not None and f.group.is_p2p) or len(f.waiting_ranks) == len(f.absent_ranks)
 
 
 def _cycle_through(start: int, edges: Mapping[int, set[int]]) -> set[int]:
@@ -110,37 +194,38 @@ def _cycle_finding(parts: list[Finding]) -> Finding:
     waiting = tuple(sorted(r for f in parts for r in f.waiting_ranks))
     where = "; ".join(f"{rank_list(f.waiting_ranks)} in {f.op} #{f.seq} ({_group_words(f.group)}) at {site(f.callsite)}"
                       for f in parts)
-    p2p = all(f.group and f.group.startswith("p2p:") for f in parts)
+    p2p = all(f.group is not None and f.group.is_p2p for f in parts)
     advice = ("Order the pair (even ranks send first, odd ranks receive first), or post both with "
               "batch_isend_irecv / isend + irecv." if p2p and all(f.op == "send" for f in parts) else
               "Every rank must enter these groups' collectives in the same order.")
     return Finding(
-        kind="hang", severity="error", group=parts[0].group, seq=parts[0].seq, op=parts[0].op, label=parts[0].label,
+        kind=Kind.HANG, severity=Severity.ERROR, group=parts[0].group, seq=parts[0].seq, op=parts[0].op,
+        label=parts[0].label,
         callsite=parts[0].callsite, waiting_ranks=waiting, absent_ranks=(),
         detected_after_s=parts[0].detected_after_s,
-        summary=f"{rank_list(waiting).capitalize()} wait for each other (a cycle; none can finish first): {where}. {advice}",
+        summary=(f"{rank_list(waiting).capitalize()} wait for each other (a cycle; none can finish first): "
+                 f"{where}. {advice}"),
         ranks=tuple(dataclasses.replace(d, role="waiting") for f in parts for d in f.ranks if d.role == "waiting"),
         data={"cycle": [{"group": f.group, "seq": f.seq, "op": f.op, "ranks": list(f.waiting_ranks),
                          "callsite": f.callsite} for f in parts]},
     )
 
 
-def _group_words(group: str | None) -> str:
-    if group and group.startswith("p2p:"):
-        src, _, dst = group[4:].partition(">")
-        return f"from rank {src} to rank {dst}"
+def _group_words(group: GroupKey | None) -> str:
+    if group is not None and group.is_p2p:
+        return f"from rank {group.src_text} to rank {group.dst}"
     return f"group {group}"
 
 
 _LOST = "their records went with their lost node"
 
 
-def _elsewhere_finding(group: str, seq: int, sync: Mapping[int, Event], others: Mapping[int, Event],
+def _elsewhere_finding(group: GroupKey, seq: int, sync: Mapping[int, Event], others: Mapping[int, Event],
                        absent: list[int], outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event],
                        detected_after: float | None) -> Finding:
     """Ranks waiting in a barrier while their peers wait, at the same number, in a call that moves data:
     the ones in the barrier arrived; the others never entered it, each stuck at its own line."""
-    found = _hang_finding(group, seq, sync, absent, outcomes, last, None, detected_after)
+    found = _hang_finding(group, seq, sync, absent, outcomes, last, detected_after)
     elsewhere = {r: f"waiting in {e.op} #{e.seq} {who(e)}" for r, e in sorted(others.items())}
     by_where: dict[str, list[int]] = defaultdict(list)
     for r, text in elsewhere.items():
@@ -162,8 +247,8 @@ def _elsewhere_finding(group: str, seq: int, sync: Mapping[int, Event], others: 
                                                                  for r, e in sorted(others.items())}})
 
 
-def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: list[int],
-                  outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event], cause: Finding | None,
+def _hang_finding(group: GroupKey, seq: int, present: Mapping[int, Event], absent: list[int],
+                  outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event],
                   detected_after: float | None, records_lost: tuple[int, ...] = ()) -> Finding:
     waiting = sorted(present)
     op = Counter(e.op for e in present.values()).most_common(1)[0][0]
@@ -175,6 +260,7 @@ def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: li
     verb = "is" if len(waiting) == 1 else "are"
     called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
     summary = f"{rank_list(waiting).capitalize()} {verb} waiting in {op} #{seq} (group {group}) {called}"
+    summary += on_the_device(present, outcomes)
     if absent:
         groups: dict[str, list[int]] = defaultdict(list)
         for r in absent:
@@ -182,49 +268,114 @@ def _hang_finding(group: str, seq: int, present: Mapping[int, Event], absent: li
         summary += "; " + "; ".join(f"{rank_list(rs)} never entered it ({w})" if w != _LOST else
                                     f"{rank_list(rs)}: not known ({w})" for w, rs in groups.items())
         summary += ". Every rank must issue the same collectives in the same order: call it on all ranks."
-    elif cause is not None:
-        summary += (f"; every rank entered it but it never completed, most likely because of the "
-                    f"{' and '.join(cause.fields)} mismatch in this very call (see the mismatch finding).")
     else:
-        summary += "; every rank entered it but it never completed (a mismatch or a backend/network fault)."
+        summary += _NEVER_COMPLETED
     return Finding(
-        kind="hang", severity="error", summary=summary, group=group, seq=seq, op=op, label=ref.label,
+        kind=Kind.HANG, severity=Severity.ERROR, summary=summary, group=group, seq=seq, op=op, label=ref.label,
         callsite=ref.callsite, waiting_ranks=tuple(waiting), absent_ranks=tuple(absent),
         detected_after_s=detected_after, ranks=tuple(details),
-        data={"caused_by": {"kind": cause.kind, "group": group, "seq": seq}} if cause else {},
     )
 
 
+_NEVER_COMPLETED = "; every rank entered it but it never completed (a mismatch or a backend/network fault)."
+
+
+def because_of(hang: Finding, mismatches: Sequence[Finding]) -> Finding:
+    """A hang in a call every member entered, as the consequence of the mismatch in that very call, where
+    there is one; else the hang as it is. A cycle and ranks waiting at two lines have their own story."""
+    if hang.seq is None or "cycle" in hang.data or "elsewhere" in hang.data:
+        return hang
+    cause = next((m for m in mismatches if (m.group, m.seq) == (hang.group, hang.seq)), None)
+    if cause is None:
+        return hang
+    summary = hang.summary if hang.absent_ranks else hang.summary.replace(
+        _NEVER_COMPLETED, f"; every rank entered it but it never completed, most likely because of the "
+                          f"{' and '.join(cause.fields)} mismatch in this very call (see the mismatch finding).", 1)
+    return dataclasses.replace(hang, summary=summary, caused_by=Cause.of(cause))
+
+
+def on_the_device(present: Mapping[int, Event], outcomes: Mapping[int, RankOutcome]) -> str:
+    """Where the host of each rank whose call returned before its work completed (NCCL) went on to, in words:
+    " (it returned, but its work never completed; the host is blocked at train.py:42)"."""
+    enqueued = sorted(r for r, e in present.items() if e.enqueued)
+    if not enqueued:
+        return ""
+    at: dict[str, list[int]] = defaultdict(list)
+    for r in enqueued:
+        o = outcomes.get(r)
+        at["finished: its script ended" if o is not None and o.state == RankState.FINISHED else
+           f"the host is blocked at {site(o.where)}" if o is not None and o.where else "the host went on"].append(r)
+    said = "; ".join(text if len(at) == 1 else f"{rank_list(rs)}: {text}" for text, rs in at.items())
+    return f" (it returned, but its work never completed; {said})"
+
+
+# Frames of a rank blocked on the rendezvous or the store: the evidence for the endpoint hint.
+_RENDEZVOUS_FRAMES = ("rendezvous", "TCPStore", "_store_based_barrier", "init_process_group", "PrefixStore",
+                      "_create_c10d_store", "store.wait", "store.get")
+
+
 def find_startup_hang(outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
+    """Ranks that never got past start-up when distcheck ended the run. At --timeout that is no hang: the run was
+    cut during start-up (a slow import on a loaded node), said as such. Otherwise a hang, whose hint names the
+    rendezvous only where a starting rank's stack shows it waiting there."""
     if not EndReason.of(facts.end_reason).by_distcheck:
         return []
-    starting = sorted(r for r in range(facts.world_size) if r not in facts.records_lost
-                      and (r not in outcomes or outcomes[r].phase in (None, Phase.STARTING)))
+    starting = sorted(r for r in range(facts.world_size) if r not in facts.records_lost and _starting(outcomes.get(r)))
     if not starting:
         return []
     ready = sorted(set(range(facts.world_size)) - set(starting))
+    details = tuple(RankDetail(rank=r, role="absent", note=_starting_where(outcomes.get(r))) for r in starting)
+    where = "; ".join(f"rank {d.rank} {d.note}" for d in details)
+    blocked = [r for r in starting if _at_rendezvous(outcomes.get(r))]
+    hint = (f" {rank_list(blocked).capitalize()} waited on the rendezvous: check that every rank can reach the "
+            f"rendezvous endpoint." if blocked else "")
+    if facts.end_reason == EndReason.TIMEOUT:
+        limit = f" ({facts.timeout_s:g} s)" if facts.timeout_s else ""
+        return [Finding(kind=Kind.COVERAGE, severity=Severity.WARNING, odd_ranks=tuple(starting), ranks=details,
+                        data={"during_startup": True},
+                        summary=(f"The run reached --timeout{limit} during start-up: {rank_list(starting)} "
+                                 f"{'was' if len(starting) == 1 else 'were'} still starting ({where}). Nothing was "
+                                 f"checked." + (hint or " Give it a longer --timeout.")))]
     return [Finding(
-        kind="hang", severity="error", op="init_process_group", waiting_ranks=tuple(ready),
-        absent_ranks=tuple(starting),
-        summary=(f"{rank_list(starting).capitalize()} never finished start-up (importing or init_process_group); "
-                 f"{rank_list(ready)} got past it. Check that every rank can reach the rendezvous endpoint."),
-        ranks=tuple(RankDetail(rank=r, role="absent", note=whereabouts(r, outcomes.get(r))) for r in starting),
+        kind=Kind.HANG, severity=Severity.ERROR, op="init_process_group", waiting_ranks=tuple(ready),
+        absent_ranks=tuple(starting), ranks=details,
+        summary=(f"{rank_list(starting).capitalize()} never finished start-up ({where}); "
+                 f"{rank_list(ready)} got past it.{hint}"),
     )]
+
+
+def _starting(o: RankOutcome | None) -> bool:
+    """Not past start-up: never reported, still starting, or running a script that never got a process group."""
+    return (o is None or o.phase in (None, Phase.STARTING)
+            or (o.phase == Phase.RUNNING and o.pg_initialized is False and o.last_event is None))
+
+
+def _at_rendezvous(o: RankOutcome | None) -> bool:
+    return o is not None and any(frame in (o.stack or "") for frame in _RENDEZVOUS_FRAMES)
+
+
+def _starting_where(o: RankOutcome | None) -> str:
+    """Where a rank still starting up was: on the rendezvous, or importing (its stack's line)."""
+    if o is None:
+        return "never started"
+    if _at_rendezvous(o):
+        return "waiting on the rendezvous in init_process_group"
+    return f"importing or starting, at {site(o.where)}" if o.where else "importing or starting up"
 
 
 # States of a rank that had not finished when the run was cut.
 _UNFINISHED = (RankState.RUNNING, RankState.STUCK, RankState.KILLED)
 
 
-def find_timeout(outcomes: Mapping[int, RankOutcome], facts: RunFacts, already: list[Finding]) -> list[Finding]:
-    """What was left open when --timeout cut a run that no other hang finding explains.
+def find_timeout(outcomes: Mapping[int, RankOutcome], facts: RunFacts) -> list[Finding]:
+    """What was left open when --timeout cut a run (shown where no crash or other hang finding explains it).
 
     Only a rank inside a collective is *waiting*; the other members of that call are
     *absent* with their whereabouts (finished, or busy in user code), as a stall report
     says it. Unfinished ranks outside every open call are absent from nothing: they get
     one finding of their own, never a "waiting" role.
     """
-    if facts.end_reason != EndReason.TIMEOUT or already:
+    if facts.end_reason != EndReason.TIMEOUT:
         return []
     limit = f" of {facts.timeout_s:g} s" if facts.timeout_s else ""
     prefix = f"The run did not finish within its --timeout{limit}"
@@ -237,22 +388,22 @@ def find_timeout(outcomes: Mapping[int, RankOutcome], facts: RunFacts, already: 
     return findings
 
 
-def _open_calls(outcomes: Mapping[int, RankOutcome]) -> dict[tuple[str, int], dict[int, Event]]:
+def _open_calls(outcomes: Mapping[int, RankOutcome]) -> dict[tuple[GroupKey, int], dict[int, Event]]:
     """{(group, seq): {rank: event}} of the collectives ranks were stuck in at the end."""
-    calls: dict[tuple[str, int], dict[int, Event]] = defaultdict(dict)
+    calls: dict[tuple[GroupKey, int], dict[int, Event]] = defaultdict(dict)
     for r, o in sorted(outcomes.items()):
         if o.state == RankState.STUCK and o.last_event is not None:
             calls[(o.last_event.group, o.last_event.seq)][r] = o.last_event
     return calls
 
 
-def _timed_out_in(call: tuple[str, int], present: Mapping[int, Event], world_size: int,
+def _timed_out_in(call: tuple[GroupKey, int], present: Mapping[int, Event], world_size: int,
                   outcomes: Mapping[int, RankOutcome], prefix: str) -> Finding:
     """The stall report's hang finding for one open call, said as a timeout."""
     group, seq = call
     members = next(iter(present.values())).group_ranks or tuple(range(world_size))
     absent = sorted(set(members) - set(present))
-    found = _hang_finding(group, seq, present, absent, outcomes, {}, None, None)
+    found = _hang_finding(group, seq, present, absent, outcomes, {}, None)
     return dataclasses.replace(found, summary=f"{prefix}: {found.summary[0].lower()}{found.summary[1:]}")
 
 
@@ -263,7 +414,7 @@ def _timed_out_outside(rest: list[int], outcomes: Mapping[int, RankOutcome], pre
     parts += [f"{rank_list(done)} finished"] if done else []
     said = f": {'; '.join(parts)}" if parts else ""
     return Finding(
-        kind="hang", severity="error", summary=f"{prefix} and no rank was waiting in a collective{said}.",
+        kind=Kind.HANG, severity=Severity.ERROR, summary=f"{prefix} and no rank was waiting in a collective{said}.",
         absent_ranks=tuple(rest),
         ranks=tuple(RankDetail(rank=r, role="absent", state=outcomes[r].state, where=outcomes[r].where,
                                note=whereabouts(r, outcomes[r])) for r in rest),

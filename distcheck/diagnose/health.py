@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from distcheck.models import Finding
+from distcheck.models import Finding, Kind, Severity
 from distcheck.text import rank_list
 
 
@@ -19,7 +20,8 @@ def health_findings(results: Mapping[int, Mapping[str, Any]]) -> list[Finding]:
     for name, by_rank in failed.items():
         first = by_rank[min(by_rank)]
         findings.append(Finding(
-            kind="health", severity=first.get("severity", "error"), odd_ranks=tuple(sorted(by_rank)),
+            kind=Kind.HEALTH, severity=Severity(first.get("severity", Severity.ERROR)),
+            odd_ranks=tuple(sorted(by_rank)),
             summary=f"{first['summary']} (reported by {rank_list(by_rank)})",
             data={"requirement": name, **first.get("data", {})},
         ))

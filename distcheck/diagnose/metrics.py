@@ -19,24 +19,25 @@ Per chain (one metric across the ranks):
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from distcheck.files.metric_records import (chain_key, chains, entries_by_rank, joint_computes, unpaired_computes,
                                             unsynced_computes)
-from distcheck.models import Finding
+from distcheck.models import Finding, Kind, Severity
 from distcheck.text import rank_list
 
 RTOL, ATOL = 1e-4, 1e-6
 
 
-def find_metric_results(results: Mapping[int, Mapping[str, Any]], finished: frozenset[int] | None = None
-                        ) -> list[Finding]:
+def find_metric_results(results: Mapping[int, Mapping[str, Any]], finished: frozenset[int] | None = None,
+                        reference: Mapping[str, Any] | None = None) -> list[Finding]:
     """``finished``: the ranks that ended normally (None: all). A compute() whose partner rank did not finish
-    (crashed, killed, stuck) leaves no pair to check, and the finding about that rank already says why."""
+    (crashed, killed, stuck) leaves no pair to check, and the finding about that rank already says why.
+    ``reference``: the single-process replay's answer (``RunFacts.metric_reference``; None: no replay ran)."""
     recorded = entries_by_rank(results)
     if not recorded:
         return []
-    reference = next((res["metric_reference"] for res in results.values() if "metric_reference" in res), None)
     findings = []
     for chain in chains(joint_computes({r: list(ms.values()) for r, ms in recorded.items()})):
         members = [recorded[r][key] for r, key in chain["members"]]
@@ -96,7 +97,7 @@ def _crossed(members: list[Mapping[str, Any]], joint: Mapping[str, Any]) -> Find
     shown = " with ".join(f"{cls}.compute() on {rank_list(rs)}" for cls, rs in by_class.items())
     k = joint["computes"][0]
     return Finding(
-        kind="numeric", severity="error", odd_ranks=tuple(sorted(joint["ranks"])),
+        kind=Kind.NUMERIC, severity=Severity.ERROR, odd_ranks=tuple(sorted(joint["ranks"])),
         callsite=members[0]["computes"][k].get("callsite"),
         summary=(f"{shown} synced together (group {joint['group']}, call #{joint['seq']}): the two metrics "
                  f"exchanged their states, so neither value is right. Fix: compute the metrics in the same order on "
@@ -108,7 +109,8 @@ def _crossed(members: list[Mapping[str, Any]], joint: Mapping[str, Any]) -> Find
 def _cross_rank(m: Mapping[str, Any], k: int, values: Mapping[int, Any]) -> Finding:
     shown = _by_value(values)
     return Finding(
-        kind="numeric", severity="error", odd_ranks=tuple(sorted(values)), callsite=m["computes"][k].get("callsite"),
+        kind=Kind.NUMERIC, severity=Severity.ERROR, odd_ranks=tuple(sorted(values)),
+        callsite=m["computes"][k].get("callsite"),
         summary=(f"{_where(m, k)}: one synced compute() gave different values on different ranks ({shown}): the "
                  f"value depends on the rank (compute() reads something local that the sync does not cover). Fix: "
                  f"compute from the metric's synced states only."),
@@ -127,13 +129,13 @@ def _unsynced(recorded: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> list[F
     """sync_on_compute=False: one warning per metric and line whose ranks got different values."""
     found: dict[tuple, Finding] = {}
     for cluster in unsynced_computes({r: list(ms.values()) for r, ms in recorded.items()}):
-        rank0, m, k = cluster[0]
+        _, m, k = cluster[0]
         key = (m["qualname"], m["computes"][k].get("callsite"))
         values = {m_["computes"][k_]["sync"]["rank"]: m_["computes"][k_]["value"] for _, m_, k_ in cluster}
         if key in found or _all_close(values.values()):
             continue
         found[key] = Finding(
-            kind="numeric", severity="warning", odd_ranks=tuple(sorted(values)),
+            kind=Kind.NUMERIC, severity=Severity.WARNING, odd_ranks=tuple(sorted(values)),
             callsite=m["computes"][k].get("callsite"),
             summary=(f"{_where(m, k)}: compute() gave different values on different ranks ({_by_value(values)}) "
                      f"because the metric has sync_on_compute=False: each rank computed over its own updates only. "
@@ -157,7 +159,7 @@ def _unpaired(recorded: Mapping[int, Mapping[str, Mapping[str, Any]]], finished:
         if finished is not None and not set(missing) <= finished:
             continue
         found[where] = Finding(
-            kind="numeric", severity="warning", callsite=c.get("callsite"),
+            kind=Kind.NUMERIC, severity=Severity.WARNING, callsite=c.get("callsite"),
             summary=(f"{_where(m, k)}: could not be checked against a single process: its compute() synced with "
                      f"{rank_list(missing)}, whose record of that compute() is missing."),
             data={"metric": m["class"], "callsite": c.get("callsite"), "compute": k, "skipped": "unpaired",
@@ -172,8 +174,8 @@ def _fix(b: Mapping[str, Any]) -> str:
                 f"that add up over ranks (a total and a count rather than a mean) and reduce them with \"sum\"")
     what = {"sum": "a count" if b.get("integer") else "a total", "max": "a maximum", "min": "a minimum",
             "mean": "an average over ranks"}[right]
-    return f"`{b['state']}` is {what}: reduce it with \"{right}\" (add_state(\"{b['state'].rsplit('.', 1)[-1]}\", ..., " \
-           f"dist_reduce_fx=\"{right}\"))"
+    return (f"`{b['state']}` is {what}: reduce it with \"{right}\" "
+            f"(add_state(\"{b['state'].rsplit('.', 1)[-1]}\", ..., dist_reduce_fx=\"{right}\"))")
 
 
 def _wrong(m: Mapping[str, Any], k: int, ref: Mapping[str, Any], ranks: int, n_wrong: int, checked: int,
@@ -185,7 +187,7 @@ def _wrong(m: Mapping[str, Any], k: int, ref: Mapping[str, Any], ranks: int, n_w
     calls = f" ({n_wrong} of the {checked} compute() calls checked, of {total}, are wrong)" if checked > 1 else ""
     site = m["computes"][k].get("callsite")
     return Finding(
-        kind="numeric", severity="error", odd_ranks=(), callsite=site,
+        kind=Kind.NUMERIC, severity=Severity.ERROR, odd_ranks=(), callsite=site,
         summary=(f"{_where(m, k)}: the synced compute() gave {_show(m['computes'][k]['value'])}, a single process over "
                  f"the same {ref['samples']:,} samples from the {ranks} ranks gives {_show(ref['reference'])}"
                  f"{calls}.{why}"),
@@ -201,7 +203,7 @@ def _agrees(m: Mapping[str, Any], k: int, ref: Mapping[str, Any], ranks: int, ch
     by_class = f"; class counts of those samples: {counts}" if counts else ""
     calls = f" ({checked} of {total} compute() calls checked)" if checked > 1 or total > 1 else ""
     return Finding(
-        kind="numeric", severity="info", callsite=m["computes"][k].get("callsite"),
+        kind=Kind.NUMERIC, severity=Severity.INFO, callsite=m["computes"][k].get("callsite"),
         summary=(f"{_where(m, k)} matches a single-process computation over the {ref['samples']:,} samples the "
                  f"{ranks} ranks saw{by_class}{calls}"),
         data={"metric": m["class"], "callsite": m["computes"][k].get("callsite"), "agrees": True,
@@ -211,7 +213,7 @@ def _agrees(m: Mapping[str, Any], k: int, ref: Mapping[str, Any], ranks: int, ch
 
 def _unchecked(m: Mapping[str, Any], why: str, k: int | None = None) -> Finding:
     where = _where(m, k) if k is not None else m["class"]
-    return Finding(kind="numeric", severity="warning",
+    return Finding(kind=Kind.NUMERIC, severity=Severity.WARNING,
                    callsite=m["computes"][k].get("callsite") if k is not None else None,
                    summary=f"{where}: could not be checked against a single process: {why}.",
                    data={"metric": m["class"], "skipped": why})

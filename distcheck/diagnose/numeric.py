@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from distcheck.models import Finding
+from distcheck.models import Finding, Kind, Severity
 from distcheck.text import plural, rank_list, signed
 
 
@@ -45,7 +46,7 @@ def _numeric_finding(name: str, bad: Mapping[int, Mapping[str, Any]]) -> Finding
     if first.get("note"):
         summary += f" {first['note']}"
     return Finding(
-        kind="numeric", severity="error", summary=summary, odd_ranks=tuple(sorted(bad)),
+        kind=Kind.NUMERIC, severity=Severity.ERROR, summary=summary, odd_ranks=tuple(sorted(bad)),
         data={"check": name, "ranks": sorted(bad), "max_abs_diff": first["max_abs_diff"], "shape": first["shape"],
               "differing": differing, "actual": first.get("actual"), "reference": first.get("reference")},
     )
@@ -83,7 +84,8 @@ def _num(x: Any) -> str:
     return str(x)
 
 
-def explain_numbers(numeric: list[Finding], duplicates: Sequence[Finding], crossings: Sequence[Finding] = ()) -> list[Finding]:
+def explain_numbers(numeric: list[Finding], duplicates: Sequence[Finding],
+                    crossings: Sequence[Finding] = ()) -> list[Finding]:
     """A wrong number next to duplicated/missing samples or crossed calls: name them as the likely reason."""
     reasons = []
     if duplicates:

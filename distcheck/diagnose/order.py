@@ -5,13 +5,14 @@ silently, but the calls come from different metrics/modules. Pure.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from distcheck.models import Event, Finding, RankDetail
+from distcheck.models import Event, Finding, GroupKey, Kind, RankDetail, Severity
 from distcheck.text import rank_list
 
 
-def crossing_finding(group: str, seq: int, events: Mapping[int, Event], details: tuple[RankDetail, ...],
+def crossing_finding(group: GroupKey, seq: int, events: Mapping[int, Event], details: tuple[RankDetail, ...],
                      odd: tuple[int, ...], tie: bool, expected_label: Any) -> Finding:
     """Ranks met at (group, seq) with the same signature but from different labels; the odd
     side is ``odd`` unless it is a ``tie``, and ``expected_label`` is the majority's."""
@@ -26,7 +27,7 @@ def crossing_finding(group: str, seq: int, events: Mapping[int, Event], details:
                f"metrics/modules" + (" (a tie: no side has a majority)" if tie else "")
                + ". Call them in the same order on every rank.")
     return Finding(
-        kind="order", severity="error", summary=summary, group=group, seq=seq, op=sample.op,
+        kind=Kind.ORDER, severity=Severity.ERROR, summary=summary, group=group, seq=seq, op=sample.op,
         label=ref.label if ref else None, callsite=ref.callsite if ref else None,
         odd_ranks=odd, fields=("label",), tie=tie,
         majority=ref.fingerprint() | {"label": ref.label} if ref else None, ranks=details,

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from distcheck.diagnose.common import detail
 from distcheck.knowledge.library_shapes import group_pattern
-from distcheck.models import Event, Finding
+from distcheck.models import Cause, Event, Finding, Kind, Severity
 from distcheck.text import rank_list, site
 
 Step = tuple[tuple[int, ...], str]   # (group pattern, op)
@@ -86,7 +86,7 @@ def ranks_in_a_cycle(hangs: Sequence[Finding]) -> set[int]:
     another) that ``hang.merge_cycles`` leaves apart because one side of a part is outnumbered."""
     edges: dict[int, set[int]] = {}
     for h in hangs:
-        if h.kind != "hang":
+        if h.kind is not Kind.HANG:
             continue
         for part in h.data.get("cycle") or ():
             for r in part.get("ranks", ()):
@@ -122,9 +122,7 @@ def caused_by_out_of_step(hangs: Sequence[Finding], culprits: Sequence[Finding])
             continue
         summary = (f"{h.summary} It follows from {rank_list(cause.odd_ranks)} out of step with its groups "
                    f"(see the order finding).")
-        out.append(dataclasses.replace(h, summary=summary, data={
-            **h.data, "caused_by": {"kind": cause.kind, "group": cause.group, "seq": cause.seq,
-                                    "ranks": list(cause.odd_ranks)}}))
+        out.append(dataclasses.replace(h, summary=summary, caused_by=Cause.of(cause, ranks=True)))
     return out
 
 
@@ -138,8 +136,8 @@ def _finding(rank: int, at: int, peers: list[int], traces: Mapping[int, Sequence
             theirs[p] = p_calls[at]
     wanted = Counter((group_pattern(e.group_ranks), e.op) for e in theirs.values()).most_common(1)
     want_pattern, want_op = wanted[0][0] if wanted else ((), mine.op)
-    ref = next((e for _, e in sorted(theirs.items()) if (group_pattern(e.group_ranks), e.op) == (want_pattern, want_op)),
-               None)
+    ref = next((e for _, e in sorted(theirs.items())
+                if (group_pattern(e.group_ranks), e.op) == (want_pattern, want_op)), None)
     # its own group of that pattern, as any rank's record names it
     own = next((e for es in traces.values() for e in es if rank in e.group_ranks and not e.is_p2p
                 and group_pattern(e.group_ranks) == want_pattern), None)
@@ -149,13 +147,13 @@ def _finding(rank: int, at: int, peers: list[int], traces: Mapping[int, Sequence
     peer_side = (f"{rank_list(theirs)}, the ranks it shares a group with, make that call over a group like ranks "
                  f"{members(ref)} ({should}) at {site(ref.callsite)}" if ref
                  else f"the ranks it shares a group with ({rank_list(peers)}) agree on another pattern")
-    summary = (f"Rank {rank} broke the pattern its groups follow: its call {at + 1} is {mine.op} #{mine.seq} over group "
-               f"{mine.group} (ranks {members(mine)}) at {site(mine.callsite)}, where {peer_side}. The other ranks' "
-               f"calls follow one pattern of (group, call); this one leaves their groups waiting on each other in a "
-               f"cycle. Make this call over the same mesh dimension on every rank.")
-    details = (detail(rank, "odd", mine),) + tuple(detail(p, "majority", e) for p, e in sorted(theirs.items()))
+    summary = (f"Rank {rank} broke the pattern its groups follow: its call {at + 1} is {mine.op} #{mine.seq} "
+               f"over group {mine.group} (ranks {members(mine)}) at {site(mine.callsite)}, where {peer_side}. "
+               f"The other ranks' calls follow one pattern of (group, call); this one leaves their groups waiting "
+               f"on each other in a cycle. Make this call over the same mesh dimension on every rank.")
+    details = (detail(rank, "odd", mine), *(detail(p, "majority", e) for p, e in sorted(theirs.items())))
     return Finding(
-        kind="order", severity="error", group=mine.group, seq=mine.seq, op=mine.op, label=mine.label,
+        kind=Kind.ORDER, severity=Severity.ERROR, group=mine.group, seq=mine.seq, op=mine.op, label=mine.label,
         callsite=mine.callsite, odd_ranks=(rank,), fields=("group",), tie=False,
         majority=ref.fingerprint() if ref else None, ranks=details, summary=summary,
         data={"out_of_step": {"rank": rank, "call": at + 1, "peers": peers,

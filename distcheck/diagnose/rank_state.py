@@ -27,8 +27,8 @@ def classify_rank(phase: str | None, waiting_in: Event | None, stack_top: str | 
         return RankState.FINISHED, error_where   # set only where it left by sys.exit (rank.exit_site)
     if end_reason == EndReason.MAX_DURATION:   # cut at the end of the window, mid-work is normal
         return RankState.RUNNING, waiting_in.callsite if waiting_in else stack_top
-    if waiting_in is not None:
-        return RankState.STUCK, waiting_in.callsite
+    if waiting_in is not None:   # where the host is: in the call, or (NCCL) on at its line while the call waits
+        return RankState.STUCK, (stack_top or waiting_in.callsite) if waiting_in.enqueued else waiting_in.callsite
     if end_reason == EndReason.COMPLETED:
         return RankState.FINISHED, None
     # Ended from outside: by distcheck's teardown while it was busy (or nobody says how), else by a peer's end.

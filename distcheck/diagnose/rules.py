@@ -2,29 +2,31 @@
 
 No I/O, no printing, no process groups. Each finding kind has its own module
 (mismatch, order, hang, crash, count, numeric, duplicates, straggler); this
-one runs them in order and says what was observed and whether that was expected.
+one runs them in phases (facts → findings → causal linking: ``facts``, ``find_all``,
+``causes``) and says what was observed and whether that was expected.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from distcheck.diagnose.backend_error import find_backend_mismatches
-from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, agreeing, group_table, majority
+from distcheck.diagnose.causes import Found, link
+from distcheck.diagnose.common import RunFacts, group_table, majority
 from distcheck.diagnose.count import find_count_differences
+from distcheck.diagnose.coverage import find_backend_timeout, find_coverage_gaps
 from distcheck.diagnose.crash import find_command_failure, find_crashes
 from distcheck.diagnose.duplicates import find_duplicates, find_partial_coverage
-from distcheck.diagnose.metrics import find_metric_results
+from distcheck.diagnose.facts import Facts, facts_of
 from distcheck.diagnose.hang import find_hangs, find_startup_hang, find_timeout
+from distcheck.diagnose.metrics import find_metric_results
 from distcheck.diagnose.mismatch import find_mismatches
-from distcheck.diagnose.numeric import explain_numbers, find_numeric
-from distcheck.diagnose.out_of_step import caused_by_out_of_step, find_out_of_step
-from distcheck.diagnose.unrecorded import with_unrecorded_calls
-from distcheck.diagnose.coverage import find_coverage_gaps
-from distcheck.diagnose.windows import find_window_divergence, window_note
+from distcheck.diagnose.numeric import find_numeric
 from distcheck.diagnose.straggler import find_late_arrivals, find_stragglers
-from distcheck.diagnose.unwaited import find_unwaited_handles
-from distcheck.models import Event, Finding, RankOutcome, RankState
+from distcheck.diagnose.teardown import teardown_note
+from distcheck.diagnose.windows import find_window_divergence, window_note
+from distcheck.models import PASS, Event, Expectation, Finding, Kind, RankOutcome, Severity
 
 __all__ = ["RunFacts", "analyze", "behaved_as_expected", "collectives_compared", "group_table", "majority",
            "observed_kinds"]
@@ -36,37 +38,32 @@ def analyze(
     facts: RunFacts,
     results: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[Finding]:
-    """Every finding for one run, most important first.
+    """Every finding for one run, most important first, in three phases: the facts the run left, read once
+    (``facts``); each rule's findings from those facts alone (``find_all``); one pass that links each finding
+    to the one it follows from (``causes``): a crash or hang that a mismatch explains comes after that
+    mismatch, the root cause."""
+    seen = facts_of(traces, outcomes, facts, results)
+    return link(find_all(seen), seen)
 
-    A crash or hang that a mismatch explains comes after that mismatch: the
-    mismatch is the root cause, the dead or stuck rank its consequence.
-    """
-    table = group_table(traces)
-    outcomes = with_unrecorded_calls(outcomes, table)   # a C++-issued call a rank died in before its record had it
-    mismatches = find_mismatches(table) + find_window_divergence(facts.elided)   # and before long traces' windows
-    mismatches += find_backend_mismatches(outcomes, traces, mismatches)   # gloo's words, where fingerprints say nothing
-    crashes = find_crashes(outcomes, facts, mismatches) or find_command_failure(facts)
-    hangs = [] if crashes else find_hangs(table, outcomes, facts, mismatches)
-    hangs = hangs or ([] if crashes else find_startup_hang(outcomes, facts))
-    out_of_step = find_out_of_step(traces, hangs)   # the rank that broke its groups' pattern, before its cycle
-    hangs = caused_by_out_of_step(hangs, out_of_step)
-    mismatches += out_of_step
-    counts = find_count_differences(table, facts, explained=bool(crashes or hangs or facts.end_reason in ABNORMAL_ENDS),
-                                    outcomes=outcomes)
-    timeout = find_timeout(outcomes, facts, crashes + hangs)
-    results = results or {}
-    duplicates = find_duplicates(results, facts.world_size, traces)
-    numeric = explain_numbers(find_numeric(results), duplicates, [m for m in mismatches if m.kind == "order"])
-    finished = frozenset(r for r, o in outcomes.items() if o.state == RankState.FINISHED) if outcomes else None
-    numeric += find_metric_results(results, finished)   # torchmetrics vs their single-process replay
-    stopped = crashes + hangs + timeout
-    # the async call some ranks never waited on, where the ranks parted after it: the root cause, named first
-    unwaited = find_unwaited_handles(traces, facts.waited, stopped + mismatches + counts)
-    caused = [f for f in stopped if "caused_by" in f.data]
-    first = [f for f in stopped if f not in caused]
-    found = (unwaited + first + mismatches + caused + counts + numeric + duplicates + find_stragglers(table, facts) + find_late_arrivals(table, facts, outcomes)
-            + find_coverage_gaps(outcomes) + find_partial_coverage(results) + window_note(facts.elided))
-    return agreeing(found, outcomes)   # no second finding may say a rank was elsewhere
+
+def find_all(facts: Facts) -> Found:
+    """Every rule on the run's facts; no rule sees another's findings."""
+    run, table, outcomes, traces, results = facts.run, facts.table, facts.outcomes, facts.traces, facts.results
+    return Found(
+        mismatches=find_mismatches(table) + find_window_divergence(run.elided),   # and before long traces' windows
+        backend=find_backend_mismatches(outcomes, traces),   # gloo's words, where fingerprints say nothing
+        crashes=find_crashes(outcomes, run) or find_command_failure(run),
+        hangs=find_hangs(table, outcomes, run),
+        startup=find_startup_hang(outcomes, run),
+        timeout=find_timeout(outcomes, run),
+        counts=find_count_differences(table, run, outcomes=outcomes),
+        numeric=find_numeric(results),
+        metrics=find_metric_results(results, facts.finished, run.metric_reference),   # vs their single-process replay
+        duplicates=find_duplicates(results, run.world_size, traces),
+        notes=(find_stragglers(table, run) + find_late_arrivals(table, run, outcomes) + find_coverage_gaps(outcomes)
+               + find_backend_timeout(outcomes, run.stall_timeout_s) + find_partial_coverage(results)
+               + window_note(run.elided) + teardown_note(run.after_decision)),
+    )
 
 
 def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:
@@ -75,12 +72,12 @@ def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:
     return sum(1 for seqs in table.values() for events in seqs.values() if len(events) >= 2)
 
 
-def observed_kinds(findings: Iterable[Finding]) -> tuple[str, ...]:
+def observed_kinds(findings: Iterable[Finding]) -> tuple[Expectation, ...]:
     """Kinds of the errors and warnings; a numeric warning (a metric check that could not run, a
     sync_on_compute=False metric whose ranks differ as asked) is shown, but is no wrong result."""
-    kinds = sorted({f.kind for f in findings if f.severity == "error"
-                    or (f.severity == "warning" and f.kind != "numeric")})
-    return tuple(kinds) or ("pass",)
+    kinds = sorted({f.kind for f in findings if f.severity is Severity.ERROR
+                    or (f.severity is Severity.WARNING and f.kind is not Kind.NUMERIC)})
+    return tuple(kinds) or (PASS,)
 
 
 def behaved_as_expected(expected: Sequence[str], observed: Sequence[str]) -> bool:
@@ -89,8 +86,8 @@ def behaved_as_expected(expected: Sequence[str], observed: Sequence[str]) -> boo
     Extra kinds are allowed: a mismatch that makes gloo abort a rank also shows
     as a crash, a hang can leave ranks with different counts.
     """
-    if tuple(expected) == ("pass",):
+    if tuple(expected) == (PASS,):
         # A late rank is a timing warning, not a wrong result: a run that waited for one still passes.
         # A coverage warning is distcheck's own shortcoming (records it lost), not the job's.
-        return set(observed) <= {"pass", "straggler", "coverage"}
+        return set(observed) <= {PASS, Kind.STRAGGLER, Kind.COVERAGE}
     return set(expected) <= set(observed)

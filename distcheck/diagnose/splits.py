@@ -5,11 +5,11 @@ over the whole matrix of one call. Pure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from distcheck.diagnose.common import detail, who
-from distcheck.models import Event, Finding
+from distcheck.models import Event, Finding, GroupKey, Kind, Severity
 from distcheck.text import plural, rank_list
 
 CONSEQUENCE = ("a rank receives more or fewer elements than it expects: gloo aborts the receiver, "
@@ -39,7 +39,7 @@ def broken_pairs(members: tuple[int, ...], events: Mapping[int, Event]) -> list[
             if src not in theirs or dst not in order:
                 continue
             i, j = order.index(dst), theirs.index(src)
-            sent, received = e.splits[0], f.splits[1]
+            sent, received = _sides(e)[0], _sides(f)[1]
             if i < len(sent) and j < len(received) and sent[i] != received[j]:
                 pairs.append(Pair(src, dst, sent[i], received[j]))
     return pairs
@@ -59,10 +59,10 @@ def odd_side(pairs: Sequence[Pair], members: tuple[int, ...]) -> tuple[tuple[int
     return odd, False
 
 
-def splits_finding(group: str, seq: int, members: tuple[int, ...], events: Mapping[int, Event],
+def splits_finding(group: GroupKey, seq: int, members: tuple[int, ...], events: Mapping[int, Event],
                    pairs: Sequence[Pair], odd: tuple[int, ...], tie: bool) -> Finding:
     role = lambda r: "tie" if tie else ("odd" if r in odd else "majority")  # noqa: E731
-    details = tuple(detail(r, role(r), e, note=f"sends {_sizes(e.splits[0])}, expects {_sizes(e.splits[1])}")
+    details = tuple(detail(r, role(r), e, note=f"sends {_sizes(_sides(e)[0])}, expects {_sizes(_sides(e)[1])}")
                     for r, e in sorted(events.items()))
     ref = next((e for r, e in sorted(events.items()) if r not in odd), None) if not tie else None
     sample = events[min(events)]
@@ -76,15 +76,21 @@ def splits_finding(group: str, seq: int, members: tuple[int, ...], events: Mappi
                f"Calls: " + "; ".join(f"rank {r} {who(e)}" for r, e in sorted(events.items()) if not odd or r in odd)
                + f". Exchange the sizes first (an all_to_all_single of the counts). Consequence: {CONSEQUENCE}.")
     return Finding(
-        kind="mismatch", severity="error", group=group, seq=seq, op=sample.op,
+        kind=Kind.MISMATCH, severity=Severity.ERROR, group=group, seq=seq, op=sample.op,
         label=ref.label if ref else sample.label, callsite=ref.callsite if ref else None,
         odd_ranks=odd, fields=("splits",), tie=tie, majority=ref.fingerprint() if ref else None,
         ranks=details, summary=summary,
         data={"pairs": [{"src": p.src, "dst": p.dst, "sent": p.sent, "expected": p.expected} for p in pairs],
-              "splits": {str(r): {"send": list(e.splits[0]), "receive": list(e.splits[1])}
+              "splits": {str(r): {"send": list(_sides(e)[0]), "receive": list(_sides(e)[1])}
                          for r, e in sorted(events.items())}},
     )
 
 
 def _sizes(sizes: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, sizes)) + "]"
+
+
+def _sides(e: Event) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A call's splits (send, receive): only calls whose every side recorded them get here."""
+    assert e.splits is not None
+    return e.splits

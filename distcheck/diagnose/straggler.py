@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from typing import Mapping
+from collections.abc import Mapping
 
 from distcheck.diagnose.common import RunFacts, Table, detail
-from distcheck.models import Event, Finding, RankOutcome
+from distcheck.models import Event, Finding, GroupKey, Kind, RankOutcome, Severity
 from distcheck.text import rank_list, site
 
 
@@ -18,7 +18,7 @@ def find_stragglers(table: Table, facts: RunFacts, min_collectives: int = 5, sha
     """A rank that is the last one into most collectives, by a lag well above scheduling noise."""
     findings = []
     for (group, members), seqs in sorted(table.items()):
-        if group.startswith("p2p:") or len(members) < 2:
+        if group.is_p2p or len(members) < 2:
             continue
         lags: dict[int, list[float]] = defaultdict(list)
         last_count: Counter = Counter()
@@ -37,11 +37,12 @@ def find_stragglers(table: Table, facts: RunFacts, min_collectives: int = 5, sha
     return findings
 
 
-def _straggler_finding(group: str, rank: int, n_last: int, complete: int, lags: Mapping[int, list[float]]) -> Finding:
+def _straggler_finding(group: GroupKey, rank: int, n_last: int, complete: int,
+                       lags: Mapping[int, list[float]]) -> Finding:
     median_lag = statistics.median(lags[rank])
     others = statistics.median(lag for r, ls in lags.items() if r != rank for lag in ls)
     return Finding(
-        kind="straggler", severity="warning", group=group, odd_ranks=(rank,),
+        kind=Kind.STRAGGLER, severity=Severity.WARNING, group=group, odd_ranks=(rank,),
         summary=(f"Rank {rank} was the last to enter {n_last} of {complete} collectives on group {group}, a median "
                  f"{median_lag:.3f} s after the first rank (max {max(lags[rank]):.3f} s); every other rank waits "
                  f"for it each time. Look for extra work on that rank (data loading, logging, rank-specific code)."),
@@ -59,10 +60,9 @@ def find_late_arrivals(table: Table, facts: RunFacts, outcomes: Mapping[int, Ran
     """
     if facts.stall_timeout_s is None:
         return []
-    findings = []
-    for (group, members), seqs in sorted(table.items()):
-        if group.startswith("p2p:"):
-            continue
+    findings: list[Finding] = []
+    collective = sorted((key, seqs) for key, seqs in table.items() if not key[0].is_p2p)   # a P2P pair is no collective
+    for (group, members), seqs in collective:
         for seq in sorted(seqs):
             events = seqs[seq]
             if len(events) < max(2, len(members)):
@@ -74,7 +74,7 @@ def find_late_arrivals(table: Table, facts: RunFacts, outcomes: Mapping[int, Ran
     return findings
 
 
-def _late_finding(group: str, seq: int, events: Mapping[int, Event], outcomes: Mapping[int, RankOutcome],
+def _late_finding(group: GroupKey, seq: int, events: Mapping[int, Event], outcomes: Mapping[int, RankOutcome],
                   evidence: Mapping[int, str]) -> Finding:
     last = max(e.t_enter for e in events.values())
     late = sorted(r for r, e in events.items() if last - e.t_enter < 1.0)
@@ -92,7 +92,7 @@ def _late_finding(group: str, seq: int, events: Mapping[int, Event], outcomes: M
                f"nothing is wrong; if not, look at what {rank_list(late)} does before this call.")
     details = tuple(detail(r, "late" if r in late else "waiting", e) for r, e in sorted(events.items()))
     return Finding(
-        kind="straggler", severity="warning", group=group, seq=seq, op=ref.op, label=ref.label,
+        kind=Kind.STRAGGLER, severity=Severity.WARNING, group=group, seq=seq, op=ref.op, label=ref.label,
         callsite=ref.callsite, odd_ranks=tuple(late), waiting_ranks=tuple(waiters), ranks=details,
         summary=summary,
         data={"waited_s": round(waited, 3), "late_ranks": late, "busy_at": busy[0] if busy else None,

@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Mapping
+from collections.abc import Mapping
+from typing import TypeGuard
 
-from distcheck.diagnose.common import GroupKey, Table, detail, is_peer_failure, majority, who
+from distcheck.diagnose.common import Table, TableKey, detail, is_peer_failure, majority, who
 from distcheck.files.stacks import parse_dumps, user_top
 from distcheck.knowledge.library_shapes import FunctionalCall, functional_call_in, wire_op
-from distcheck.models import Event, Finding, RankOutcome, RankState
-from distcheck.text import field_value, rank_list, site
+from distcheck.models import Event, Finding, Kind, RankOutcome, RankState, Severity
+from distcheck.text import call_site, field_value, rank_list, site
 
 UNRECORDED = "issued from C++, not yet recorded when the rank died"
 
 
-def is_unrecorded(e: Event | None) -> bool:
-    return e is not None and e.native and bool(e.label) and e.label.endswith(f"({UNRECORDED})")
+def is_unrecorded(e: Event | None) -> TypeGuard[Event]:
+    return e is not None and e.native and e.label is not None and e.label.endswith(f"({UNRECORDED})")
 
 
 def _functional_in_stack(stack: str | None) -> tuple[FunctionalCall, str | None] | None:
@@ -45,7 +46,7 @@ def _functional_in_stack(stack: str | None) -> tuple[FunctionalCall, str | None]
             found = functional_call_in(frames)
             if found is not None:
                 top = user_top(thread.frames)
-                return found, (f"{top.file}:{top.line}:{top.function}" if top else None)
+                return found, (call_site(top.file, top.line, top.function) if top else None)
     return None
 
 
@@ -69,7 +70,8 @@ def _stopped_in(peer: int, evs: Mapping[int, Event], peers: Mapping[int, RankOut
     o = peers.get(peer)
     last = o.last_event if o is not None else None
     return (e.native and last is not None and (last.group, last.seq) == (e.group, e.seq)
-            and o.state != RankState.FINISHED and (o.exception is None or is_peer_failure(o.exception)))
+            and o is not None and o.state != RankState.FINISHED
+            and (o.exception is None or is_peer_failure(o.exception)))
 
 
 def _broken_off(rank: int, seqs: Mapping[int, Mapping[int, Event]], peers: Mapping[int, RankOutcome]) -> int | None:
@@ -97,7 +99,7 @@ def _behind(rank: int, seqs: Mapping[int, Mapping[int, Event]], first: int) -> b
     return seq < first and (_returned(last) or last.native)
 
 
-def _calls_died_in(rank: int, table: Table, peers: Mapping[int, RankOutcome]) -> list[tuple[GroupKey, int]]:
+def _calls_died_in(rank: int, table: Table, peers: Mapping[int, RankOutcome]) -> list[tuple[TableKey, int]]:
     """(group, seq) of every group of ``rank`` whose peers were broken off at a number the rank's own record
     has not reached."""
     out = []
@@ -162,10 +164,11 @@ def unrecorded_finding(inside: Event, receivers: Mapping[int, tuple[int, int]], 
     calls = {r: e for r, e in peers.items()} | {inside.rank: inside}
     # Compared as the rules compare C++-issued calls: by what the backend runs. A peer's line and label come from
     # a stack its sidecar sampled a little later (none at all when it sampled no user frame), never compared.
-    sigs = {r: (wire_op(e.op) if e.op != "?" else None, e.shapes, e.dtypes) for r, e in peers.items()}
+    sigs: dict[int, tuple[object, ...]] = {r: (wire_op(e.op) if e.op != "?" else None, e.shapes, e.dtypes)
+                                           for r, e in peers.items()}
     sigs[inside.rank] = (UNRECORDED,)   # only its stack knew the call: alone on its side by construction
     peer_sigs = {sigs[r] for r in peers}
-    expected, odd, tie = majority(sigs) if len(peer_sigs) == 1 else (None, [], True)
+    _, odd, tie = majority(sigs) if len(peer_sigs) == 1 else (None, [], True)
     ref = None if tie else _reference(peers)
     same_wire = ref is not None and (inside.op == "?" or wire_op(inside.op) == wire_op(ref.op))
     fields = ("shape",) if same_wire or ref is None else ("op", "shape")
@@ -174,7 +177,8 @@ def unrecorded_finding(inside: Event, receivers: Mapping[int, tuple[int, int]], 
     peer_text = (f"{rank_list(peers)} called {peer_side.op} #{peer_side.seq} {who(peer_side)} "
                  f"(shape {field_value('shape', peer_side.shapes)})")
     mine = (f"{_api(inside)} on rank {inside.rank} at {site(inside.callsite)} issued "
-            f"{'an ' + inside.op if inside.op != '?' else 'a collective'} from C++ as #{inside.seq} (group {inside.group})")
+            f"{'an ' + inside.op if inside.op != '?' else 'a collective'} from C++ as #{inside.seq} "
+            f"(group {inside.group})")
     blame = (f"Rank {inside.rank} is out of step (its peers agree on their call)" if odd else
              "No side has a majority (a tie), so the records cannot say which side is out of step")
     summary = (f"{mine}, where {peer_text}. {blame}, and the buffers differ in size: gloo aborted "
@@ -184,7 +188,7 @@ def unrecorded_finding(inside: Event, receivers: Mapping[int, tuple[int, int]], 
     details = tuple(detail(r, role(r), e, note=("died inside it (gloo's size abort)" if r in receivers else None))
                     for r, e in sorted(calls.items()))
     return Finding(
-        kind="mismatch", severity="error", group=inside.group, seq=inside.seq,
+        kind=Kind.MISMATCH, severity=Severity.ERROR, group=inside.group, seq=inside.seq,
         op=ref.op if ref else inside.op, label=ref.label if ref else None,
         callsite=ref.callsite if ref else None, odd_ranks=tuple(odd), tie=tie, fields=fields,
         majority=ref.fingerprint() if ref else None, ranks=details, summary=summary,
@@ -192,6 +196,7 @@ def unrecorded_finding(inside: Event, receivers: Mapping[int, tuple[int, int]], 
                                                     "callsite": inside.callsite},
               "receivers": {str(r): {"received": a, "expected": b} for r, (a, b) in receivers.items()},
               "values": {"shape": {"not recorded": [inside.rank],
-                                   **{field_value("shape", e.shapes): [r] for r, e in sorted(peers.items()) if ref is None},
+                                   **{field_value("shape", e.shapes): [r]
+                                      for r, e in sorted(peers.items()) if ref is None},
                                    **({field_value("shape", ref.shapes): sorted(peers)} if ref else {})}}},
     )

@@ -12,10 +12,10 @@ that group, or at all where it made none. Calls numbered apart (P2P) are judged 
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from distcheck.knowledge.library_shapes import P2P_CALLS
-from distcheck.models import Event, Finding, RankDetail
+from distcheck.models import Event, Finding, GroupKey, Kind, RankDetail, Severity
 from distcheck.text import rank_list
 
 
@@ -24,10 +24,10 @@ def find_unwaited_handles(traces: Mapping[int, Sequence[Event]],
                           later: Iterable[Finding]) -> list[Finding]:
     """One error per async call that some ranks waited on and others went on from, where the ranks
     parted later (``later``: the run's other findings)."""
-    parted = [f for f in later if f.severity == "error"]
+    parted = [f for f in later if f.severity is Severity.ERROR]
     if not parted or not waited:
         return []
-    calls: dict[tuple[str, int], dict[int, tuple[Event, bool]]] = {}
+    calls: dict[tuple[GroupKey, int], dict[int, tuple[Event, bool]]] = {}
     for rank, events in traces.items():
         for event, did_wait in _async_calls(events, waited.get(rank, {})):
             calls.setdefault((event.group, event.seq), {})[rank] = (event, did_wait)
@@ -44,14 +44,14 @@ def _async_calls(events: Sequence[Event], waits: Mapping[tuple[str, int], float]
     """Each async collective of one rank, and whether the rank began waiting on its handle before its
     next call on the same group."""
     for i, event in enumerate(events):
-        if not event.async_op or event.native or event.op in P2P_CALLS or event.group.startswith("p2p:"):
+        if event.is_p2p or not event.async_op or event.native or event.op in P2P_CALLS:
             continue
         began = waits.get((event.group, event.seq))
         after = next((e.t_enter for e in events[i + 1:] if e.group == event.group), None)
         yield event, began is not None and (after is None or began <= after)
 
 
-def _finding(group: str, seq: int, ranks: Mapping[int, tuple[Event, bool]], went_on: list[int],
+def _finding(group: GroupKey, seq: int, ranks: Mapping[int, tuple[Event, bool]], went_on: list[int],
              waited: list[int], parted: Finding) -> Finding:
     event = ranks[went_on[0]][0]
     where = f" at {event.callsite}" if event.callsite else ""
@@ -62,6 +62,6 @@ def _finding(group: str, seq: int, ranks: Mapping[int, tuple[Event, bool]], went
                f"before using the result.")
     details = tuple(RankDetail(rank=r, role="went on" if r in went_on else "waited", op=e.op, seq=seq,
                                callsite=e.callsite) for r, (e, _) in sorted(ranks.items()))
-    return Finding(kind="order", severity="error", summary=summary, group=group, seq=seq, op=event.op,
+    return Finding(kind=Kind.ORDER, severity=Severity.ERROR, summary=summary, group=group, seq=seq, op=event.op,
                    label=event.label, callsite=event.callsite, odd_ranks=tuple(went_on), ranks=details,
                    data={"cause": "unwaited_handle", "went_on": went_on, "waited": waited})

@@ -9,13 +9,16 @@ import dataclasses
 import datetime
 import platform
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from distcheck.diagnose.rules import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
 from distcheck.diagnose.blame import attribute_by_majority
 from distcheck.diagnose.health import first_tables, health_findings
-from distcheck.models import VERSION, EndReason, Event, Finding, RankOutcome, RunInfo, ScenarioResult
+from distcheck.errors import ExitCode
+from distcheck.models import (PASS, VERSION, EndReason, Event, Expectation, Finding, Kind, RankOutcome, Report, RunInfo,
+                              ScenarioResult, Severity)
 from distcheck.text import rank_list
 
 
@@ -25,7 +28,7 @@ class Scenario:
 
     name: str
     source: str
-    expected: tuple[str, ...] = ("pass",)
+    expected: tuple[Expectation, ...] = (PASS,)
     description: str | None = None
     launch_dir: str | None = None
 
@@ -58,9 +61,12 @@ def scenario_result(scenario: Scenario, evidence: Evidence, duration_s: float,
     facts = evidence.facts
     findings = _findings(evidence, blame)
     observed = observed_kinds(findings)
-    # An interrupted live run never passes; a post-mortem judges only what the files say.
-    ok = behaved_as_expected(scenario.expected, observed) and (
-        blame is not None or not EndReason.of(facts.end_reason).interrupted)
+    # An interrupted live run never passes, nor one distcheck cut short (but for a pre-flight's window); a
+    # post-mortem judges only what the files say.
+    ended = EndReason.of(facts.end_reason)
+    cut_short = ended.by_distcheck and ended is not EndReason.MAX_DURATION and tuple(scenario.expected) == (PASS,)
+    ok = behaved_as_expected(scenario.expected, observed) and (blame is not None or not (ended.interrupted
+                                                                                         or cut_short))
     return ScenarioResult(
         name=scenario.name, source=scenario.source, expected=scenario.expected, observed=observed, ok=ok,
         duration_s=duration_s, findings=tuple(findings),
@@ -88,17 +94,21 @@ def ended_by_distcheck(facts: RunFacts, findings: Sequence[Finding], why: str | 
     left may simply show nothing open, or only the survivors' errors as reactions to their lost peers)."""
     # Ends distcheck itself decides (EndReason.by_distcheck): such a run is never a pass, whatever the records show.
     ended = EndReason.of(facts.end_reason)
-    if not (ended.by_distcheck or facts.records_lost) or any(f.severity == "error" for f in findings):
+    if not (ended.by_distcheck or facts.records_lost) or any(f.severity is Severity.ERROR for f in findings):
+        return []
+    if any(f.data.get("during_startup") for f in findings):   # said already: cut during start-up, nothing checked
         return []
     what = ended.words.removeprefix("ended ")
     if not ended.by_distcheck:   # a lost node: it ended the run, and what its ranks did went with it
         lost = why or f"the records of {rank_list(facts.records_lost)} went with their lost node"
-        return [Finding(kind="crash", severity="error", data={"ended_by": str(facts.end_reason)},
+        return [Finding(kind=Kind.CRASH, severity=Severity.ERROR, data={"ended_by": str(facts.end_reason)},
                         summary=(f"This run did not finish ({what}): {lost}, so nothing says what they did "
                                  "and the run did not pass. Their node's own launch dir, and its output, "
                                  "may show how far they got."))]
+    if why is None and ended is EndReason.TIMEOUT:
+        why = f"the run took longer than {facts.timeout_s:g} s" if facts.timeout_s else "the run took too long"
     reason = why or (f"no progress for {facts.stall_timeout_s:g} s" if facts.stall_timeout_s else "no progress")
-    return [Finding(kind="hang", severity="error", data={"ended_by": str(facts.end_reason)},
+    return [Finding(kind=Kind.HANG, severity=Severity.ERROR, data={"ended_by": str(facts.end_reason)},
                     summary=(f"distcheck ended this run itself ({what}: {reason}), though no rank was seen "
                              "waiting inside a collective: the run did not finish, so it did not pass. "
                              "Its output, in logs/ of the launch dir, shows how far it got."))]
@@ -108,7 +118,7 @@ def unexplained_failure(facts: RunFacts, outcomes: Mapping[int, RankOutcome],
                         findings: Sequence[Finding]) -> list[Finding]:
     """A live run that ended because a rank failed, while no error finding says why: the failure itself,
     so the run is never a pass (a rank's exit status is its job's, whatever the records show)."""
-    if facts.end_reason != EndReason.CRASH or any(f.severity == "error" for f in findings):
+    if facts.end_reason != EndReason.CRASH or any(f.severity is Severity.ERROR for f in findings):
         return []
     failed = [o for _, o in sorted(outcomes.items()) if o.exit_code not in (None, 0) or o.signal]
     failed = [o for o in failed if o.signal != "SIGTERM"] or failed   # the launcher's SIGTERMs came after
@@ -117,7 +127,7 @@ def unexplained_failure(facts: RunFacts, outcomes: Mapping[int, RankOutcome],
     first = failed[0]
     how = f"was killed by {first.signal}" if first.signal else f"exited with code {first.exit_code}"
     said = f" ({first.exception})" if first.exception else ""
-    return [Finding(kind="crash", severity="error", odd_ranks=(first.rank,), callsite=first.where,
+    return [Finding(kind=Kind.CRASH, severity=Severity.ERROR, odd_ranks=(first.rank,), callsite=first.where,
                     data={"root_rank": first.rank, "exit_code": first.exit_code, "signal": first.signal},
                     summary=(f"Rank {first.rank} {how}{said}, and no collective record explains it: the job "
                              f"failed, so it did not pass. Its log, in logs/ of the launch dir, shows why."))]
@@ -147,7 +157,8 @@ def command_ended(scenario: Scenario, end_reason: str, command_exit: int | None,
     distcheck ended it (a stall between generations, --timeout), or it exited non-zero while every
     test's ranks were clean (a test without ranks failed, or the runner did)."""
     ended_by_us = EndReason.of(end_reason).by_distcheck
-    if EndReason.of(end_reason).interrupted or end_reason == EndReason.MAX_DURATION:   # its exit code is distcheck's doing
+    # its exit code is distcheck's doing
+    if EndReason.of(end_reason).interrupted or end_reason == EndReason.MAX_DURATION:
         return None
     if not ended_by_us and (explained or command_exit in (None, 0)):
         return None
@@ -171,3 +182,17 @@ def run_info(*, backend: str, world_size: int, nnodes: int, nproc_per_node: int,
         hostname=socket.gethostname(), python_version=platform.python_version(), versions=versions,
         command_output=command_output,
     )
+
+
+def exit_code(report: Report) -> ExitCode:
+    """What a run's report means as distcheck's exit code (``ExitCode``); a wrapped command with no process group
+    exits with its own code."""
+    if report.interrupted:
+        return ExitCode.INTERRUPTED
+    if any(s.end_reason == EndReason.TIMEOUT for s in report.scenarios):
+        return ExitCode.TIMEOUT
+    if report.unchecked_exit is not None:
+        return report.unchecked_exit   # type: ignore[return-value]   # the command's own code, not one of ours
+    if report.nothing_ran:
+        return ExitCode.NOTHING_RAN
+    return ExitCode.OK if report.verdict == "pass" else ExitCode.FINDINGS

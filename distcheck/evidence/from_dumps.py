@@ -9,9 +9,10 @@ import dataclasses
 import os
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from distcheck.diagnose.rules import RunFacts
 from distcheck.diagnose.rank_state import classify_rank
@@ -56,7 +57,8 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
     events = [e for evs in traces.values() for e in evs]
     evidence = Evidence(
         events=matched, outcomes=outcomes,
-        facts=RunFacts(world_size=len(ranks.world), end_reason=EndReason.STALL if stuck else EndReason.COMPLETED),
+        # a post-mortem: no launch, no expectation, no stall timeout ran; the dumps say what they say
+        facts=RunFacts(world_size=len(ranks.world), end_reason=EndReason.POSTMORTEM if stuck else EndReason.COMPLETED),
         started_at=min((e.t_enter for e in events if e.t_enter), default=None),
         ended_at=max((e.t_exit or e.t_enter for e in events), default=None))
     notes[:0] = _dump_notes(ordered, ranks.missing, len(ranks.world), world_size is not None, members.inferred,
@@ -65,8 +67,8 @@ def analyze_dumps(files: Sequence[Path], world_size: int | None = None) -> tuple
     scenario = Scenario(name=FR_SCENARIO, source=str(common_dir(list(files))),
                         description=_description(ordered, backends, ranks, notes))
     result = scenario_result(scenario, evidence, 0.0, Blame(ranks.missing, ranks.cut_short))
-    # The analysis itself is part of a post-mortem's duration.
-    result = dataclasses.replace(result, duration_s=time.time() - t0)
+    # The analysis itself is part of a post-mortem's duration; it expected nothing (said as a script's verdict).
+    result = dataclasses.replace(result, duration_s=time.time() - t0, script=True)
     return result, {"backends": backends, "versions": _versions(ordered), "world_size": len(ranks.world),
                     "events": traces}
 
@@ -122,7 +124,8 @@ def _ranks(dumps: dict[int, Dump], world_size: int | None) -> _Ranks:
     named = {r for d in dumps.values() for ranks in d.pg_ranks.values() for r in ranks}
     if world_size is not None:
         if world_size < 1 or max(dumps) >= world_size:
-            raise UsageError(f"--world-size {world_size} does not fit the dumps (they come from ranks up to {max(dumps)})")
+            raise UsageError(f"--world-size {world_size} does not fit the dumps "
+                             f"(they come from ranks up to {max(dumps)})")
         world = tuple(range(world_size))
     else:
         world = tuple(range(max([*dumps, *named]) + 1))
@@ -212,8 +215,8 @@ def _dump_notes(dumps: list[Dump], missing: tuple[int, ...], world: int, world_g
                      f"stood cannot be told, so {'it is' if len(missing) == 1 else 'they are'} left out of the "
                      f"matching.")
     if not world_given:
-        notes.append(f"World size taken as {world} from the file names (dumps do not record it; a missing highest rank goes unnoticed — "
-                     f"pass --world-size).")
+        notes.append(f"World size taken as {world} from the file names (dumps do not record it; "
+                     f"a missing highest rank goes unnoticed — pass --world-size).")
     for d in dumps:
         if d.truncated:
             notes.append(f"rank {d.rank}: {d.path.name} is cut short after {len(d.entries)} whole entries; what the "

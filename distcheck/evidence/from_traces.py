@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from distcheck.diagnose.rules import RunFacts
-from distcheck.evidence.collect import MAX_STACK_CHARS, read_stack_dump, stack_top
+from distcheck.evidence.collect import MAX_STACK_CHARS, read_stack_dump
+from distcheck.diagnose.where import stack_top
 from distcheck.diagnose.rank_state import classify_rank
 from distcheck.diagnose.verdict import Blame, Evidence, Scenario, scenario_result
 from distcheck.errors import CorruptInputError, UsageError
 from distcheck.files.launch_dir import LaunchFiles, RankStatus, read_json
-from distcheck.files.metric_records import with_saved_reference, with_spilled_computes
+from distcheck.files.metric_records import saved_reference, with_spilled_computes
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.files.trace_reader import RankTrace, read_trace_dir
 from distcheck.models import EndReason, Event, Phase, RankOutcome, RankState, ScenarioResult
@@ -37,12 +39,12 @@ def analyze_launch(launch_dir: Path) -> tuple[ScenarioResult, int, dict[int, lis
     facts = RunFacts(
         world_size=world, end_reason=saved.get("end_reason") or (EndReason.STALL if stuck else EndReason.COMPLETED),
         stall_onset=saved.get("stall_onset"), detected_at=saved.get("detected_at"),
-        waited={r: t.waited for r, t in traces.items() if t.waited})
+        waited={r: t.waited for r, t in traces.items() if t.waited},
+        metric_reference=saved_reference(files.metrics_dir))   # the replay's answer as the run had it
     all_events = [e for evs in events.values() for e in evs]
     evidence = Evidence(
         events=events, outcomes=outcomes, facts=facts,
-        results=with_saved_reference({r: with_spilled_computes(s.results, files.metrics_dir) for r, s in status.items() if s.results},
-                                     files.metrics_dir),
+        results={r: with_spilled_computes(s.results, files.metrics_dir) for r, s in status.items() if s.results},
         started_at=saved.get("started_at") or min((e.t_enter for e in all_events), default=None),
         ended_at=saved.get("ended_at"))
     saved_expected = saved.get("expected")

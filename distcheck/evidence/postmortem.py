@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from distcheck.diagnose.blame import attribute_by_majority
 from distcheck.evidence.from_dumps import FR_SCENARIO, analyze_dumps, common_dir
@@ -119,16 +120,16 @@ def analyze_paths(paths: Sequence[Path], world_size: int | None = None, command:
     if sources.launches and not sources.dumps:
         run_dir = common_dir([p.parent for p in sources.launches])
         saved = read_json(run_dir / REPORT_FILE)
-        saved_run = saved.get("run") if isinstance(saved, dict) and isinstance(saved.get("run"), dict) else {}
+        saved_run = saved["run"] if isinstance(saved, dict) and isinstance(saved.get("run"), dict) else {}
     if saved_run.get("backend"):
         backends.add(saved_run["backend"])
-    info = run_info(
+    run = run_info(
         backend="+".join(sorted(backends)) or "unknown", world_size=world, nnodes=_int(saved_run.get("nnodes")) or 1,
         nproc_per_node=_int(saved_run.get("nproc_per_node")) or world,   # dumps do not say: one node assumed
         torch_version=str(saved_run.get("torch_version", "unknown")), command=command, run_dir=str(run_dir),
         seed=_int(saved_run.get("seed")), started=started, ended=time.time(), versions=versions,
     )
-    return PostMortem(report=Report(run=info, scenarios=tuple(results)), events=events)
+    return PostMortem(report=Report(run=run, scenarios=tuple(results)), events=events)
 
 
 def _int(value: Any) -> int:

@@ -70,7 +70,7 @@ from typing import Any
 
 from distcheck.errors import CorruptInputError, UsageError
 from distcheck.files.salvage import RefusedPickle, load_json as _load_json, load_pickle as _load_pickle
-from distcheck.models import Event
+from distcheck.models import Event, GroupKey
 
 # c10 ScalarType names → torch dtype names (as the tracer writes them).
 DTYPES = {
@@ -214,15 +214,16 @@ def pg_of(e: dict[str, Any]) -> tuple[str, str]:
     return str(e.get("pg_id", pg)), ""
 
 
-def group_label(name: str, desc: str) -> str:
-    return f"{name}:{desc}" if desc and desc != "undefined" else name
+def group_label(name: str, desc: str) -> GroupKey:
+    return GroupKey(f"{name}:{desc}" if desc and desc != "undefined" else name)
 
 
 def op_name(profiling_name: str) -> tuple[str, str | None]:
     """("all_reduce", "gloo") from "gloo:all_reduce"."""
-    backend, sep, op = str(profiling_name).partition(":")
+    named, sep, op = str(profiling_name).partition(":")
+    backend: str | None = named
     if not sep:
-        backend, op = None, backend
+        backend, op = None, named
     op = op.strip()
     return OPS.get(op, op), backend
 
@@ -246,20 +247,27 @@ _STDLIB = re.compile(r"[/\\]lib[/\\]python\d+\.\d+[/\\]")
 _DISTCHECK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # distcheck/, not files/
 
 
-def _frame_kind(filename: str) -> str:
+class _Frame(Enum):
+    USER = "user"
+    LIBRARY = "library"
+    TORCH = "torch"
+    SKIP = "skip"
+
+
+def _frame_kind(filename: str) -> _Frame:
     """user | library | torch | skip — from the path alone (dumps come from other machines)."""
     if not filename or filename.startswith("<"):
-        return "skip"
+        return _Frame.SKIP
     m = _SITE_PKG.search(filename)
     if m:
-        return "torch" if m.group(1) == "torch" else "library"
+        return _Frame.TORCH if m.group(1) == "torch" else _Frame.LIBRARY
     if re.search(r"[/\\]torch[/\\](distributed|nn|utils|_dynamo|autograd|cuda)[/\\]", filename):
-        return "torch"
+        return _Frame.TORCH
     if filename.startswith(_DISTCHECK_DIR) and "builtin_scenarios" not in filename:
-        return "skip"
+        return _Frame.SKIP
     if _STDLIB.search(filename):
-        return "skip"
-    return "user"
+        return _Frame.SKIP
+    return _Frame.USER
 
 
 def callsites(frames: Any) -> tuple[str | None, str | None]:
@@ -272,9 +280,9 @@ def callsites(frames: Any) -> tuple[str | None, str | None]:
             continue
         kind = _frame_kind(str(f.get("filename", "")))
         text = f"{f.get('filename')}:{f.get('line')}:{f.get('name')}"
-        if kind == "library" and library is None and user is None:
+        if kind is _Frame.LIBRARY and library is None and user is None:
             library = text
-        elif kind == "user":
+        elif kind is _Frame.USER:
             user = text
             break
     return user, library
@@ -317,13 +325,13 @@ def membership(dumps: list[Dump], world: tuple[int, ...]) -> Membership:
             seen.setdefault(name, set()).add(d.rank)
             descs.setdefault(name, desc)
     inferred = []
-    for name, ranks in seen.items():
+    for name, seen_by in seen.items():
         if name in groups:
             continue
         if descs.get(name) == "default_pg" or name == "0":
             groups[name] = world
         else:
-            groups[name] = tuple(sorted(ranks))
+            groups[name] = tuple(sorted(seen_by))
             inferred.append(group_label(name, descs.get(name, "")))
     return Membership(world=world, groups=groups, inferred=tuple(sorted(inferred)))
 
@@ -423,14 +431,15 @@ def to_events(dump: Dump, members: Membership, seen: Reached | None = None) -> l
             if group_ranks:                           # group-local → global ranks
                 src = group_ranks[src] if src < len(group_ranks) else src
                 dst = group_ranks[dst] if dst < len(group_ranks) else dst
-            group = f"p2p:{src}>{dst}"
+            group = GroupKey.p2p(src, dst)
             seq = p2p_counts[group] = p2p_counts.get(group, 0) + 1
             op, group_ranks = kind, (src, dst)
         t_enter = _ns(e.get("time_created_ns")) or 0.0
         t_exit = (_ns(e.get("time_discovered_completed_ns")) or t_enter) if completed else None
         callsite, library_callsite = callsites(e.get("frames"))
         events.append(Event(
-            rank=dump.rank, group=group, seq=seq, op=op, reduce_op=None,
+            # seq: None where the dump numbers no call (an entry without ids), as it always was
+            rank=dump.rank, group=group, seq=seq, op=op, reduce_op=None,  # type: ignore[arg-type]
             shapes=_shapes(e.get("input_sizes")),
             dtypes=tuple(_dtype(d) for d in e.get("input_dtypes") or ()),
             device=None, root=None, group_ranks=group_ranks, async_op=False,

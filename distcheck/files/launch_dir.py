@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from distcheck.files.trace_reader import read_trace_bytes
 from distcheck.models import Phase
@@ -53,8 +54,10 @@ class RankStatus:
     unwatched: str | None = None             # why C++-issued collectives were counted but not watched
     world_size: int | None = None            # ranks in the job (a rank the user's own command started says)
     backend: str | None = None               # its process group's backend (likewise)
+    pg_timeout_s: float | None = None        # its default group's timeout (the backend ends the job past it)
     test: str | None = None                  # the pytest node id running when the rank initialized
-    hook_failures: dict[str, Any] | None = None   # distcheck's own hooks that failed here (rank.guard): name -> {count, error}
+    # distcheck's own hooks that failed here (rank.guard): name -> {count, error}
+    hook_failures: dict[str, Any] | None = None
 
     @property
     def done_with_current(self) -> bool:
@@ -95,7 +98,7 @@ class LaunchFiles:
     # Per-rank folders, each holding rank<N>.<ext>.
     RANK_FOLDERS = ("traces", "status", "stacks", "logs", "samples", "flight_recorder", "metrics")
     # Everything a launch dir can hold: its signature (the agent's logs and two flag files besides).
-    ENTRIES = RANK_FOLDERS + ("agent", "release", "flight_recorder_request", "generations", "tests")
+    ENTRIES = (*RANK_FOLDERS, "agent", "release", "flight_recorder_request", "generations", "tests")
     # What ``make`` creates before the ranks start.
     MADE = ("traces", "status", "stacks", "logs")
     # What another node sends node 0 for its report.

@@ -17,8 +17,9 @@ the run); the replay walks a chain in order and checks a spread of its computes.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 MAX_CHECKED = 20        # per chain: first, last and an even spread between
 CLOCK_SKEW_S = 0.5      # ranks on different nodes read different clocks

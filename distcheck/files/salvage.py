@@ -31,7 +31,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise RefusedPickle("a persistent id")
 
 
-class _SalvagingUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _SalvagingUnpickler(pickle._Unpickler):
     """The pure-Python unpickler (its stacks are inspectable after an error),
     with the same restriction."""
 

@@ -20,7 +20,7 @@ def append_pass(path: Path, record: dict[str, Any]) -> None:
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
     """Every whole pass in the file (a torn or corrupt line is skipped)."""
-    records = []
+    records: list[dict[str, Any]] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.models import EndReason, Event, Finding, Report, RunInfo, RunSummary, ScenarioResult
+from distcheck.models import EndReason, Event, Finding, Kind, Report, RunInfo, RunSummary, ScenarioResult, Severity
 from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.run_home import roots_to_search, runs_root
 from distcheck.files.trace_reader import read_trace_dir
 
-RUNS_ROOT = Path(".distcheck") / "runs"
 REPORT_FILE = "report.json"
 TIMELINE_FILE = "timeline.html"
 
@@ -58,7 +58,7 @@ def write_no_rank_report(launch_dir: Path, name: str, source: str, why: str, end
     why, ended as ``end``; or, with no ``end``, skipped: it ran clean without a process group)."""
     result = ScenarioResult(
         name=name, source=source, expected=("pass",), observed=(end.value,) if end else (), ok=False, duration_s=0.0,
-        findings=(Finding(kind="crash", severity="error", summary=why),) if end else (),
+        findings=(Finding(kind=Kind.CRASH, severity=Severity.ERROR, summary=why),) if end else (),
         skipped=None if end else why, end_reason=end or EndReason.NOTHING_RAN, launch_dir=str(launch_dir),
         log_tail=log_tail, script=True)
     write_early_report(launch_dir.parent, (result,))
@@ -70,16 +70,18 @@ def write_interrupted_before_start(run_dir: Path, signal_name: str) -> None:
                        note=f"distcheck was interrupted ({signal_name}) before any rank started: nothing ran")
 
 
-def resolve_run_dir(target: str | Path, root: Path = RUNS_ROOT) -> Path:
-    """A run dir, a path to its report.json, or a run id under ``root``."""
+def resolve_run_dir(target: str | Path, root: Path | None = None) -> Path:
+    """A run dir, a path to its report.json, or a run id under ``root`` (default: where runs are saved,
+    ``files.run_home``)."""
     path = Path(target)
     if path.is_file() and path.name == REPORT_FILE:
         return path.parent
     if path.is_dir():
         return path
-    by_id = root / str(target)
-    if not path.is_absolute() and by_id.is_dir():
-        return by_id
+    for folder in [root] if root is not None else roots_to_search():
+        by_id = folder / str(target)
+        if not path.is_absolute() and by_id.is_dir():
+            return by_id
     if path.exists():
         raise UsageError(f"{path} is not a run directory", "pass the directory that holds report.json")
     raise UsageError(f"no run directory at {path}", "list saved runs with 'distcheck runs'")
@@ -145,7 +147,7 @@ def load_events(report: Report, run_dir: Path) -> Events:
     return events
 
 
-def load_run(target: str | Path, root: Path = RUNS_ROOT) -> SavedRun:
+def load_run(target: str | Path, root: Path | None = None) -> SavedRun:
     run_dir = resolve_run_dir(target, root)
     report = load_report(run_dir)
     return SavedRun(path=run_dir, report=report, events=load_events(report, run_dir))
@@ -169,8 +171,9 @@ def summarize(run_dir: Path) -> RunSummary:
     )
 
 
-def list_runs(root: Path = RUNS_ROOT, limit: int | None = 20) -> list[RunSummary]:
-    """Recent runs under ``root``, newest first (run ids start with their time)."""
+def list_runs(root: Path | None = None, limit: int | None = 20) -> list[RunSummary]:
+    """Recent runs under ``root`` (default: where runs are saved), newest first (run ids start with their time)."""
+    root = runs_root() if root is None else root
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and ((p / REPORT_FILE).exists() or _looks_like_run(p))]

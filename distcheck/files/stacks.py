@@ -35,13 +35,17 @@ def _dirs(*names: str) -> tuple[str, ...]:
 
 _STDLIB_DIRS = _dirs("stdlib", "platstdlib")
 _SITE_DIRS = _dirs("purelib", "platlib")
+# Installed packages' console scripts (``bin/distcheck``, ``bin/torchrun``): a launcher's two lines, never where the
+# user's code is (a forked scenario rank's stack starts in distcheck's own)
+_SCRIPT_DIRS = _dirs("scripts")
 
 
 def torch_dir() -> str:
     """torch's package directory (with a trailing separator), or ``/torch/`` while torch is not imported."""
     torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    file = getattr(torch, "__file__", None) if torch is not None else None
+    if file:
+        return os.path.dirname(os.path.abspath(file)) + os.sep
     return os.sep + "torch" + os.sep
 
 
@@ -58,7 +62,7 @@ def classify_file(filename: str, torch_dir: str) -> int:
         return TORCH
     if any(path.startswith(d) for d in _SITE_DIRS) or "site-packages" in path or "dist-packages" in path:
         return LIBRARY
-    if any(path.startswith(d) for d in _STDLIB_DIRS):
+    if any(path.startswith(d) for d in _STDLIB_DIRS) or any(path.startswith(d) for d in _SCRIPT_DIRS):
         return SKIP
     return USER
 

@@ -14,6 +14,14 @@ knows it and waits or stops there:
     C  w0 = 4 | index << 8                     w1, w2 = its next 16 bytes
     Y  w0 = 5 | flags << 8                     w1 = t_sync_ns       w2 = a digest of the main thread's stack
     W  w0 = 6 | phase << 8 (0 in, 1 out)       w1 = call key        w2 = t_ns
+    D  w0 = 7 | group-id << 8                  w1 = seq             w2 = t_done_ns
+
+D records are completion, on a group whose calls complete after they return (``G``'s completion field is
+``device``: NCCL, and any backend registered from Python whose completion distcheck reads): every call of the
+group numbered up to ``seq`` has completed (its backend said so; calls on one group complete in issue order, as
+they run on one stream). On such a group the X record says only that the call returned to Python (its work was
+enqueued): the call stays open, and the rank waits in it, until a D record covers it. On every other group (gloo)
+a call is complete when it returns.
 
 W records are a wait on an async call's handle (``work.wait()`` on what ``isend``, ``irecv`` or
 ``batch_isend_irecv`` returned): the call key is the async call's own, whose E and X records came
@@ -31,8 +39,8 @@ slots (a reader stops at the first), and ``close`` trims it.
 Text records carry everything that repeats, written once and referenced by
 id, one tab-separated line each (``-`` for "none"):
 
-    V  distcheck-trace  3     (the first record of every file)
-    G  group-id  group  ranks(comma separated, runs as first-last)
+    V  distcheck-trace  7     (the first record of every file)
+    G  group-id  group  ranks(comma separated, runs as first-last)  completion(``device`` or ``-``)
     S  site-id  callsite  library-callsite  label
     F  fp-id  op  reduce_op  shapes  dtypes  device  root  kind  site-id  splits  members
     R  error-id  "Type: message" (an error an X record names)
@@ -59,7 +67,7 @@ What is durable when (the guarantee the watchdog and the analysis build on):
 * A call issued from C++ (DDP's reducer and init, FSDP2, DTensor, functional
   collectives, ``Join``'s shadow calls, the P2P ops of a batch): the group
   counts it the moment it is issued; the sidecar (``rank.native``) writes its
-  E record at its next poll (every 0.1 s; a Flight Recorder read at most every
+  E record at its next poll (every 0.05 s; a Flight Recorder read at most every
   0.25 s), and then the Y record with the time it read the counters. So when
   Y says ``t``, every call any group counted before ``t`` is in the file. The
   watchdog judges a waiting or silent rank only on a record synced after its
@@ -88,14 +96,16 @@ import functools
 import struct
 import sys
 from array import array
-from typing import Iterable
+from collections.abc import Iterable
+
+from distcheck.models import GroupKey
 
 
 NONE = "-"
 SLOT = 32
 SLOT_STRUCT = struct.Struct("<4Q")
 CHECK = 0x5D1C_7A3B_9E1F_4C65
-TAG_E, TAG_X, TAG_T, TAG_C, TAG_Y, TAG_W = 1, 2, 3, 4, 5, 6
+TAG_E, TAG_X, TAG_T, TAG_C, TAG_Y, TAG_W, TAG_D = 1, 2, 3, 4, 5, 6, 7
 WAIT_IN, WAIT_OUT = TAG_W, TAG_W | 1 << 8   # w0 of a W record: the wait began / ended
 SYNC_OFFSET = 2 * SLOT             # the Y record's fixed place: after the version record (a T and a C slot)
 SYNC_RECORDER = 1                  # a Y flag: C++-issued calls are watched (the Flight Recorder is readable)
@@ -109,7 +119,8 @@ NATIVE = "n"                       # F's kind for a call issued from C++
 F_FIELDS = 12
 MAX_FIELD_CHARS = 1000
 MAX_ERROR_CHARS = 300
-VERSION_LINE = b"V\tdistcheck-trace\t6\n"
+VERSION_LINE = b"V\tdistcheck-trace\t7\n"
+DEVICE = "device"                  # G's completion field: the group's calls complete after they return (D records)
 _LITTLE = sys.byteorder == "little"
 
 
@@ -135,6 +146,11 @@ def enter_slot(group_id: int, fp_id: int, seq: int, t_enter_ns: int) -> bytes:
 
 def exit_slot(key: int, t_exit_ns: int, error_id: int = 0) -> bytes:
     return slot(TAG_X | error_id << 8, key, t_exit_ns)
+
+
+def done_slot(group_id: int, seq: int, t_done_ns: int) -> bytes:
+    """D: every call of the group numbered up to ``seq`` has completed (a group whose completion is the device's)."""
+    return slot(TAG_D | group_id << 8, seq, t_done_ns)
 
 
 def wait_slots(keys: Iterable[int], t_ns: int, out: bool) -> bytes:
@@ -176,9 +192,11 @@ def text_slots(text: bytes) -> bytes:
     return b"".join(out)
 
 
-def group_record(group_id: int, group: str, ranks: Iterable[int | None]) -> bytes:
-    """G: a process group's (or p2p pair's) id, name and members; ``None`` members are left out."""
-    return f"G\t{group_id}\t{clean(group)}\t{encode_members(r for r in ranks if r is not None) or NONE}\n".encode()
+def group_record(group_id: int, group: str, ranks: Iterable[int | None], device: bool = False) -> bytes:
+    """G: a process group's (or p2p pair's) id, name, members (``None`` members are left out) and whether its calls
+    complete after they return (``device``: D records say when)."""
+    members = encode_members(r for r in ranks if r is not None) or NONE
+    return f"G\t{group_id}\t{clean(group)}\t{members}\t{DEVICE if device else NONE}\n".encode()
 
 
 def encode_members(ranks: Iterable[int]) -> str:
@@ -362,6 +380,7 @@ class Tables:
 
     def __init__(self) -> None:
         self.groups: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.device: set[str] = set()      # groups whose calls complete after they return (D records)
         self.sites: dict[str, tuple[str | None, str | None, str | None]] = {}
         self.fps: dict[int, tuple] = {}
         self.errors: dict[int, str] = {}
@@ -394,8 +413,10 @@ class Tables:
                 *self.sites.get(p[9], (None, None, None)), p[8] == NATIVE, decode_splits(p[10]), _decode_ints(p[11]))
         elif tag == "S" and n == 5:
             self.sites[p[1]] = (_opt(p[2]), _opt(p[3]), _opt(p[4]))
-        elif tag == "G" and n == 4:
-            self.groups[int(p[1])] = (p[2], decode_members(p[3]) if p[3] != NONE else ())
+        elif tag == "G" and n in (4, 5):   # 4: a trace from before completion records
+            self.groups[int(p[1])] = (GroupKey(p[2]), decode_members(p[3]) if p[3] != NONE else ())   # parsed once
+            if n == 5 and p[4] == DEVICE:
+                self.device.add(p[2])
         elif tag == "R" and n == 3:
             self.errors[int(p[1])] = p[2]
         elif tag == "V" and n == 3:
@@ -418,8 +439,9 @@ class Tables:
         if group is None or fp is None:
             return None
         op, reduce_op, shapes, dtypes, device, root, is_async, callsite, library, label, native, splits, members = fp
+        # the last field is the Event's ``t_returned``: None but on a device-completed group (the reader fills it)
         shared = self.shared[w0] = (group[0], op, (reduce_op, shapes, dtypes, device, root, group[1], is_async,
-                                                   callsite, library, label, native, splits, members))
+                                                   callsite, library, label, native, splits, members, None))
         return shared
 
 

@@ -3,14 +3,16 @@ launch's segments, a run dir's trace folder."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-from distcheck.files.trace import (SEQ_MASK, SHARED_ASYNC, SHARED_NATIVE, SLOT, TAG_C, TAG_E, TAG_T, TAG_X, TAG_Y,
+from distcheck.files.trace import (SEQ_MASK, SHARED_ASYNC, SHARED_NATIVE, SLOT, TAG_C, TAG_D, TAG_E, TAG_T, TAG_X,
+                                   TAG_Y,
                                    VERSION_LINE, WAIT_IN, WAIT_OUT, X_OK, Tables, Text, first_bad, slot_words, text_at,
                                    text_slots, used_bytes)
 from distcheck.files.trace_window import Elided, common_window, elided_of
@@ -99,6 +101,7 @@ class _Parse:
         self.errors: dict[int, str] = {}
         self.waiting: dict[int, int] = {}   # call key -> when the rank began waiting on its handle, not done yet
         self.first_wait: dict[int, int] = {}   # call key -> when the rank first began waiting on its handle
+        self.done: dict[str, list[tuple[int, int]]] = {}   # device-completed group -> [(seq done up to, t_ns)]
 
     def run(self, W0: array, W1: array, W2: array) -> None:
         tables, exits, enters = self.tables, self.exits, self.enters
@@ -130,7 +133,13 @@ class _Parse:
                 self.waiting.pop(w1, None)
             elif tag == TAG_Y:
                 continue
-            elif tag == TAG_T or tag == TAG_C:
+            elif tag == TAG_D:
+                group = tables.groups.get(w0 >> 8 & 0xFFFFFF)
+                if group is None:
+                    corrupt += 1
+                else:
+                    self.done.setdefault(group[0], []).append((w1, w2))
+            elif tag in (TAG_T, TAG_C):
                 if tag == TAG_T:
                     corrupt += text is not None   # a text record cut short by the next one
                     text = Text(w0, w1, w2)
@@ -160,18 +169,22 @@ class _Parse:
         start = len(events)
         append, exits, errors, rank, new = events.append, self.exits, self.errors, self.trace.rank, tuple.__new__
         waiting, first_wait, waited = self.waiting, self.first_wait, self.trace.waited
+        device = self.tables.device
         blocked = []
         for key, t, (group, op, rest) in self.enters:
             if first_wait and key in first_wait:
                 waited[(group, key & SEQ_MASK)] = first_wait[key] / 1e9
-            if waiting and key in waiting and rest[SHARED_ASYNC]:   # still waiting on its handle: blocked in it
+            if waiting and key in waiting and rest[SHARED_ASYNC] and group not in device:   # blocked in its wait
                 blocked.append(new(Event, (rank, group, key & SEQ_MASK, op, waiting[key] / 1e9, None,
-                                           errors.get(key) if errors else None)
-                                   + rest[:SHARED_ASYNC] + (False,) + rest[SHARED_ASYNC + 1:]))
+                                           errors.get(key) if errors else None,
+                                           *rest[:SHARED_ASYNC], False, *rest[SHARED_ASYNC + 1:])))
                 continue
             t_exit = exits.get(key)
+            if group in device and not (errors and key in errors):   # returned is not done: D records say when
+                rest = (*rest[:-1], None if t_exit is None else t_exit / 1e9)
+                t_exit = _done_at(self.done.get(group), key & SEQ_MASK)
             append(new(Event, (rank, group, key & SEQ_MASK, op, t / 1e9, None if t_exit is None else t_exit / 1e9,
-                               errors.get(key) if errors else None) + rest))
+                               errors.get(key) if errors else None, *rest)))
         events.extend(sorted(blocked, key=_t_enter))
         if any(rest[SHARED_NATIVE] for _, _, rest in self.tables.shared.values()):
             # C++-issued calls are written when the sidecar sees them, a little after they
@@ -182,6 +195,15 @@ class _Parse:
         self.errors.clear()
         self.waiting.clear()
         self.first_wait.clear()
+        self.done.clear()
+
+
+def _done_at(marks: list[tuple[int, int]] | None, seq: int) -> int | None:
+    """When the first D record that covers ``seq`` was written (marks in file order, their seqs rising)."""
+    if not marks:
+        return None
+    i = bisect.bisect_left(marks, (seq, -1))
+    return marks[i][1] if i < len(marks) else None
 
 
 def _t_enter(e: Event) -> float:

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 from distcheck.files.trace import (NONE, SEQ_MASK, SHARED_ASYNC, SHARED_LABEL, SHARED_MEMBERS, SLOT, SYNC_OFFSET,
-                                   TAG_E, TAG_T, TAG_X, WAIT_IN, WAIT_OUT, Tables, encode_shapes, first_bad, read_sync,
-                                   slot_words, text_at, used_bytes)
+                                   TAG_D, TAG_E, TAG_T, TAG_W, TAG_X, WAIT_IN, WAIT_OUT, Tables, encode_shapes,
+                                   first_bad, read_sync, slot_words, text_at, used_bytes)
 
 
 class OpenCall(NamedTuple):
-    """A synchronous call a rank entered and has not left (yet)."""
+    """A synchronous call a rank entered and has not left (yet); on a device-completed group (NCCL), a call whose
+    work has not completed, whether or not it returned to Python (``returned``: the host went on meanwhile)."""
 
     op: str
     group: str
@@ -23,6 +24,7 @@ class OpenCall(NamedTuple):
     label: str | None
     members: tuple[int, ...] = ()     # the group's ranks (a P2P pair: sender, receiver)
     signature: str = ""               # what must match across its ranks: op, shapes, dtypes, root, members
+    returned: bool = False            # it returned to Python; its work waits on the device
 
 
 class TraceTail:
@@ -49,11 +51,12 @@ class TraceTail:
         self.last_record_ns = 0                               # the newest time an E or X record carries
         self._open: dict[int, tuple[int, tuple]] = {}          # call key -> (t_enter_ns, shared), oldest first
         # (group, seq) -> signature of the newest blocking calls the rank left: a peer still waiting in one
-        # of them with a signature that can never pair is a certain hang (``launch.waitfor``)
+        # of them with a signature that can never pair is a certain hang (``diagnose.waitfor``)
         self.left: OrderedDict[tuple[str, int], str] = OrderedDict()
         self._left_calls: tuple | None = None
         # call key -> shared, of the newest async calls: a wait on one's handle (W) opens it as a blocking call
         self._async: OrderedDict[int, tuple] = OrderedDict()
+        self._returned: set[int] = set()   # open calls on device-completed groups that returned to Python
         self._offset = 0
         self._tables = Tables()
         # The rank's last Y record: (wall time, recorder) — every call its groups counted before that
@@ -78,14 +81,14 @@ class TraceTail:
 
     @property
     def open(self) -> dict[int, OpenCall]:
-        return {key: _open_call(key, t, s) for key, (t, s) in self._open.items()}
+        return {key: _open_call(key, t, s, key in self._returned) for key, (t, s) in self._open.items()}
 
     @property
     def newest_open(self) -> OpenCall | None:
         if not self._open:
             return None
         key = next(reversed(self._open))
-        return _open_call(key, *self._open[key])
+        return _open_call(key, *self._open[key], key in self._returned)
 
     def read(self) -> TraceTail:
         size = self.FIRST_READ_BYTES
@@ -115,54 +118,78 @@ class TraceTail:
     def _take(self, words: array, n: int) -> int:
         """Take complete records from ``words``; return how many slots were used up."""
         good = first_bad(words, 0, n)
-        opened, tables = self._open, self._tables
         i = 0
         while i < good:
             b = 4 * i
             w0, w1, w2 = words[b], words[b + 1], words[b + 2]
             tag = w0 & 0xFF
-            if tag == TAG_X:
-                self.records += 1
-                call = opened.pop(w1, None)
-                if call is not None:
-                    self._remember_left(w1, call[1])
-                self.last_record_ns = max(self.last_record_ns, w2)
-            elif tag == TAG_E:
-                self.records += 1
-                self.last_record_ns = max(self.last_record_ns, w2)
-                s = tables.shared.get(w0) or tables.shared_of(w0)
-                if s is not None:
-                    seq = w1 & SEQ_MASK
-                    if seq > self.entered.get(s[0], 0):
-                        self.entered[s[0]] = seq
-                    if not s[2][SHARED_ASYNC]:   # async calls return at once; their wait is elsewhere
-                        opened[w1] = (w2, s)
-                    else:
-                        self._keep_async(w1, s)
-            elif w0 == WAIT_IN or w0 == WAIT_OUT:   # a wait on an async call's handle: blocked in that call
-                self.records += 1
-                self.last_record_ns = max(self.last_record_ns, w2)
-                if w0 == WAIT_OUT:
-                    opened.pop(w1, None)
-                else:
-                    s = self._async.get(w1)
-                    if s is not None:
-                        opened[w1] = (w2, s)
-            elif tag == TAG_T:
+            if tag == TAG_T:
                 text, j = text_at(words, i, good)
                 if not text.complete:
                     return i if j >= good else j   # the rest is not written yet / a broken record: skip it
-                tables.define(text.text())
-                if tables.segment is not None:   # the next scenario of a batch: its numbers restart
-                    self._tables = tables = Tables()
-                    self.entered = {}
-                    self.left.clear()
-                    self._left_calls = None
-                    self._async.clear()
+                self._define(text.text())
                 i = j
                 continue
+            if tag in (TAG_E, TAG_X, TAG_D, TAG_W):
+                self.records += 1
+                self.last_record_ns = max(self.last_record_ns, w2)
+                self._call_record(tag, w0, w1, w2)
             i += 1
         return good
+
+    def _call_record(self, tag: int, w0: int, w1: int, w2: int) -> None:
+        """An E, X, W or D record: what the rank entered, left, waits on, and what completed."""
+        opened, tables = self._open, self._tables
+        if tag == TAG_X:
+            call = opened.get(w1)
+            if call is not None and call[1][0] in tables.device and w0 == TAG_X:
+                self._returned.add(w1)   # enqueued: open until a D record says its work completed
+            elif call is not None:
+                del opened[w1]
+                self._returned.discard(w1)
+                self._remember_left(w1, call[1])
+        elif tag == TAG_D:
+            group = tables.groups.get(w0 >> 8 & 0xFFFFFF)
+            if group is not None:
+                self._completed(group[0], w1)
+        elif tag == TAG_E:
+            s = tables.shared.get(w0) or tables.shared_of(w0)
+            if s is None:
+                return
+            if w1 & SEQ_MASK > self.entered.get(s[0], 0):
+                self.entered[s[0]] = w1 & SEQ_MASK
+            # async calls return at once, their wait is elsewhere; on a device-completed group every call
+            # is open until its work completes
+            if not s[2][SHARED_ASYNC] or s[0] in tables.device:
+                opened[w1] = (w2, s)
+            else:
+                self._keep_async(w1, s)
+        elif w0 in (WAIT_IN, WAIT_OUT):   # a wait on an async call's handle: blocked in that call
+            call = opened.get(w1)
+            if call is not None and call[1][0] in tables.device:
+                return   # a wait returns at once there: the call stays open until its work completes
+            if w0 == WAIT_OUT:
+                opened.pop(w1, None)
+            elif (s := self._async.get(w1)) is not None:
+                opened[w1] = (w2, s)
+
+    def _define(self, text: str) -> None:
+        self._tables.define(text)
+        if self._tables.segment is not None:   # the next scenario of a batch: its numbers restart
+            self._tables = Tables()
+            self.entered = {}
+            self.left.clear()
+            self._left_calls = None
+            self._async.clear()
+            self._returned.clear()
+
+    def _completed(self, group: str, upto: int) -> None:
+        """A D record: the group's calls numbered up to ``upto`` completed (whichever id their E record named it by:
+        the tracer's or the C++-collective sidecar's)."""
+        for key in [k for k, (_, s) in self._open.items() if s[0] == group and k & SEQ_MASK <= upto]:
+            _, shared = self._open.pop(key)
+            self._returned.discard(key)
+            self._remember_left(key, shared)
 
     def _keep_async(self, key: int, shared: tuple) -> None:
         self._async[key] = shared
@@ -196,10 +223,10 @@ def pairing_of(signature: str) -> tuple[str, str]:
     return parts[0], parts[-1]
 
 
-def _open_call(key: int, t_enter_ns: int, shared: tuple) -> OpenCall:
+def _open_call(key: int, t_enter_ns: int, shared: tuple, returned: bool = False) -> OpenCall:
     group, op, rest = shared
     return OpenCall(op, group, key & SEQ_MASK, t_enter_ns / 1e9, rest[SHARED_LABEL], tuple(rest[5]),
-                    _signature(op, rest))
+                    _signature(op, rest), returned)
 
 
 def synced_at(path: Path) -> float | None:

@@ -24,12 +24,17 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from itertools import compress
-from typing import Iterable, Mapping
 
 from distcheck.files.trace import (NONE, SEQ_MASK, SLOT, SYNC_OFFSET, TAG_E, TAG_T, Tables, clean, first_bad,
                                    slot_words, text_at, text_slots, used_bytes)
+from distcheck.models.group_key import is_p2p
+
+if TYPE_CHECKING:
+    from distcheck.files.trace_reader import RankTrace
 
 WHOLE_UP_TO = 1000     # calls: a rank's trace with no more than this crosses whole
 KEEP_CALLS = 64        # the last calls of a longer trace that cross to node 0
@@ -47,7 +52,18 @@ class Elided:
     held_at: tuple[int, str] | None = None  # (node, path) of the rank's whole trace; None: node 0 has it
 
 
-def digest_of(calls: Iterable[tuple[int, str, str]]) -> dict[int, str]:
+_P2P_SIDES = {"send": "p2p", "isend": "p2p", "recv": "p2p", "irecv": "p2p", "send_object_list": "p2p_object",
+              "recv_object_list": "p2p_object"}
+
+
+def digest_op(group: str, op: str) -> str:
+    """The op a digest holds for a call of ``group``: a P2P pair's sender records ``send`` and its receiver ``recv``
+    at the same number by design, so both sides hold one word (their digests differed in every block: a mismatch
+    of every pipeline's pairs)."""
+    return _P2P_SIDES.get(op, op) if is_p2p(group) else op
+
+
+def digest_of(calls: Iterable[tuple[int, str, str | None]]) -> dict[int, str]:
     """Block -> digest of (seq, op, reduce op) of every call in it, for the blocks ``calls`` fill.
 
     A block is calls ``b * BLOCK + 1`` to ``(b + 1) * BLOCK`` of one group; a block with a number missing
@@ -117,7 +133,7 @@ class _Enters:
     call_of: dict[int, tuple[str, str, str]]
 
     @classmethod
-    def of(cls, words: array, tables: Tables, tags: bytes) -> "_Enters":
+    def of(cls, words: array, tables: Tables, tags: bytes) -> _Enters:
         mask = tags.translate(_E_MASK)   # 1 at each E record, 0 elsewhere
         end = 4 * len(tags)
         slots = list(compress(range(len(tags)), mask))
@@ -152,7 +168,7 @@ def _call(tables: Tables, w0: int) -> tuple[str, str, str] | None:
     if s is None:
         return None
     group, op, rest = s
-    return group, op, rest[0] or NONE
+    return group, digest_op(group, op), rest[0] or NONE
 
 
 def _windowed(data: bytes, used: int, texts: list[tuple[int, int]], enters: _Enters, kept_from: int,
@@ -205,7 +221,7 @@ def elided_of(tables: Tables) -> dict[str, Elided]:
     return {group: Elided(first, count, digests, held) for group, (first, count, digests) in tables.kept.items()}
 
 
-def common_window(traces: Mapping[int, object]) -> None:
+def common_window(traces: Mapping[int, RankTrace]) -> None:
     """Cut every rank's calls of a group at the same number, the highest its windows start at, in place
     (``traces``: rank -> ``trace_reader.RankTrace``); a rank node 0 has whole gets, for the calls cut,
     the digests its window would have carried, so that every rank's blocks can be compared."""
@@ -216,14 +232,14 @@ def common_window(traces: Mapping[int, object]) -> None:
     if not cuts:
         return
     for trace in traces.values():
-        cut_calls: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
+        cut_calls: dict[str, list[tuple[int, str, str | None]]] = defaultdict(list)
         kept = []
-        for e in trace.events:
-            cut = cuts.get(e.group)
-            if cut is not None and e.seq < cut:
-                cut_calls[e.group].append((e.seq, e.op, e.reduce_op))
+        for call in trace.events:
+            cut = cuts.get(call.group)
+            if cut is not None and call.seq < cut:
+                cut_calls[call.group].append((call.seq, digest_op(call.group, call.op), call.reduce_op))
             else:
-                kept.append(e)
+                kept.append(call)
         if not cut_calls:
             continue
         trace.events[:] = kept

@@ -13,8 +13,9 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from distcheck.files.trace import SYNC_OFFSET, VERSION_LINE, complete_bytes, header_slots, sync_slot, text_slots
 
@@ -74,7 +75,12 @@ class TraceWriter:
         if used == 0:
             self.write(header_slots())
         me = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (w := me()) is not None and w._forget())
+
+        def forget_in_child() -> None:
+            w = me()
+            if w is not None:
+                w._forget()
+        os.register_at_fork(after_in_child=forget_in_child)
 
     def write(self, record: bytes) -> None:
         """Append whole slots, growing the file when the mapping is full; dropped once closed."""
@@ -117,6 +123,7 @@ class TraceWriter:
             raise ValueError(str(exc)) from None
 
     def _grow(self, need: int) -> None:
+        assert self.mm is not None   # only a mapped trace grows
         size = len(self.mm)
         new = size + max(need, min(size, self.MAX_STEP_BYTES))
         _reserve(self.fd, new)
@@ -131,6 +138,7 @@ class TraceWriter:
 
     def _let_go(self) -> int:
         """Close the mapping; the position it was written up to."""
+        assert self.mm is not None   # only a mapped trace lets go of its mapping
         used = self.cursor.detach() if self.cursor is not None else self.mm.tell()
         self.mm.close()
         return used

@@ -3,15 +3,16 @@
 A script run from ``site-packages`` (accelerate's own test scripts), any ``.py`` file given on the
 command line, and the test files or folders given to pytest are the user's code, even where
 ``files.stacks.classify_file`` would call a frame in them a library's. ``distcheck run`` names them
-once, in ``DISTCHECK_USER_FILES`` (absolute paths joined by ``os.pathsep``), so the launcher (its
-diagnosis of stack dumps) and every rank it starts, however the command starts them, agree.
+once: in its own process (``declare``, for its diagnosis of stack dumps) and in every rank it starts,
+however the command starts them (``DISTCHECK_USER_FILES`` in the ranks' environment: absolute paths joined by
+``os.pathsep``), so all agree.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 USER_FILES_ENV = "DISTCHECK_USER_FILES"
 
@@ -44,19 +45,26 @@ def named_paths(argv: Sequence[str], cwd: str | None = None) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def declare(paths: Iterable[str]) -> None:
-    """Name these files and folders as the user's, for this process and every process it starts."""
+_declared: str | None = None   # named in this process (distcheck's own), which keeps its environment as it is
+
+
+def environment(paths: Iterable[str]) -> dict[str, str]:
+    """What the processes distcheck starts are given to know the same files as the user's."""
     joined = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    if joined:
-        os.environ[USER_FILES_ENV] = joined
-    else:
-        os.environ.pop(USER_FILES_ENV, None)
+    return {USER_FILES_ENV: joined} if joined else {}
+
+
+def declare(paths: Iterable[str]) -> None:
+    """Name these files and folders as the user's in this process (never through its environment: under the
+    pytest plugin this process is the user's own pytest)."""
+    global _declared
+    _declared = os.pathsep.join(dict.fromkeys(p for p in paths if p))
 
 
 def is_named(path: str) -> bool:
     """Whether an absolute path is a file the user named, or inside a folder they named."""
     global _cache
-    raw = os.environ.get(USER_FILES_ENV, "")
+    raw = _declared if _declared is not None else os.environ.get(USER_FILES_ENV, "")
     if not raw:
         return False
     if raw != _cache[0]:

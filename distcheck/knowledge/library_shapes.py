@@ -33,8 +33,8 @@ Measured on torch 2.13, gloo (tests/test_rules_ecosystem.py and tests/test_ecosy
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from distcheck.models import Event
 
@@ -93,7 +93,8 @@ FUNCTIONAL_APIS: tuple[tuple[str, str, FunctionalCall], ...] = (
     ("/torch/distributed/tensor/_api.py", "distribute_tensor", FunctionalCall("distribute_tensor()", None)),
     (FUNCTIONAL_FILE, "all_gather_tensor", FunctionalCall("funcol.all_gather_tensor()", "all_gather")),
     (FUNCTIONAL_FILE, "all_reduce", FunctionalCall("funcol.all_reduce()", "all_reduce")),
-    (FUNCTIONAL_FILE, "reduce_scatter_tensor", FunctionalCall("funcol.reduce_scatter_tensor()", "reduce_scatter_tensor")),
+    (FUNCTIONAL_FILE, "reduce_scatter_tensor",
+     FunctionalCall("funcol.reduce_scatter_tensor()", "reduce_scatter_tensor")),
     (FUNCTIONAL_FILE, "all_to_all_single", FunctionalCall("funcol.all_to_all_single()", "all_to_all_single")),
     (FUNCTIONAL_FILE, "broadcast", FunctionalCall("funcol.broadcast()", "broadcast")),
 )

@@ -133,7 +133,7 @@ def parse_floors(value: object) -> dict[str, float]:
     text = str(value).strip()
     floors: dict[str, float] = {}
     for part in text.split(","):
-        op, sep, number = part.strip().rpartition("=") if "=" in part else ("*", "", part.strip())
+        op, _, number = part.strip().rpartition("=") if "=" in part else ("*", "", part.strip())
         op = op.strip()
         if op != "*" and op not in OPS:
             raise ValueError(f"--min-busbw: unknown op {op!r}; use one of {', '.join(OPS)}")

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, cast
 
 from distcheck.launch.launcher import LaunchOutcome
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -30,10 +31,10 @@ from distcheck.files.trace_reader import split_segments
 from distcheck.launch.watchdog import WatchdogResult
 
 # Per-batch fields of a rank's status that do not belong to one scenario.
-_BATCH_FIELDS = dict.fromkeys(("scenarios", "current", "results", "collectives"))
+_BATCH_FIELDS: dict[str, Any] = dict.fromkeys(("scenarios", "current", "results", "collectives"))
 # A failure's fields: they belong to the scenario running when it happened, never to one
 # that had finished on that rank before (a later scenario's gloo abort is not theirs).
-_FAILURE_FIELDS = dict.fromkeys(("exit_code", "exception", "traceback", "where"))
+_FAILURE_FIELDS: dict[str, Any] = dict.fromkeys(("exit_code", "exception", "traceback", "where"))
 
 
 class ScenarioFollower:
@@ -86,7 +87,8 @@ def split(batch: LaunchFiles, specs: list[ScenarioSpec], world_size: int, outcom
                       for r in range(world_size))
         if all(done):
             launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=False)
-            out.completed.append((spec, launch_dir, _completed_outcome(done, outcome.watchdog.busy_lines)))
+            finished = cast("list[dict]", done)   # all(done): every rank's result is there
+            out.completed.append((spec, launch_dir, _completed_outcome(finished, outcome.watchdog.busy_lines)))
         elif started and out.failed is None:
             launch_dir = _materialize(batch, spec, run_dir, statuses, segments, world_size, failed=True)
             out.failed = (spec, launch_dir, _failed_outcome(outcome, out.completed))

@@ -15,19 +15,22 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from distcheck import interrupt
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import launcher, memory, procs, slurm
 from distcheck.launch.launcher import LaunchOutcome, RankFailure, rank_failures
-from distcheck.launch.progress import BUSY_CPU
+from distcheck.launch.rank_output import folded_output
+from distcheck.diagnose.progress import BUSY_CPU
 from distcheck.launch.watchdog import Decision, Limits, Watchdog, WatchdogResult
 from distcheck.models import EndReason
 from distcheck.rank.injected import STALL_TIMEOUT_ENV
+from distcheck.text import first_error_line
 
 INJECT_DIR = Path(__file__).resolve().parent.parent / "rank" / "inject"
 
@@ -59,19 +62,23 @@ def command_spec(argv: tuple[str, ...]) -> CommandSpec:
 
 # -- `distcheck run script.py` on a script that starts its own ranks --
 
-def command_env(files: LaunchFiles, flight_recorder: bool, stall_timeout: float | None = None) -> dict[str, str]:
-    """What the injection adds to the command's environment (the README lists it)."""
-    env = dict(os.environ)
+def command_env(files: LaunchFiles, flight_recorder: bool, stall_timeout: float | None = None,
+                rank_env: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """What the injection adds to the command's environment (the README lists it); ``rank_env``: what this run
+    adds to every rank's (``RunOptions.rank_env``)."""
+    env = {**os.environ, **memory.job_standing_env(), **dict(rank_env)}
     # The test a pytest around distcheck runs is not the command's: a pytest the command runs sets its own.
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update({
         "PYTHONPATH": os.pathsep.join([str(INJECT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "DISTCHECK_LAUNCH_DIR": str(files.root.resolve()),
-        "DISTCHECK_LAUNCHER_PID": str(os.getpid()),
+        "DISTCHECK_LAUNCH_DIR": str(files.root.resolve()), "DISTCHECK_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     })
-    if launcher._workers_cpp_log_level:   # distcheck quiets its own c10d logging, not the job's
+    # distcheck quiets its own c10d logging, not the job's: the job's level as the user set it, or none
+    if launcher._workers_cpp_log_level:
         env["TORCH_CPP_LOG_LEVEL"] = launcher._workers_cpp_log_level
+    else:
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
     if flight_recorder:
         env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", str(launcher.FLIGHT_RECORDER_ENTRIES))
         env["DISTCHECK_FLIGHT_RECORDER"] = "1"
@@ -81,16 +88,25 @@ def command_env(files: LaunchFiles, flight_recorder: bool, stall_timeout: float 
 
 
 def start_guard(spec: CommandSpec, files: LaunchFiles, flight_recorder: bool,
-                stall_timeout: float | None = None) -> subprocess.Popen:
+                stall_timeout: float | None = None, rank_env: tuple[tuple[str, str], ...] = ()) -> subprocess.Popen:
     """The command below ``launch.subreaper``, in a session of its own (the terminal's Ctrl-C is
     distcheck's to handle), its output in ``logs/command.log``."""
     log_path = files.command_log
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "distcheck.launch.subreaper", *spec.argv], stdin=subprocess.PIPE,
-            stdout=log, stderr=log, env=command_env(files, flight_recorder, stall_timeout), start_new_session=True,
-        )
+    watched, ours = os.pipe()   # never written: its end of file tells the guard distcheck is done (or gone)
+    try:
+        with open(log_path, "ab") as log:
+            guard = subprocess.Popen(
+                [sys.executable, "-m", "distcheck.launch.subreaper", "--watch-fd", str(watched), *spec.argv],
+                pass_fds=(watched,), stdout=log, stderr=log, start_new_session=True,
+                env=command_env(files, flight_recorder, stall_timeout, rank_env))
+    except BaseException:
+        os.close(ours)
+        raise
+    finally:
+        os.close(watched)
+    guard.distcheck_pipe = os.fdopen(ours, "wb", buffering=0)  # type: ignore[attr-defined]
+    return guard
 
 
 def discovered_world(files: LaunchFiles) -> tuple[int | None, str | None]:
@@ -131,8 +147,9 @@ def _stop(guard: subprocess.Popen, watchdog: Watchdog | None) -> None:
     if watchdog is not None:
         watchdog.stop()
         watchdog.join(timeout=15)
-    if guard.stdin is not None:
-        guard.stdin.close()
+    pipe = getattr(guard, "distcheck_pipe", None)
+    if pipe is not None:
+        pipe.close()
     try:
         guard.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -173,7 +190,7 @@ def _died_before_distcheck_acted(failures: dict[int, RankFailure], killed: tuple
 def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, timed_out: bool) -> Exception:
     """The error of a command none of whose processes became a rank; the run dir keeps a report that says it."""
     log = files.command_log
-    last = next((line for line in reversed(_read(log).splitlines()) if line.strip()), "")
+    last = first_error_line(_read(log))
     error: LaunchError | UsageError
     if timed_out:
         error = LaunchError(f"--timeout ended {spec.source!r} before any process it started called "
@@ -192,7 +209,7 @@ def _no_rank_error(spec: CommandSpec, code: int | None, files: LaunchFiles, time
 def _save_no_rank_report(spec: CommandSpec, files: LaunchFiles, error: Exception, end: EndReason) -> None:
     from distcheck.files.saved_runs import write_no_rank_report
 
-    why = f"{error} ({error.hint})" if getattr(error, "hint", None) else str(error)
+    why = f"{error} ({hint})" if (hint := getattr(error, "hint", None)) else str(error)
     try:
         write_no_rank_report(files.root, spec.name, spec.source, why, None if isinstance(error, UsageError) else end,
                              command_output_tail(files) or None)
@@ -235,7 +252,7 @@ class CommandOutcome:
 
 
 def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_recorder: bool = True,
-                   on_poll: Callable[..., Any] | None = None,
+                   on_poll: Callable[..., Any] | None = None, rank_env: tuple[tuple[str, str], ...] = (),
                    channel_for: Callable[[int], Any] | None = None) -> tuple[LaunchOutcome, Any]:
     """Multi-node: one generation, every node's watchdog sharing node 0's decisions. Run the command
     to its end under the watchdog; never leaves a process behind.
@@ -246,7 +263,7 @@ def launch_command(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_r
     files.make()
     memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
-    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout)
+    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout, rank_env)
     watchdog, interrupted, world, channel = None, False, None, None
     try:
         world = _wait_for_first_rank(files, guard, limits, clock)
@@ -387,7 +404,7 @@ def _tree_cpu_seconds(pid: int) -> dict[int, float]:
     """CPU seconds used so far by ``pid`` and each process below it."""
     import psutil
 
-    out = {}
+    out: dict[int, float] = {}
     try:
         root = psutil.Process(pid)
         members = [root, *root.children(recursive=True)]
@@ -403,14 +420,15 @@ def _tree_cpu_seconds(pid: int) -> dict[int, float]:
 
 
 def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flight_recorder: bool = True,
-                       on_poll: Callable[..., Any] | None = None) -> CommandOutcome:
+                       on_poll: Callable[..., Any] | None = None,
+                       rank_env: tuple[tuple[str, str], ...] = ()) -> CommandOutcome:
     """Run the command to its end on this node, judging each generation of its ranks on its own.
     Never leaves a process behind."""
     files = LaunchFiles(launch_dir)
     files.make()
     memory.shield_from_oom_killer()
     started, clock = time.time(), time.monotonic()
-    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout)
+    guard = start_guard(spec, files, flight_recorder, limits.stall_timeout, rank_env)
     watch = Generations(files, guard, limits, on_poll, clock)
     interrupted = False
     try:
@@ -432,7 +450,13 @@ def launch_generations(spec: CommandSpec, launch_dir: Path, limits: Limits, flig
     if not generations and interrupted:
         raise KeyboardInterrupt   # before any rank: nothing to judge, but the run was still interrupted
     if not generations:
-        raise _no_rank_error(spec, guard.returncode, files, watch.end_reason == EndReason.TIMEOUT)
+        if watch.end_reason == EndReason.TIMEOUT or guard.returncode is None:
+            raise _no_rank_error(spec, guard.returncode, files, watch.end_reason == EndReason.TIMEOUT)
+        # It ran to its own end without a process group (a test selection with no distributed test):
+        # nothing to judge, and its own exit code is the run's (the target says so in one line).
+        return CommandOutcome((), EndReason.NOTHING_RAN, started, ended, command_exit=guard.returncode,
+                              why_ended=first_error_line(_command_log(files)) if guard.returncode else None,
+                              output_tail=command_output_tail(files))
     end_reason = slurm.requested_ending() if interrupted else watch.end_reason
     if end_reason is EndReason.COMPLETED and guard.returncode not in (0, None):   # Slurm cancelled the command
         end_reason = slurm.ending_in_output(_command_log(files)) or end_reason
@@ -461,9 +485,8 @@ def _generation_outcome(files: LaunchFiles, index: int, watchdog: Watchdog, inte
 
 
 def command_output_tail(files: LaunchFiles, lines: int = OUTPUT_TAIL_LINES) -> str:
-    """The command's own last lines (pytest's summary line among them)."""
-    text = _read(files.command_log)
-    return "\n".join([line.rstrip() for line in text.splitlines() if line.strip()][-lines:])
+    """The command's own last lines (pytest's summary line); its launcher's report of its children's end as one line."""
+    return "\n".join([line.rstrip() for line in folded_output(_read(files.command_log)) if line.strip()][-lines:])
 
 
 def command_options(options: Any, launch_dir: Path, world: int | None = None) -> Any:

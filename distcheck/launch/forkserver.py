@@ -8,8 +8,9 @@ run, and each rank is a fork of it (measured on torch 2.13, 4 ranks: a launch's 
 0.2-0.35 s instead of 2.0 s). The agent, the rendezvous, the watchdog and the rank's own code are
 the same; the rank's environment is set from the launcher's at fork time (``worker.run_forked``).
 
-Only scenarios take this path, on torch 2.13 and newer (``CHECKED_FROM``). A user's script keeps a process of its own: ``python script.py``
-semantics (its own ``__main__``, its imports in its own order, environment read at import time).
+Only scenarios take this path, on torch 2.13 and newer (``CHECKED_FROM``). A user's script keeps a process of
+its own: ``python script.py`` semantics (its own ``__main__``, its imports in its own order, environment read at
+import time).
 
 distcheck's own process imports torch too (torch's agent runs in it). Where it can, ``start_early`` makes
 the server a fork of that process, taken right after torch loaded, instead of a new interpreter that
@@ -34,7 +35,9 @@ import os
 import signal
 import socket
 import sys
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
+from typing import Any
 
 from distcheck.launch import procs
 
@@ -75,8 +78,8 @@ def _start_server() -> int:
     the agent's queues and events need) outlive every launch, so the launcher's clean-up spares them."""
     multiprocessing.set_forkserver_preload(list(PRELOAD))
     multiprocessing.forkserver.ensure_running()
-    server = multiprocessing.forkserver._forkserver._forkserver_pid
-    tracker = multiprocessing.resource_tracker._resource_tracker._pid
+    server = _private(multiprocessing.forkserver)._forkserver._forkserver_pid
+    tracker = _private(multiprocessing.resource_tracker)._resource_tracker._pid
     for pid in (server, tracker):
         if pid:
             procs.keep(pid)
@@ -120,7 +123,7 @@ def start_early(torch_env: Mapping[str, str]) -> bool:
     if os.environ.get(SERVER_ENV_VAR) == "new":
         return False
     if not (sys.platform.startswith("linux") and available() and "torch" not in sys.modules
-            and multiprocessing.forkserver._forkserver._forkserver_pid is None and _known_server_main()):
+            and _private(multiprocessing.forkserver)._forkserver._forkserver_pid is None and _known_server_main()):
         return False
     # torch loads here under the ranks' environment, except its C++ log level: this process keeps its own
     # (``launcher.quiet_native_warnings``), and the server is given the ranks' level below.
@@ -140,7 +143,7 @@ def start_early(torch_env: Mapping[str, str]) -> bool:
 def _known_server_main() -> bool:
     import inspect
 
-    server = multiprocessing.forkserver._forkserver
+    server = _private(multiprocessing.forkserver)._forkserver
     return tuple(inspect.signature(multiprocessing.forkserver.main).parameters) == _SERVER_MAIN_PARAMETERS and all(
         hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd", "_preload_modules"))
 
@@ -176,12 +179,12 @@ def _threads() -> int:
 def _fork_server(log_level: Any, level: int) -> None:
     """What ``multiprocessing.forkserver.ForkServer.ensure_running`` does, with a fork of this process in place
     of a new interpreter."""
-    server = multiprocessing.forkserver._forkserver
+    server = _private(multiprocessing.forkserver)._forkserver
     multiprocessing.resource_tracker.ensure_running()
     sys.stdout.flush()
     sys.stderr.flush()
     listener = socket.socket(socket.AF_UNIX)
-    address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+    address = _private(multiprocessing.connection).arbitrary_address("AF_UNIX")
     listener.bind(address)
     if not multiprocessing.util.is_abstract_socket_namespace(address):
         os.chmod(address, 0o600)
@@ -217,10 +220,16 @@ def _become_server(listener_fd: int, alive_r: int, log_level: Any, level: int) -
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     log_level.value = level
-    # PYTHONUNBUFFERED, as every rank has it
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
-                                                   errors=sys.stdout.errors, write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
-                                                   errors="backslashreplace", write_through=True)
+    # PYTHONUNBUFFERED, as every rank has it (typeshed declares sys.__stdout__ and __stderr__ Final; here they are new)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(  # type: ignore[misc]
+        io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding, errors=sys.stdout.errors, write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(  # type: ignore[misc]
+        io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding, errors="backslashreplace", write_through=True)
     worker._SERVER_ENV = dict(os.environ)
     multiprocessing.forkserver.main(listener_fd, alive_r, list(PRELOAD))
+
+
+def _private(module: ModuleType) -> Any:
+    """``module``, for its private state (multiprocessing's: its fork server's, its resource tracker's), which
+    typeshed does not declare."""
+    return module

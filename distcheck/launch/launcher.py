@@ -16,9 +16,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from distcheck import interrupt
 from distcheck.launch import slurm
@@ -54,6 +55,7 @@ class LaunchSpec:
     channel: NodeChannel | None = None    # multi-node: cluster.LaunchChannel
     flight_recorder: bool = True          # PyTorch's Flight Recorder on: C++-issued calls seen, dumped on a stall
     forked: bool = False                  # ranks forked from a server that imported torch (``launch.forkserver``)
+    env: tuple[tuple[str, str], ...] = ()  # what this run adds to the ranks' environment (``RunOptions.rank_env``)
 
     @property
     def world_size(self) -> int:
@@ -81,15 +83,18 @@ class LaunchOutcome:
     records_lost: tuple[int, ...] = ()    # ranks whose traces went with a node that went silent
 
 
-_workers_cpp_log_level: str | None = None
+_workers_cpp_log_level: str | None = None   # the job's own TORCH_CPP_LOG_LEVEL (None: it set none)
+_quieted = False                             # this process's level was set to ERROR (quiet_native_warnings)
 
 
 def quiet_native_warnings() -> None:
     """Call before torch loads. c10d logs a C++ warning with a backtrace for every store
     connection that drops, which is how every node's ending looks; distcheck reports
     those itself. The ranks keep the user's level (their warnings are the job's)."""
-    global _workers_cpp_log_level
-    _workers_cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
+    global _workers_cpp_log_level, _quieted
+    if not _quieted:
+        _workers_cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")   # None: the user set none
+    _quieted = True
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 
 
@@ -257,6 +262,8 @@ def _worker_env(spec: LaunchSpec) -> dict[str, str]:
         "TORCHELASTIC_ERROR_FILE": "",
         **_network_environment(spec),
         **workers_torch_environment(spec.flight_recorder),
+        **memory.job_standing_env(),
+        **dict(spec.env),
     }
     if spec.flight_recorder:
         env["DISTCHECK_FLIGHT_RECORDER"] = "1"
@@ -267,8 +274,11 @@ def workers_torch_environment(flight_recorder: bool) -> dict[str, str]:
     """What of the ranks' environment torch reads: the threads it computes with, its C++ log level (the
     user's, not this process's), the Flight Recorder's ring. A fork server that loads torch before the
     launch (``forkserver.start_early``) loads it under these."""
+    # torch's launcher copies this process's environment, quieted to ERROR: the ranks get the job's own level back
+    # (torch's default, WARNING, where the job set none)
+    level = _workers_cpp_log_level or ("WARNING" if _quieted else None)
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           **({"TORCH_CPP_LOG_LEVEL": _workers_cpp_log_level} if _workers_cpp_log_level else {})}
+           **({"TORCH_CPP_LOG_LEVEL": level} if level else {})}
     if flight_recorder:
         env["TORCH_FR_BUFFER_SIZE"] = os.environ.get("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     return env
@@ -296,8 +306,8 @@ def _end_reason(result: WatchdogResult, interrupted: bool, failures: dict[int, R
     return EndReason.COMPLETED
 
 
-def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
-           on_output: Callable[[int, str], None] | None = None) -> LaunchOutcome:
+def launch(spec: LaunchSpec, on_poll: Callable[[Mapping[int, RankProgress], float], None] | None = None,
+           on_output: Callable[[int | None, str], None] | None = None) -> LaunchOutcome:
     """Run one job to its end under the watchdog. Never leaves a process behind. ``on_output``: each line
     the ranks write, as they write it (``rank_output``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -317,7 +327,8 @@ def launch(spec: LaunchSpec, on_poll: Callable[[dict[int, RankProgress], float],
     error = None
     with (procs.environment_with(_worker_env(spec)), torch_logs_to(files.root / "logs" / LAUNCHER_LOG),
           _restore_signal_handlers(),
-          survivors_record_first(files, exit_codes), forkserver.without_main() if spec.forked else contextlib.nullcontext()):
+          survivors_record_first(files, exit_codes),
+          forkserver.without_main() if spec.forked else contextlib.nullcontext()):
         entry, args = _entrypoint(spec)   # inside the workers' environment: a fork server starting inherits it
         watchdog.start()
         output = RankOutput(files.root / "logs", on_output) if on_output is not None else None

@@ -128,7 +128,8 @@ def job_oom_score_adj(own: int, own_rss: int, counted: int, may_lower: bool) -> 
 def shield_from_oom_killer() -> tuple[int, int] | None:
     """Make the OOM killer take the job's processes before this one, once per process.
     Returns (distcheck's value, the job's value), or None when there is nothing to do."""
-    if JOB_OOM_SCORE_ADJ_ENV in os.environ:      # done already (an earlier launch of this run)
+    global _job_standing
+    if _job_standing is not None:      # done already (an earlier launch of this run)
         return None
     try:
         own = int(Path(OOM_SCORE_ADJ).read_text())
@@ -142,5 +143,14 @@ def shield_from_oom_killer() -> tuple[int, int] | None:
     mine, job = job_oom_score_adj(own, rss, oom_counted_bytes(), may_lower)
     if job == own and not may_lower:     # already at the top: nothing can put the job before distcheck
         return None
-    os.environ[JOB_OOM_SCORE_ADJ_ENV] = str(job)
+    _job_standing = str(job)
     return mine, job
+
+
+_job_standing: str | None = None   # the oom_score_adj chosen for the job's processes, once chosen
+
+
+def job_standing_env() -> dict[str, str]:
+    """What a process started for the job needs in its environment to take its standing (``rank.oom_standing``);
+    nothing is written into this process's own environment (it may be the user's: the pytest plugin)."""
+    return {} if _job_standing is None else {JOB_OOM_SCORE_ADJ_ENV: _job_standing}

@@ -7,8 +7,8 @@ import errno
 import ipaddress
 import os
 import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import psutil
 

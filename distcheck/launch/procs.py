@@ -7,8 +7,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, NamedTuple
+from typing import NamedTuple
 
 import psutil
 
@@ -302,7 +303,7 @@ class ActivityMeter:
         when, tree = self._tree.get(rank, (0.0, []))
         if not tree or tree[0].pid != pid or now - when >= self.children_s:
             try:
-                tree = [psutil.Process(pid)] + _processes(self._descendants(pid, now))
+                tree = [psutil.Process(pid), *_processes(self._descendants(pid, now))]
             except psutil.Error:
                 return None
             self._tree[rank] = (now, tree)
@@ -388,14 +389,15 @@ class Activity(NamedTuple):
 @contextlib.contextmanager
 def environment_with(extra: Mapping[str, str]) -> Iterator[None]:
     """This process's environment with ``extra`` set (what the agent copies into every worker, what a fork
-    server loads torch under), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in extra}
+    server loads torch under), restored afterwards as it was, whatever was set meanwhile (torch's launcher sets
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` in the process that calls it: under the pytest plugin, the user's pytest)."""
+    saved = dict(os.environ)
     os.environ.update(extra)
     try:
         yield
     finally:
+        for k in [k for k in os.environ if k not in saved]:
+            del os.environ[k]
         for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
+            if os.environ.get(k) != v:
                 os.environ[k] = v

@@ -1,29 +1,26 @@
 """What the watchdog knows of each rank at a poll (``RankProgress``), read by ``RankMonitor`` from the launch
 files (status, trace tail) and from the rank's process (CPU of its tree, I/O, a stack that moved): the
-evidence that a rank outside the collectives makes progress, and where a busy rank is (its busy stack)."""
+signs that a rank outside the collectives makes progress (what counts as progress is ``diagnose.progress``),
+and where a busy rank is (its busy stack)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
 
+from distcheck.diagnose.progress import RECENT_S, Signs, progress
+from distcheck.diagnose.where import stack_top
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
 from distcheck.files.stack_requests import StackKind
-from distcheck.files.stacks import main_stack, read_dumps, torch_dir, user_top
+from distcheck.files.stacks import read_dumps, torch_dir
 from distcheck.files.trace_tail import TraceTail
 from distcheck.launch import procs
 from distcheck.models import Phase
-from distcheck.text import size
 
-# A rank using this much of a core is computing, not blocked: a Python loop uses ~1.0 (still ~0.3
-# with 4 ranks busy on 2 cores), a rank asleep or blocked in a C call (or idle after finishing)
-# ~0.0, distcheck's own sidecars < 0.02.
-BUSY_CPU = 0.1
-# A stack that changed this recently is progress.
-STACK_MOVED_S = 1.5
 # Past this many ranks, a node's monitor lists its launch dir for the ranks it has instead of trying each rank.
 SCAN_RANKS_ABOVE = 64
 
@@ -41,7 +38,7 @@ class RankProgress:
     peak_rss_bytes: int | None = None  # the most it was seen using
     cpu: float | None = None           # CPU it used lately, in cores (None: not measured yet)
     busy_at: str | None = None         # file:line:function it was busy at while others waited (a stack sample)
-    # The wait-for graph (launch.waitfor): (group, seq, members, signature) of each blocking call it is in,
+    # The wait-for graph (diagnose.waitfor): (group, seq, members, signature) of each blocking call it is in,
     # the highest seq it entered per group, and whether its record is settled (synced after its newest record).
     waits: tuple = ()
     entered: Mapping[str, int] = field(default_factory=dict)
@@ -57,14 +54,16 @@ class RankProgress:
 
     @property
     def dead(self) -> bool:
-        return not self.alive or self.phase == Phase.ERROR
+        """It failed, or its process is gone without saying it finished (a rank of a command that finished its
+        work, destroyed its group and exited is finished, not dead: its peers may idle on as long as they like)."""
+        return self.phase == Phase.ERROR or (not self.alive and self.phase != Phase.FINISHED)
 
     @property
     def finished(self) -> bool:
-        """It will enter no collective the others wait in: its work ended, or (a shared launch) its part of the
-        scenario they are in (the second of two pytest tests: a rank past it does not make rank 0's barrier
-        an uncertain wait until the stall timeout)."""
-        return self.alive and (self.phase == Phase.FINISHED or self.done_with_scenario)
+        """It will enter no collective the others wait in: its work ended (its process may have exited since), or
+        (a shared launch) its part of the scenario they are in (the second of two pytest tests: a rank past it does
+        not make rank 0's barrier an uncertain wait until the stall timeout)."""
+        return self.phase == Phase.FINISHED or (self.alive and self.done_with_scenario)
 
     @property
     def outside(self) -> bool:
@@ -119,10 +118,10 @@ class RankMonitor:
             call = tail.newest_open
             facts = procs.stat_of(status.pid) if status and status.pid else None
             alive = facts.alive if facts is not None else status is None   # no status yet: taken as starting
-            pid = status.pid if facts is not None and facts.alive else None
-            rss, peak = self._sample_memory(rank, facts.rss_bytes if pid else None)
+            pid = status.pid if status is not None and facts is not None and facts.alive else None
+            rss, peak = self._sample_memory(rank, facts.rss_bytes if pid and facts is not None else None)
             now = time.monotonic()
-            cpu = self._cpu.cores(rank, facts.cpu_seconds if pid else None, now)
+            cpu = self._cpu.cores(rank, facts.cpu_seconds if pid and facts is not None else None, now)
             opened = tail.open.values()
             out[rank] = RankProgress(
                 records=tail.records, open_collectives=len(opened),
@@ -159,7 +158,7 @@ class RankMonitor:
         (two directory listings, where 4,096 ranks were 8,192 file opens per poll for a node's 8)."""
         if not self._scan_ranks:
             return range(self.world_size)
-        here = set()
+        here: set[int] = set()
         for folder, suffix in ((self.files.root / "status", ".json"), (self.files.traces, ".trace")):
             try:
                 names = os.listdir(folder)
@@ -182,21 +181,18 @@ class RankMonitor:
                 self._stacks[rank] = (digest, now if old is not None else float("-inf"))
         if not outside:
             return {}
-        said, ages = [], []
+        ages = []
         act = self._activity.latest.get(rank)
-        if act is not None and now - act.at < STACK_MOVED_S:
-            if act.cores >= BUSY_CPU:
-                said.append(f"its processes used {act.cores:.1f} cores")
-            if act.io_bytes:
-                said.append(f"read or wrote {size(act.io_bytes)} in the last {act.span:.1f} s")
-            if act.wakeups and not said:
-                said.append(f"its main thread woke {act.wakeups} times in the last {act.span:.1f} s")
-            ages += [now - act.at] if said else []
+        if act is not None and now - act.at < RECENT_S:
+            counted = Signs(span=act.span, cores=act.cores, io_bytes=act.io_bytes, wakeups=act.wakeups)
+            ages += [now - act.at] if progress(counted, keeps_watching=True) else []
+        else:
+            counted = Signs()
         moved_at = self._stacks.get(rank, (0, float("-inf")))[1]
-        if now - moved_at < STACK_MOVED_S:
-            said.append("its stack moved")
-            ages.append(now - moved_at)
-        return {"evidence": ", ".join(said), "evidence_age": min(ages)} if said else {}
+        moved = now - moved_at < RECENT_S
+        ages += [now - moved_at] if moved else []
+        said = progress(dataclasses.replace(counted, stack_moved=moved), keeps_watching=True)
+        return {"evidence": said, "evidence_age": min(ages)} if said else {}
 
     def busy_stacks(self, ranks: list[int]) -> None:
         """Where each of ``ranks`` is busy: a sample from its stack probe (py-spy where the GIL is held in C)."""
@@ -212,8 +208,6 @@ class RankMonitor:
 def busy_line(path: Path, main_thread: int | None) -> str | None:
     """file:line:function of the user's innermost frame in the newest dump of ``path``."""
     dumps = read_dumps(path)
-    thread = main_stack(dumps[-1], main_thread) if dumps else None
-    frame = user_top(thread.frames, torch_dir()) if thread else None
-    return f"{frame.file}:{frame.line}:{frame.function}" if frame else None
+    return stack_top(dumps[-1], main_thread, torch_dir(), pool_idle=False) if dumps else None
 
 

@@ -23,7 +23,8 @@ import datetime
 import errno
 import socket
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from distcheck.errors import LaunchError
 from distcheck.torch_features import features

@@ -13,10 +13,10 @@ without a main guard initializes its process group there). It still runs the
 user's ``update``/``compute``, so it is a subprocess with a hard timeout and the
 job's memory standing: ``python -m distcheck.launch.replay``, one per distcheck run, kept for
 the launches after the first (a command's generations each have a replay, and the process's start,
-torch and torchmetrics loaded, is ~2.5 s of CPU), and started anew after one that failed. Its answer
-goes into the results of the lowest rank as ``metric_reference``, and is kept
-as ``metrics/replay-out.json`` for ``distcheck analyze``; the pure rule that
-judges it is ``diagnose.metrics``.
+torch and torchmetrics loaded, is ~2.5 s of CPU), and started anew after one that failed. It runs after
+the launch is collected and before judging starts (``targets.launching``); its answer goes into the
+judging as a fact (``RunFacts.metric_reference``), and is kept as ``metrics/replay-out.json`` for
+``distcheck analyze``; the pure rule that judges it is ``diagnose.metrics``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from distcheck.files.launch_dir import LaunchFiles
-from distcheck.launch import procs
+from distcheck.launch import memory, procs
 from distcheck.files.metric_records import REPLAY_IN, REPLAY_OUT, chain_key, chains, entries_by_rank, joint_computes
 
 REPLAY_TIMEOUT_S = 120.0
@@ -38,13 +39,12 @@ REPLAY_TIMEOUT_S = 120.0
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
-def with_metric_reference(results: Mapping[int, Mapping[str, Any]], launch_dir: Path,
-                          timeout_s: float = REPLAY_TIMEOUT_S) -> dict[int, dict[str, Any]]:
-    """``results`` plus the replay's answer under the lowest rank's ``metric_reference``."""
-    out = {r: dict(res) for r, res in results.items()}
+def metric_reference(results: Mapping[int, Mapping[str, Any]], launch_dir: Path,
+                     timeout_s: float = REPLAY_TIMEOUT_S) -> dict[str, Any] | None:
+    """The replay's answer for the metrics the ranks recorded in ``results`` (None: they recorded none)."""
     recorded = entries_by_rank(results)
     if not recorded:
-        return out
+        return None
     planned = chains(joint_computes({r: list(ms.values()) for r, ms in recorded.items()}))
     sys_path = next(res.get("metrics_sys_path") or [] for res in results.values() if res.get("metrics"))
     folder = LaunchFiles(launch_dir).metrics_dir
@@ -52,8 +52,7 @@ def with_metric_reference(results: Mapping[int, Mapping[str, Any]], launch_dir: 
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text(json.dumps({"ranks": {str(r): ms for r, ms in recorded.items()}, "sys_path": sys_path,
                                "chains": planned}))
-    out[min(recorded)]["metric_reference"] = _run(src, dst, timeout_s) if planned else {"chains": {}}
-    return out
+    return _run(src, dst, timeout_s) if planned else {"chains": {}}
 
 
 def _run(src: Path, dst: Path, timeout_s: float) -> dict[str, Any]:
@@ -84,6 +83,7 @@ class Replayer:
 
     def replay(self, src: Path, dst: Path, timeout_s: float) -> None:
         proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+        assert proc.stdin is not None   # started with stdin=PIPE
         try:
             proc.stdin.write(f"{src}\t{dst}\n")
             proc.stdin.flush()
@@ -103,9 +103,9 @@ class Replayer:
         import tempfile
 
         self.close()
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+        env = {k: v for k, v in {**os.environ, **memory.job_standing_env()}.items() if k not in _LAUNCH_ENV}
         env.pop("DISTCHECK_LAUNCH_DIR", None)   # the replay is not a rank of the user's command
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115 - close() closes it
         self._proc = subprocess.Popen([sys.executable, "-m", "distcheck.launch.replay"], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         procs.keep(self._proc.pid)   # a launch's teardown ends the ranks' processes, not this one
@@ -115,6 +115,7 @@ class Replayer:
     def _answer(proc: subprocess.Popen, timeout_s: float) -> str:
         import selectors
 
+        assert proc.stdout is not None   # started with stdout=PIPE
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout_s):
@@ -132,7 +133,8 @@ class Replayer:
                 self._proc.kill()
             self._proc.wait()
             for stream in (self._proc.stdin, self._proc.stdout, self._stderr):
-                stream.close()
+                if stream is not None:   # each was opened with the process
+                    stream.close()
             self._proc = None
 
 
@@ -182,7 +184,9 @@ def replay_file(src: Path, dst: Path) -> None:
             continue
         try:
             folders = [src.parent, *(Path(m["written_in"]) for m in members if m.get("written_in"))]
-            result = replay_chain(chain, members, lambda rel, folders=folders: load(folders, rel))
+            def loaded(rel: str, folders: list[Path] = folders) -> Any:
+                return load(folders, rel)
+            result = replay_chain(chain, members, loaded)
         except Exception as exc:   # one metric's replay failing says nothing about the others
             result = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         out["chains"][chain_key(chain)] = result

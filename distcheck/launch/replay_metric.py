@@ -16,7 +16,8 @@ ranks synced together, compute after compute. Walking it in order:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from distcheck.files.metric_records import unpack
 from distcheck.rank.metric_copies import jsonable
@@ -201,11 +202,11 @@ def _bad_states(ref: Any, recorded: list[dict[str, Any] | None]) -> list[dict[st
         for attr, fn in getattr(metric, "_reductions", {}).items():
             key = f"{name}.{attr}".lstrip(".")
             single = getattr(metric, attr)
-            per = [r.get(key) for r in recorded]
+            per = [r.get(key) for r in recorded if r is not None]   # none is None (above)
             if fn is None or not callable(fn) or not isinstance(single, torch.Tensor) \
                     or not all(isinstance(p, torch.Tensor) and p.shape == single.shape for p in per):
                 continue
-            stacked = torch.stack([p.to(single.dtype) for p in per])
+            stacked = torch.stack([p.to(single.dtype) for p in per if p is not None])   # all tensors (above)
             synced = fn(stacked)
             if not _same(synced, single):
                 bad.append({"state": key, "reduce": reduce_name(fn), "synced": jsonable(synced),

@@ -23,8 +23,8 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
 
 from distcheck import interrupt
 from distcheck.models import EndReason

@@ -1,13 +1,15 @@
 """The parent of the user's launch command under ``distcheck run -- CMD``:
-``python -m distcheck.launch.subreaper CMD [ARGS...]``.
+``python -m distcheck.launch.subreaper --watch-fd FD CMD [ARGS...]``.
 
 It makes itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): every process the
 command starts, at any depth, stays below it even when its own parent exits first (a
 torchrun agent, an ``mp.spawn`` parent), so walking the guard's descendants finds them
-all. Its stdin is a pipe from distcheck that is never written: end of file means
+all. Descriptor FD is a pipe from distcheck that is never written: end of file means
 distcheck is done with the job or gone — the kernel closes the pipe even when distcheck
 is SIGKILLed, which no signal handler would see. Then, as on SIGTERM and when the
-command exits, the guard ends every process below it before it exits itself.
+command exits, the guard ends every process below it before it exits itself. The
+command's own stdin is distcheck's, as the user gave it (rule 0: a command that reads its
+input reads what it would read without distcheck), and the pipe is never passed on to it.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def _reap() -> None:
             return
 
 
-def _watch_distcheck() -> None:
+def _watch_distcheck(fd: int) -> None:
     try:
-        while sys.stdin.buffer.read(4096):
+        while os.read(fd, 4096):
             pass
     except OSError:
         pass
@@ -66,9 +68,10 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        sys.stderr.write("usage: python -m distcheck.launch.subreaper CMD [ARGS...]\n")
+    if len(argv) < 3 or argv[0] != "--watch-fd" or not argv[1].isdigit():
+        sys.stderr.write("usage: python -m distcheck.launch.subreaper --watch-fd FD CMD [ARGS...]\n")
         return 2
+    watched, argv = int(argv[1]), argv[2:]
     from distcheck.rank.oom_standing import take_job_standing
 
     take_job_standing()   # the command and all it starts get the OOM standing meant for the job
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         sys.stderr.write(f"distcheck: cannot run {argv[0]!r}: {exc.strerror}\n")
         return 127
-    threading.Thread(target=_watch_distcheck, name="distcheck-guard", daemon=True).start()
+    threading.Thread(target=_watch_distcheck, args=(watched,), name="distcheck-guard", daemon=True).start()
     code = child.wait()
     end_everything_below()   # whatever the command left behind is no longer the job's
     return code if code >= 0 else 128 - code

@@ -13,8 +13,9 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.trace_tail import TraceTail
@@ -112,6 +113,7 @@ def _wait_for_synced_records(files: LaunchFiles, since: float, idle_s: float,
     its record names that call, and so the majority at it, would depend on the machine's load (issue 41's
     determinism lane)."""
     start = time.monotonic()
+    files.flight_recorder_request.touch()   # a crash dumps the survivors' Flight Recorders too, as a stall does
     tails = {path: TraceTail(path) for path in files.traces.glob("rank*.trace")}
     progress: dict[Path, tuple[float, float]] = {}   # trace -> (CPU seconds, when they last grew)
     while tails and time.monotonic() - start < most_s:
@@ -122,7 +124,9 @@ def _wait_for_synced_records(files: LaunchFiles, since: float, idle_s: float,
             # that finished its part of a shared launch's scenario waits for its peers, its record complete
             done = (status is None or not procs.is_alive(status.pid) or status.phase is not Phase.RUNNING
                     or status.done_with_current)
-            if done or _synced_inside_a_call(tail, since) or _stalled(progress, path, status.pid, now, idle_s):
+            if (done or _synced_inside_a_call(tail, since)
+                    or (status is not None and status.pid is not None   # a running rank has both (``done``)
+                        and _stalled(progress, path, status.pid, now, idle_s))):
                 del tails[path]
         time.sleep(0.02)
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
 
 from distcheck import interrupt
 from distcheck.launch import procs
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stack_requests import StackKind
+from distcheck.launch.node_role import NodeChannel, node_role
 from distcheck.launch.progress import RankMonitor, RankProgress
-from distcheck.launch.waitfor import CertainHang, certain_hang
+from distcheck.diagnose.waitfor import CertainHang, certain_hang
 from distcheck.models import EndReason, Phase
 from distcheck.text import rank_list
 
@@ -44,7 +45,7 @@ class Decision(enum.Enum):
     RELEASE = "release"          # every rank finished: let them exit
     STALL = "stall"              # no progress while someone waits or died
     BUSY_TIMEOUT = "busy_timeout"  # a rank busy outside the collectives kept the others waiting past --busy-timeout
-    DEADLOCK = "deadlock"        # a certain hang: nothing can release the waiting ranks (launch.waitfor)
+    DEADLOCK = "deadlock"        # a certain hang: nothing can release the waiting ranks (diagnose.waitfor)
     TIMEOUT = "timeout"          # the run's --timeout
     MAX_DURATION = "max_duration"  # the pre-flight window ended
     FAILED = "failed"            # the watchdog itself failed: end the job rather than hang
@@ -84,12 +85,15 @@ class StallDetector:
     def __post_init__(self) -> None:
         self.last_progress = self.start
 
-    def observe(self, now: float, ranks: dict[int, RankProgress]) -> Decision:
+    def observe(self, now: float, ranks: Mapping[int, RankProgress]) -> Decision:
         state = tuple((r, p.records, p.phase, p.alive) for r, p in sorted(ranks.items()))
         if state != self._last_state:
             self._last_state = state
             self.last_progress = now
-        if len(ranks) == self.world_size and all(p.phase == Phase.FINISHED and p.alive for p in ranks.values()):
+        # Every rank finished, and no call is left waiting on the device (NCCL: a call returns before its work is
+        # done; one that never completes is a hang, not a pass)
+        if len(ranks) == self.world_size and all(p.phase == Phase.FINISHED and p.alive and not p.open_collectives
+                                                 for p in ranks.values()):
             return Decision.RELEASE
         if self.limits.timeout is not None and now - self.start >= self.limits.timeout:
             return Decision.TIMEOUT
@@ -166,21 +170,6 @@ class StallDetector:
         return self.late_ranks(now, ranks)
 
 
-class NodeChannel(Protocol):
-    """Multi-node: how one node's watchdog shares progress and node 0's decision
-    (``cluster.LaunchChannel`` implements it; None on a single node)."""
-
-    @property
-    def is_leader(self) -> bool: ...
-    def publish(self, progress: Mapping[int, RankProgress]) -> None: ...
-    def everyone(self, local: Mapping[int, RankProgress]) -> dict[int, RankProgress]: ...
-    def post_decision(self, decision: str, stall_onset: float | None, detected_at: float | None) -> None: ...
-    def post_release(self) -> None: ...
-    def node0_says(self) -> dict[str, Any]: ...   # another node: {"released": True, "decision": {...}} so far
-    @property
-    def lost_nodes(self) -> list[int]: ...
-
-
 @dataclass
 class WatchdogResult:
     decision: Decision = Decision.CONTINUE
@@ -204,14 +193,14 @@ class Watchdog(threading.Thread):
 
     def __init__(
         self, files: LaunchFiles, world_size: int, limits: Limits, poll_s: float = 0.1,
-        on_poll: Callable[[dict[int, RankProgress], float], None] | None = None,
+        on_poll: Callable[[Mapping[int, RankProgress], float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         channel: NodeChannel | None = None,
         generation: bool = False,
     ) -> None:
         super().__init__(name="distcheck-watchdog", daemon=True)
         self.files = files
-        self.channel = channel   # multi-node: cluster.LaunchChannel; None on a single node
+        self.role = node_role(channel)   # alone, node 0 deciding for the job, or another node following it
         # One generation of a command that may go on (``launch.command``): the watch ends once its ranks
         # are released or all gone, and a teardown ends only its own ranks, not the command.
         self.generation = generation
@@ -250,58 +239,66 @@ class Watchdog(threading.Thread):
             return self._poll()
         except Exception as exc:   # a watchdog that dies silently would let the job hang forever
             self.result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            # a store connection that drops is node 0's distcheck ending, not a bug of ours
-            self.result.lost_node_0 = self.channel is not None and type(exc).__name__ == "DistNetworkError"
+            self.result.lost_node_0 = self.role.lost_node_0(exc)
             self.result.decision = Decision.FAILED
             self.result.detected_at = time.time()
             self._tear_down({})
             return True
 
     def _poll(self) -> bool:
+        """Read every rank, decide, act: release finished ranks, or end the job for the decision's reason."""
+        progress, now = self._read(), self.clock()
+        decision = self._decide(now, progress)
+        if decision is Decision.RELEASE:
+            return self._release()
+        if self.generation and generation_over(progress, self.monitor.world_size):
+            return True   # every rank left by itself: it ended, nothing stalled (see launch.command)
+        if not self.role.decides:
+            return self._follow(progress)
+        if decision is Decision.CONTINUE:
+            return False
+        self._end(decision, now, progress)
+        return True
+
+    def _read(self) -> dict[int, RankProgress]:
         if self._wall_offset is None:
             self._wall_offset = time.time() - self.clock()
-        progress = self.monitor.poll()
-        if self.channel is not None:
-            self.channel.publish(progress)
-            progress = self.channel.everyone(progress)
+        progress = self.role.share(self.monitor.poll())
         self.result.last_progress = progress
-        now = self.clock()
+        return progress
+
+    def _decide(self, now: float, progress: Mapping[int, RankProgress]) -> Decision:
         decision = Decision.INTERRUPTED if interrupt.requested() else self.detector.observe(now, progress)
         self._sample_late(now, progress)
         if self.on_poll is not None:
             self.on_poll(progress, now - self.detector.last_progress)
-        said = self.channel.node0_says() if self.channel is not None and not self.channel.is_leader else {}
-        if said.get("released") and decision is not Decision.RELEASE:
-            decision = Decision.RELEASE   # node 0 saw every rank of the job finish (only it sees them all)
-        if decision is Decision.RELEASE:
-            if not self._released:
-                self.files.release.touch()
-                self._released = True
-                if self.channel is not None and self.channel.is_leader:
-                    self.channel.post_release()
-            return self.generation   # a generation whose ranks all finished has nothing left to judge
-        if self.generation and generation_over(progress, self.monitor.world_size):
-            return True   # every rank left by itself: it ended, nothing stalled (see launch.command)
-        if self.channel is not None and not self.channel.is_leader:
-            # Node 0 decides for the whole job, so every node tears down for the same reason.
-            posted = said.get("decision")
-            if posted is None:
-                return False
-            self.result.decision = Decision(posted["decision"])
-            self.result.stall_onset = posted["stall_onset"]
-            self.result.detected_at = posted["detected_at"]
-            self._tear_down(progress)
-            return True
-        if decision is Decision.CONTINUE:
+        # node 0 saw every rank of the job finish (only it sees them all)
+        return Decision.RELEASE if self.role.released() else decision
+
+    def _release(self) -> bool:
+        if not self._released:
+            self.files.release.touch()
+            self._released = True
+            self.role.tell_released()
+        return self.generation   # a generation whose ranks all finished has nothing left to judge
+
+    def _follow(self, progress: dict[int, RankProgress]) -> bool:
+        """Another node: it tears down for node 0's reason, when node 0 posts it."""
+        posted = self.role.posted()
+        if posted is None:
             return False
-        self.result.decision = decision
-        self.result.evidence = self._evidence(decision, now, progress)
-        self.result.stall_onset = self.detector.last_progress + self._wall_offset
-        self.result.detected_at = time.time()
-        if self.channel is not None:
-            self.channel.post_decision(decision.value, self.result.stall_onset, self.result.detected_at)
+        self.result.decision = Decision(posted.decision)
+        self.result.stall_onset, self.result.detected_at = posted.stall_onset, posted.detected_at
         self._tear_down(progress)
         return True
+
+    def _end(self, decision: Decision, now: float, progress: dict[int, RankProgress]) -> None:
+        self.result.decision = decision
+        self.result.evidence = self._evidence(decision, now, progress)
+        self.result.stall_onset = self.detector.last_progress + (self._wall_offset or 0.0)
+        self.result.detected_at = time.time()
+        self.role.tell(decision.value, self.result.stall_onset, self.result.detected_at)
+        self._tear_down(progress)
 
     def _evidence(self, decision: Decision, now: float, progress: Mapping[int, RankProgress]) -> str | None:
         if decision is Decision.DEADLOCK and self.detector.certain is not None:
@@ -322,8 +319,9 @@ class Watchdog(threading.Thread):
         """Once per rank and wait: where a rank that others wait for is busy (for the live view and the report)."""
         waiting_for = self.detector.waiting_for_late(now, progress)
         for rank in waiting_for:
-            if progress[rank].evidence:
-                self.result.late_evidence[rank] = progress[rank].evidence
+            evidence = progress[rank].evidence
+            if evidence:
+                self.result.late_evidence[rank] = evidence
         for rank in [r for r in self.monitor.busy_at if r not in waiting_for]:
             del self.monitor.busy_at[rank]   # it arrived: a later wait for it is sampled again
         late = [r for r in waiting_for if r not in self.monitor.busy_at]

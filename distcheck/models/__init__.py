@@ -1,16 +1,49 @@
-"""distcheck's data model: the names every part shares (``enums``) and the results that round-trip through JSON
-(``results``). Import from here: ``from distcheck.models import Finding, EndReason``."""
+"""distcheck's data model: the names every part shares (``enums``; ``group_key``: a call's group; ``cause``: what a
+finding follows from) and the results that round-trip through JSON (``results``). Import from here:
+``from distcheck.models import Finding, EndReason``."""
 
 from distcheck.models.enums import (
     REPORT_SCHEMA, UNKNOWN_OP, JOIN_LABEL, VERSION, RankState, EndReason, Phase, Hook, HOOK_LOST, CAP_HOOKS,
-    FINDING_KINDS, RANK_STATES, SEVERITIES)
+    FINDING_KINDS, RANK_STATES, SEVERITIES, Kind, Severity, PASS, Expectation, expectations)
+from distcheck.models.cause import Cause
+from distcheck.models.group_key import GroupKey, is_p2p
 from distcheck.models.results import (
     Event, rank_runs, RUNS_ABOVE, bounded, ranks_from_json, StackFrame, RankOutcome, RankDetail, Finding,
     ScenarioResult, RunInfo, Report, RunSummary)
 
 __all__ = [
-    'REPORT_SCHEMA', 'UNKNOWN_OP', 'JOIN_LABEL', 'VERSION', 'RankState', 'EndReason', 'Phase', 'Hook',
-    'HOOK_LOST', 'CAP_HOOKS', 'FINDING_KINDS', 'RANK_STATES', 'SEVERITIES', 'Event', 'rank_runs',
-    'RUNS_ABOVE', 'bounded', 'ranks_from_json', 'StackFrame', 'RankOutcome', 'RankDetail', 'Finding',
-    'ScenarioResult', 'RunInfo', 'Report', 'RunSummary'
+    'CAP_HOOKS',
+    'FINDING_KINDS',
+    'HOOK_LOST',
+    'JOIN_LABEL',
+    'PASS',
+    'RANK_STATES',
+    'REPORT_SCHEMA',
+    'RUNS_ABOVE',
+    'SEVERITIES',
+    'UNKNOWN_OP',
+    'VERSION',
+    'Cause',
+    'EndReason',
+    'Event',
+    'Expectation',
+    'Finding',
+    'GroupKey',
+    'Hook',
+    'Kind',
+    'Phase',
+    'RankDetail',
+    'RankOutcome',
+    'RankState',
+    'Report',
+    'RunInfo',
+    'RunSummary',
+    'ScenarioResult',
+    'Severity',
+    'StackFrame',
+    'bounded',
+    'expectations',
+    'is_p2p',
+    'rank_runs',
+    'ranks_from_json'
 ]

@@ -1,10 +1,13 @@
 """The closed sets of names every part of distcheck shares: how a rank ended (``RankState``), how a launch
 ended (``EndReason``), a rank's phase (``Phase``), distcheck's hooks in a rank (``Hook``, ``HOOK_LOST``), the
-finding kinds and severities; and the constants the report states (its schema, distcheck's version)."""
+finding kinds and severities (``Kind``, ``Severity``; ``PASS`` where nothing was found); and the constants the
+report states (its schema, distcheck's version)."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
+from typing import Final, Literal
 
 REPORT_SCHEMA = "distcheck.report/1"
 UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
@@ -18,7 +21,7 @@ class _Named(str, enum.Enum):
     """A closed set of names that is also its plain string in JSON, comparisons and f-strings."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__   # type: ignore[assignment]  # str's own (typeshed reads it short of self)
 
 
 class RankState(_Named):
@@ -46,6 +49,7 @@ class EndReason(_Named):
     MAX_DURATION = "max_duration"
     CRASH = "crash"
     ATTACHED = "attached"             # ``distcheck attach`` read a job it did not launch; the job runs on
+    POSTMORTEM = "postmortem"         # ``distcheck analyze`` of the Flight Recorder dumps a job left: nothing was run
     COMPLETED = "completed"
     NOTHING_RAN = "nothing_ran"       # skipped: it could not run here (a library missing, too few ranks)
 
@@ -96,6 +100,7 @@ _END_WORDS = {
     EndReason.STALL: "ended by --stall-timeout", EndReason.BUSY_TIMEOUT: "ended by --busy-timeout",
     EndReason.TIMEOUT: "ended by --timeout", EndReason.MAX_DURATION: "ended by --max-duration",
     EndReason.CRASH: "a rank crashed", EndReason.ATTACHED: "read while running, nothing ended",
+    EndReason.POSTMORTEM: "read from the dumps the job left",
     EndReason.COMPLETED: "completed", EndReason.NOTHING_RAN: "nothing ran",
 }
 
@@ -123,6 +128,7 @@ class Hook(_Named):
     RANK_SETUP = "rank_setup"
     RANK_END = "rank_end"
     NUMBERING = "numbering"
+    COMPLETION = "completion"   # reading when a call's work completed (NCCL: the Flight Recorder; a backend's hook)
     # Not failures: a recorder reached the cap on the memory it keeps in the user's process (rank.guard.capped)
     SAMPLES_CAP = "samples_cap"
     METRICS_CAP = "metrics_cap"
@@ -137,6 +143,8 @@ HOOK_LOST = {
     Hook.LIGHTNING: "some self.log lines were not attributed to Lightning's epoch-end reductions",
     Hook.STACK_DUMPS: "no stack dumps could be installed, so a hang there is named without its stack",
     Hook.RANK_SETUP: "part of the rank's tracing could not be set up",
+    Hook.COMPLETION: ("when collectives completed on the device could not always be read, so some calls that had "
+                      "returned were taken as still running, or as done when they returned"),
     Hook.RANK_END: "how the rank ended (its failure or its finish) may not be recorded",
     Hook.NUMBERING: "some calls' collective numbers could not be reconciled, so later calls may be compared "
                     "with their peers' under shifted numbers",
@@ -146,10 +154,46 @@ HOOK_LOST = {
 CAP_HOOKS = frozenset({Hook.SAMPLES_CAP, Hook.METRICS_CAP})
 
 
-# Finding kinds, in the order a reader should see them.
-FINDING_KINDS = (
-    "crash", "hang", "mismatch", "order", "count",
-    "numeric", "duplicates", "straggler", "health", "coverage",
-)
+class Kind(_Named):
+    """A finding's kind (``Finding.kind``), in the order a reader should see them."""
+
+    CRASH = "crash"
+    HANG = "hang"
+    MISMATCH = "mismatch"
+    ORDER = "order"
+    COUNT = "count"
+    NUMERIC = "numeric"
+    DUPLICATES = "duplicates"
+    STRAGGLER = "straggler"
+    HEALTH = "health"
+    COVERAGE = "coverage"
+
+
+class Severity(_Named):
+    """How much a finding weighs (``Finding.severity``), the heaviest first: an error fails the run, a warning
+    is shown beside it, an info is a note."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+    @property
+    def weight(self) -> int:
+        """0 for an error, 1 for a warning, 2 for an info: sorts the heaviest first."""
+        return list(Severity).index(self)
+
+
+# What a scenario expects, and a run observes, where there is no finding to show: no finding's kind.
+PASS: Final = "pass"
+Expectation = Kind | Literal["pass"]
+
+
+def expectations(values: Iterable[str]) -> tuple[Expectation, ...]:
+    """A scenario's ``expect`` as the run reads it (plain strings on the user's side): each a ``Kind``, or
+    ``PASS``. A name that is neither raises ValueError."""
+    return tuple(PASS if v == PASS else Kind(v) for v in values)
+
+
+FINDING_KINDS = tuple(Kind)
 RANK_STATES = tuple(s.value for s in RankState)
-SEVERITIES = ("error", "warning", "info")
+SEVERITIES = tuple(Severity)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
-from distcheck.models.enums import REPORT_SCHEMA, EndReason
+from distcheck.models.cause import Cause
+from distcheck.models.enums import REPORT_SCHEMA, EndReason, Kind, Severity
+from distcheck.models.group_key import GroupKey, is_p2p
 
 
 class Event(NamedTuple):
@@ -25,7 +28,7 @@ class Event(NamedTuple):
     """
 
     rank: int
-    group: str
+    group: GroupKey                 # a GroupKey as the trace readers build it (a plain str where a test builds one)
     seq: int
     op: str
     t_enter: float = 0.0
@@ -45,14 +48,23 @@ class Event(NamedTuple):
     # all_to_all(_single): (elements sent to, elements received from) each group rank, in group-rank order
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     members: tuple[int, ...] | None = None   # new_group: the ranks this call asked for (sorted)
+    # On a group whose calls complete after they return (NCCL): when the call returned to Python (its work was
+    # enqueued); ``t_exit`` is then its completion (None: it never completed). None on every other group.
+    t_returned: float | None = None
 
     @property
     def is_p2p(self) -> bool:
-        return self.group.startswith("p2p:")
+        return is_p2p(self.group)
 
     @property
     def completed(self) -> bool:
+        """The call's work is done: it returned (gloo), or its backend said it completed (NCCL)."""
         return self.t_exit is not None
+
+    @property
+    def enqueued(self) -> bool:
+        """Returned to Python but never completed (NCCL: its work waits on the device): the rank waits in it."""
+        return self.t_returned is not None and self.t_exit is None
 
     def fingerprint(self) -> dict[str, Any]:
         """The comparable part of the call, as JSON-ready values."""
@@ -192,6 +204,8 @@ class RankOutcome:
     busy_at: str | None = None          # where it was busy (late) while others waited past --stall-timeout
     unwatched: str | None = None        # why its C++-issued collectives were counted but not watched
     hook_failures: dict[str, dict[str, Any]] | None = None   # distcheck's own hooks that failed (rank.guard)
+    pg_timeout_s: float | None = None   # its process group's timeout: the backend's own end of a hang (NCCL's watchdog)
+    pg_initialized: bool | None = None  # it got past init_process_group (None: not known)
     rss_bytes: int | None = None        # resident memory when last seen alive (sampled by the watchdog)
     peak_rss_bytes: int | None = None
 
@@ -239,10 +253,10 @@ class RankDetail:
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str                       # one of FINDING_KINDS
-    severity: str                   # one of SEVERITIES
+    kind: Kind
+    severity: Severity
     summary: str                    # one sentence a person can act on
-    group: str | None = None
+    group: GroupKey | None = None
     seq: int | None = None
     op: str | None = None
     label: str | None = None
@@ -256,12 +270,26 @@ class Finding:
     detected_after_s: float | None = None
     ranks: tuple[RankDetail, ...] = ()
     data: dict[str, Any] = field(default_factory=dict)  # kind-specific detail (numeric, duplicates, ...)
+    caused_by: Cause | None = None  # the finding this one follows from (the causal linking pass sets it)
+
+    def __post_init__(self) -> None:
+        # a Finding built with plain strings (a saved report, a test) still holds the typed values
+        if type(self.kind) is not Kind:
+            object.__setattr__(self, "kind", Kind(self.kind))
+        if type(self.severity) is not Severity:
+            object.__setattr__(self, "severity", Severity(self.severity))
+        if self.group is not None and type(self.group) is not GroupKey:
+            object.__setattr__(self, "group", GroupKey(self.group))
 
     def to_dict(self) -> dict[str, Any]:
         d = _as_dict(self)
         for key in ("waiting_ranks", "absent_ranks", "odd_ranks", "fields"):
             d[key] = list(d[key])
         d["ranks"] = [r.to_dict() for r in self.ranks]
+        d["kind"], d["severity"] = str(self.kind), str(self.severity)
+        del d["caused_by"]
+        if self.caused_by is not None:   # where report.json has always kept it
+            d["data"] = {**d["data"], "caused_by": self.caused_by.to_dict()}
         return d
 
     @classmethod
@@ -270,6 +298,9 @@ class Finding:
         for key in ("waiting_ranks", "absent_ranks", "odd_ranks", "fields"):
             d[key] = tuple(d.get(key, ()))
         d["ranks"] = tuple(RankDetail.from_dict(r) for r in d.get("ranks", ()))
+        data = dict(d.get("data") or {})
+        cause = data.pop("caused_by", None)
+        d["data"], d["caused_by"] = data, Cause.from_dict(cause) if cause else None
         return cls(**{k: v for k, v in d.items() if k in _FINDING_FIELDS})
 
 
@@ -300,6 +331,7 @@ class ScenarioResult:
     detected_at: float | None = None    # when the watchdog declared it
     script: bool = False                # the user's own script (or -m module), not a @scenario
     test: str | None = None             # ``run -- pytest``: the pytest node id its ranks served
+    command_exit: int | None = None     # ``run -- CMD`` that started no process group: the command's own exit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -324,6 +356,7 @@ class ScenarioResult:
             "stall_onset": self.stall_onset,
             "detected_at": self.detected_at,
             "test": self.test,
+            "command_exit": self.command_exit,
         }
 
     @classmethod
@@ -339,7 +372,7 @@ class ScenarioResult:
             log_tail=d.get("log_tail"),
             tables=tuple(d.get("tables", ())), started_at=d.get("started_at"), ended_at=d.get("ended_at"),
             stall_onset=d.get("stall_onset"), detected_at=d.get("detected_at"), script=d.get("script", False),
-            test=d.get("test"),
+            test=d.get("test"), command_exit=d.get("command_exit"),
         )
 
 
@@ -387,6 +420,15 @@ class Report:
         if self.interrupted or self.nothing_ran:   # a run that ran nothing did not pass
             return "fail"
         return "pass" if all(s.ok for s in self.scenarios) else "fail"
+
+    @property
+    def unchecked_exit(self) -> int | None:
+        """The exit code of a wrapped command that ran to its end without a process group (nothing to check):
+        the run ends with it. None for any other run."""
+        if self.interrupted or not self.nothing_ran:
+            return None
+        codes = [s.command_exit for s in self.scenarios]
+        return codes[-1] if all(c is not None for c in codes) else None
 
     @property
     def nothing_ran(self) -> bool:

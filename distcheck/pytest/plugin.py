@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from distcheck.files.run_home import runs_root
 from distcheck.pytest.plan import MARK, SCOPES, PluginState, plan_item
 
 # Set by ``distcheck run -- CMD`` for everything the command starts (launch.command).
@@ -41,7 +42,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds for each launch before distcheck ends it")
     group.addoption("--distcheck-backend", default=None, help="auto | gloo | nccl (default auto)")
     group.addoption("--distcheck-run-dir", default=None,
-                    help="where traces, logs and reports go (default .distcheck/runs/pytest-<id>)")
+                    help="where traces, logs and reports go (default: distcheck's runs folder, "
+                         "~/.local/state/distcheck/runs/pytest-<id>)")
     group.addoption("--distcheck-scope", default="module", choices=SCOPES,
                     help="tests that share one launch: a module's (default), the whole session's, or none")
 
@@ -54,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # No torch and no distcheck internals here: the plugin loads in every pytest run.
     base = config.getoption("--distcheck-run-dir")
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_base = Path(base) if base else config.rootpath / ".distcheck" / "runs" / f"pytest-{stamp}-{os.getpid()}"
+    run_base = Path(base) if base else runs_root() / f"pytest-{stamp}-{os.getpid()}"   # never in the suite's tree
     config.stash[_STATE] = PluginState(run_base=run_base.resolve())
 
 

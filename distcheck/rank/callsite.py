@@ -137,7 +137,7 @@ class CallsiteResolver:
                         lib, lib_line = code, _line(info, frame)
                 elif kind == _JOIN:
                     joined = True
-            elif kind == USER or kind == LIBRARY:
+            elif kind in (USER, LIBRARY):
                 # Past the user's frame, only while on the target: its own methods, ...
                 if (not info[2] or (info[2] == _SELF_UNKNOWN and not self._learn_self(info, frame))
                         or frame.f_locals.get("self") is not target):

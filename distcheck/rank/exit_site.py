@@ -5,7 +5,8 @@ hang whose peers wait for that rank names the line it left at. Never raises into
 from __future__ import annotations
 
 import traceback
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from distcheck.rank.guard import Hook, failed
 

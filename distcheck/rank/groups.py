@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Any
 
 
 def c10d_default_group() -> Callable[[], Any]:
@@ -23,11 +24,30 @@ def counter_of(pg: Any) -> Callable[[], int] | None:
     """The group's collective counter: it counts C++-issued calls too, so Python and C++ calls share
     one numbering that matches the Flight Recorder's. None for a backend without one."""
     counter = getattr(pg, "_get_sequence_number_for_group", None)
+    if counter is None:   # a backend that does not count
+        return None
     try:
         counter()
     except Exception:   # a stand-in group, or a backend that does not count
         return None
     return counter
+
+
+def default_group_facts() -> dict[str, Any]:
+    """What the rank's status says of its default group once it exists: the backend and its timeout (the
+    backend's own end of a hang: NCCL's watchdog aborts past it)."""
+    import torch
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD
+    facts: dict[str, Any] = {"backend": str(dist.get_backend(pg))}
+    for device in ("cuda", "cpu"):
+        try:
+            facts["pg_timeout_s"] = pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+            break
+        except Exception:   # no backend for that device (or a backend without options): the next one
+            continue
+    return facts
 
 
 def members_of(pg: Any) -> tuple[int, ...]:

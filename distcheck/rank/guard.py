@@ -13,9 +13,10 @@ Cheap: nothing runs until a hook fails; then a dict update, and a status write a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from distcheck.models import HOOK_LOST as LOST, Hook
+from distcheck.models import Hook
 
 
 _FAILURES: dict[str, dict[str, Any]] = {}   # hook -> {"count": n, "error": "Type: first line"}

@@ -1,13 +1,16 @@
-"""The tracer's hot path: the function every traced collective runs (``traced_call``).
+"""The tracer's hot path: the function every traced collective runs (``traced_call``), in one of two forms that write
+the same records:
 
-A collective on one tensor (or none) on a process group — ``all_reduce``, ``broadcast``, ``barrier``... — gets a
-wrapper generated from the op's own signature (``_FAST_SOURCE``), in which a call like one seen before costs one
-Python frame: its arguments read in place, one dict lookup for its fingerprint, the group's counter for its
-number, and one 32-byte slot before and after the call. Why one frame: after a blocking collective the rank's
-caches are cold (other processes ran while it waited), and there every extra frame, call or object costs a few
-times what it costs in a warm loop (``benchmarks/tracer_overhead.py`` measures it beside the real call).
-Everything else a call can need (first calls, P2P, tensor lists, definitions) is ``Tracer``'s slow path, which
-P2P and list collectives take every time through ``_traced``.
+* **C** (``hot_path_c/``, wherever a C compiler was at install): a collective on one tensor (or none) on a process
+  group — ``all_reduce``, ``broadcast``, ``barrier``... — that was seen before is read, numbered and written by
+  ``FastCall`` without a Python frame: after a blocking collective the rank's caches are cold, and there every extra
+  frame, call or object costs a few times what it costs in a warm loop (``benchmarks/tracer_overhead.py``).
+* **Python** (``_traced``): every other call, and every call where the C module is not built: the tracer's slow path
+  (``Tracer.enter``, through ``HotPathState``) writes the call and, for an op the C path records, files the
+  fingerprint under the key the C path computes for it (``CKeys``), so the next call like it is the C path's.
+
+One record write: both end in the same records, byte for byte but for their times
+(``tests/test_hot_path_differential.py`` drives random call streams through both and compares the traces).
 """
 
 from __future__ import annotations
@@ -17,36 +20,75 @@ import inspect
 import os
 import sys
 import threading
-from pathlib import Path
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from time import time_ns
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from distcheck.files.trace import CHECK, SLOT_STRUCT, X_OK
 from distcheck.knowledge.library_shapes import NUMBERED_APART
-from distcheck.rank.guard import Hook, failed
-from distcheck.rank.ops import (MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, OpSpec, arg_places, arg_reader,
+from distcheck.rank.ops import (MULTI_SEQ, OPS, UNCOUNTED, WAITED_HANDLES, CallArgs, OpSpec, Place, arg_places,
                                 make_extractor)
 
 if TYPE_CHECKING:
-    from distcheck.rank.tracer import Tracer
+    from distcheck.rank.handles import Handles
+    from distcheck.rank.numbering import Numbering
 
-_HERE = str(Path(__file__).resolve())
+
+class KnownOp(NamedTuple):
+    """A reduce op the C path knows by identity (``HotPathState.op_ids``; ``fast_key.c`` reads ``op`` as item 0)."""
+
+    op: Any      # kept alive, so its id stays its own
+    name: str
 
 
-def traced_call(tracer: Tracer, name: str, original: Callable, spec: OpSpec | None = None,
+class LastWritten(threading.local):
+    fp = 0   # the fingerprint this thread's last slow-path call wrote (the C path's key is filed to it)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HotPathState:
+    """What a traced call reads and writes, built once by the tracer (``Tracer.hot_path``) and shared by every
+    wrapper, Python and C (``FastCall`` reads its fields when it is made)."""
+
+    c_path: Any                 # the C module (``_hot_path_c``), or None: the Python wrapper alone
+    inside: Any                 # ``.active``: this thread is inside a traced call (``thread_flag``)
+    hot: Any                    # ``busy_group`` and ``count`` (``hot_state``): the sidecar reads them
+    writer: Any                 # the trace's ``TraceWriter``: ``append``, ``write``, ``cursor``
+    numbering: Numbering        # ``groups``, ``seqs``, ``default_group`` (C); ``mark``, ``settle``, ``resync``
+    handles: Handles            # ``hold(works, keys)``: an async call's handle, its wait recorded
+    enter: Callable[[str, OpSpec, CallArgs, Any], int]   # the slow path: ``(name, spec, args, frame) -> call key``
+    exit_guarded: Callable[[int, BaseException | None], None]   # the exit record (rule 0: never raises)
+    failed: Callable[[BaseException], None]   # distcheck's own error, counted (``guard.failed(Hook.TRACER, ...)``)
+    fast: dict[str, dict[tuple, int]]   # op -> the C path's key -> the fingerprint the slow path wrote
+    op_ids: dict[int, KnownOp]          # id(reduce op) -> the op: ops the C path knows by identity
+    last_written: LastWritten
+    plain_user: dict[int, Any]          # ``CallsiteResolver.plain_user``: the user's own functions, by id(code)
+    site_key: Callable[[Any], tuple]    # ``CallsiteResolver.key``
+    fast_calls: weakref.WeakSet         # the C path's wrappers: they forget their last call with the tracer's keys
+    check: ClassVar[int] = CHECK        # the records' check word and X record word, as the C path packs them
+    x_ok: ClassVar[int] = X_OK
+
+
+def traced_call(state: HotPathState, name: str, original: Callable, spec: OpSpec | None = None,
                 signature_of: Callable | None = None) -> Callable:
     """``original`` traced as collective ``name``; ``signature_of``: read argument positions from this function
     instead (a stand-in collective with the real one's signature)."""
     spec = spec or OPS[name]
     params = list(inspect.signature(signature_of or original).parameters.values())
     extract = make_extractor(name, spec, params)
-    if has_fast_path(name, spec):
-        traced = _fast_traced(tracer, name, spec, original, extract, params)
-    else:
-        traced = _traced(tracer, name, spec, original, extract)
+    keys = CKeys(state, name, spec, params) if has_fast_path(name, spec) and state.c_path is not None else None
+    traced = _traced(state, name, spec, original, extract, keys)
     functools.update_wrapper(traced, original)
     traced.__distcheck_original__ = original  # type: ignore[attr-defined]
-    return traced
+    if keys is None:
+        return traced
+    call = state.c_path.FastCall(state, keys, traced, original)   # ``traced``: every call it does not record itself
+    functools.update_wrapper(call, original)   # its repr, name and __wrapped__ are the collective's
+    call.__distcheck_original__ = original
+    state.fast_calls.add(call)   # it remembers its last call: forgotten when the tracer clears its keys
+    return call
 
 
 def has_fast_path(name: str, spec: OpSpec) -> bool:
@@ -56,10 +98,12 @@ def has_fast_path(name: str, spec: OpSpec) -> bool:
                 or spec.extra or spec.shape_unless or spec.object_list or name in NUMBERED_APART)
 
 
-def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract: Callable) -> Callable:
-    """The wrapper of an op without a fast path: every call takes ``Tracer._enter``."""
-    inside, hot, writer = tracer._inside, tracer.hot, tracer.writer
-    enter = functools.partial(tracer._enter, name, spec)
+def _traced(state: HotPathState, name: str, spec: OpSpec, original: Callable, extract: Callable[..., CallArgs],
+            keys: CKeys | None = None) -> Callable:
+    """The Python wrapper: every call takes the slow path (``state.enter``); ``keys``: file what it wrote for the C
+    path."""
+    inside, hot, writer, numbering, handles = state.inside, state.hot, state.writer, state.numbering, state.handles
+    enter, exit_guarded, failed = functools.partial(state.enter, name, spec), state.exit_guarded, state.failed
     multi, waited, p2p = name in MULTI_SEQ, name in WAITED_HANDLES, spec.p2p is not None   # waited: isend, irecv
     apart = NUMBERED_APART.get(name)   # P2P, gloo's monitored_barrier: how many numbers it takes
     getframe = sys._getframe
@@ -73,36 +117,39 @@ def _traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract
         try:
             try:
                 values = extract(args, kwargs)
-                key = enter(values, getframe(1))
+                frame = getframe(1)
+                key = enter(values, frame)
+                if keys is not None:
+                    keys.remember(args, kwargs, frame)
                 if apart is not None:
-                    mark = tracer._mark(values[0])
+                    mark = numbering.mark(values.group)
             except Exception as exc:
                 key, unrecorded = None, exc
             try:
                 result = original(*args, **kwargs)
             except BaseException as exc:
                 if key is not None:
-                    tracer._exit_guarded(key, exc)
+                    exit_guarded(key, exc)
                 raise   # the user's exception, as it was
             if key is not None:
                 try:
                     _write(writer, X_OK, key, time_ns())
-                    if waited or (values[6] and result is not None):   # a handle: its wait() is recorded
-                        tracer._hold((result,), (key,))
+                    if waited or (values.async_op and result is not None):   # a handle: its wait() is recorded
+                        handles.hold((result,), (key,))
                 except Exception as exc:
-                    failed(Hook.TRACER, exc)
+                    failed(exc)
             elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
-                failed(Hook.TRACER, unrecorded)
+                failed(unrecorded)
             return result
         finally:
             try:
                 if multi:
-                    tracer._resync()
-                if mark is not None:
-                    tracer._settle(mark, apart, p2p)
+                    numbering.resync()
+                if mark is not None and apart is not None:   # a mark is taken only for a call numbered apart
+                    numbering.settle(mark, apart, p2p)
                 hot.busy_group = None   # after the numbers: the sidecar reads it first
             except Exception as exc:
-                failed(Hook.TRACER, exc)
+                failed(exc)
             inside.active = False
 
     return traced
@@ -116,130 +163,70 @@ def _write(writer: Any, w0: int, key: int, t: int) -> None:
         writer.write(record)
 
 
-# The wrapper of an op with a fast path, generated per op: {reads} reads its arguments in place, {seen} is the
-# fast path's key for a call (what the call shows, flat: cheaper to build and hash than a fingerprint), {usable}
-# whether the call can have one. A call whose key is cached, on a group already defined, is numbered and written
-# here; any other takes ``slow`` (``Tracer._enter``), which caches the fingerprint it wrote under the key.
-# The key's site is the calling function's code and instruction where that function is the user's own and no
-# module method (``CallsiteResolver.plain_user``: its site is then its own line), else ``CallsiteResolver.key``.
-# Reduce ops are in the key by id, only while ``op_ids`` keeps the op alive (its id cannot be reused), or the
-# signature's default op (``op_default``: kept alive by the signature).
-_FAST_SOURCE = '''
-def traced(*args, **kwargs):
-    if inside.active:
-        return original(*args, **kwargs)   # a collective inside a traced one
-    inside.active = True
-    key = unrecorded = None
-    try:
-        try:
-            n = len(args)
-{reads}
-            frame = getframe(1)
-            seen = fp = entry = None
-            if {usable}:
-                code = frame.f_code
-                if plain_user.get(id(code)) is code:
-                    seen = (id(code), frame.f_lasti, {seen})
-                else:
-                    seen = (site_key(frame), None, {seen})
-                if op is None or op is op_default or (op_ids.get(id(op)) or NO_OP)[0] is op:
-                    fp = fast.get(seen)
-            if fp is not None:
-                entry = groups.get(id(default_group() if pg is None else pg))
-            if entry is None:
-                key = slow(args, kwargs, frame, seen, op)
-            else:
-                group, counter = entry.key, entry.counter
-                if counter is None:
-                    seq = seqs[group] + 1
-                    seqs[group] = seq
-                else:   # the sidecar learns the number is a Python call's, and the group busy meanwhile
-                    seq = counter() - entry.base + 1
-                    entry.written.append(seq)
-                    hot.busy_group = group
-                hot.count += 1
-                k = entry.key_base + seq - entry.skew
-                w0 = fp | entry.e_word
-                t = time_ns()
-                record = pack(w0, k, t, w0 ^ k ^ t ^ CHECK)
-                try:
-                    append(record)
-                except ValueError:    # the mapping is full: grow it
-                    writer.write(record)
-                key = k
-        except Exception as exc:
-            key, unrecorded = None, exc
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as exc:
-            if key is not None:
-                tracer._exit_guarded(key, exc)
-            raise   # the user's exception, as it was
-        if key is not None:
-            try:
-                t = time_ns()
-                record = pack(X_OK, key, t, exit_check ^ key ^ t)
-                try:
-                    append(record)
-                except ValueError:    # the mapping is full: grow it
-                    writer.write(record)
-                if async_op and result is not None:   # a handle: its wait() is recorded
-                    tracer._hold((result,), (key,))
-            except Exception as exc:
-                failed(Hook.TRACER, exc)
-        elif unrecorded is not None:   # counted for a call that worked (a malformed call is the user's)
-            failed(Hook.TRACER, unrecorded)
-        return result
-    finally:
-        hot.busy_group = None   # after the numbers: the sidecar reads it first
-        inside.active = False
-'''
+class Places(NamedTuple):
+    """Where the C path reads each argument it knows a call by (None where the signature lacks it)."""
+
+    group: Place | None
+    tensor: Place | None
+    reduce_op: Place | None
+    root: Place | None
+    group_root: Place | None
+    async_op: Place | None
+
+    def read(self, args: tuple, kwargs: dict) -> Any:
+        """The call's arguments, one per field, as the C path reads them (``fast_key.c``: ``read_arg``): a
+        ``Places`` that holds the values (whatever the user passed), not places."""
+        return Places._make(_read(args, kwargs, place) for place in self)
 
 
-def _fast_traced(tracer: Tracer, name: str, spec: OpSpec, original: Callable, extract: Callable,
-                 params: list[inspect.Parameter]) -> Callable:
-    """The generated wrapper of an op with a fast path (``_FAST_SOURCE``)."""
-    read, namespace = arg_reader(params)
-    tensor = spec.tensors[0] if spec.tensors else None
-    reads = {"pg": read("group"), "t": read(tensor), "op": read(spec.reduce_op), "root": read(spec.root),
-             "group_root": read(spec.group_root), "async_op": read("async_op")}
-    seen = (["id(op)"] if spec.reduce_op else []) + (["root"] if spec.root else []) + ["async_op"]
-    # A CPU tensor's device as True, read without making a torch.device (the fingerprint keeps the device's type).
-    seen += ["t.shape", "t.dtype", "t.is_cpu or t.device"] if tensor else []
-    usable = "group_root is None" + (" and t is not None" if tensor else "")
-    source = _FAST_SOURCE.format(reads="\n".join(f"            {var} = {expr}" for var, expr in reads.items()),
-                                 seen=", ".join(seen), usable=usable)
-    writer = tracer.writer
-    namespace.update(
-        inside=tracer._inside, hot=tracer.hot, original=original, tracer=tracer, writer=writer, append=writer.append,
-        pack=SLOT_STRUCT.pack, CHECK=CHECK, X_OK=X_OK, exit_check=X_OK ^ CHECK, time_ns=time_ns,
-        getframe=sys._getframe, plain_user=tracer.resolver.plain_user, site_key=tracer.resolver.key,
-        op_ids=tracer._op_ids, NO_OP=(None,), op_default=_default_op(params, spec), fast=tracer._fast.setdefault(name, {}), groups=tracer._groups,
-        default_group=tracer._default_group, seqs=tracer._seq, failed=failed, Hook=Hook,
-        slow=_slow(tracer, name, spec, extract))
-    # Named as a file of distcheck's (``hot_path.py<all_reduce>``), so stacks and tracebacks leave its frame out.
-    exec(compile(source, f"{_HERE}<{name}>", "exec"), namespace)  # noqa: S102 - from the op's signature
-    traced = namespace["traced"]
-    c_path = tracer.c_path
-    if c_path is None:
-        return traced
-    functools.update_wrapper(traced, original)   # its repr and tracebacks name the collective
-    places = arg_places(params)
+class CKeys:
+    """The key the C path computes for a call (``fast_key.c``: ``seen_key``), and the fingerprint the slow path wrote
+    filed under it: what the call shows, flat (its site, then its reduce op by id, root, async flag and tensor's
+    shape, dtype and place). The site is the calling function's code and instruction where that function is the
+    user's own and no module method (``CallsiteResolver.plain_user``), else ``CallsiteResolver.key``; a reduce op
+    only while ``op_ids`` keeps it alive (its id cannot be reused), or the signature's default op. One per op;
+    ``FastCall`` reads ``places``, ``has_*``, ``op_default`` and ``fast`` when it is made."""
 
-    def where(param: str | None) -> tuple[int, str, Any] | None:   # (position, name, default), as the wrapper reads it
-        return None if param is None or param not in places else (places[param][0], param, places[param][1])
+    __slots__ = ("places", "has_op", "has_root", "has_tensor", "op_default", "fast", "state")
 
-    n = namespace
-    call = c_path.FastCall(
-        fallback=traced, original=original, tracer=tracer, inside=n["inside"], hot=n["hot"], append=n["append"],
-        write=writer.write, plain_user=n["plain_user"], site_key=n["site_key"], op_ids=n["op_ids"],
-        op_default=n["op_default"], fast=n["fast"], groups=n["groups"], default_group=n["default_group"],
-        seqs=n["seqs"], failed=failed, hook=Hook.TRACER,
-        params=tuple(where(p) for p in ("group", tensor, spec.reduce_op, spec.root, spec.group_root, "async_op")),
-        has_op=bool(spec.reduce_op), has_root=bool(spec.root), has_tensor=bool(tensor), check=CHECK, x_ok=X_OK,
-        cursor=writer.cursor)
-    tracer._fast_calls.add(call)   # it remembers its last call: forgotten when the tracer clears its keys
-    return call
+    def __init__(self, state: HotPathState, name: str, spec: OpSpec, params: list[inspect.Parameter]) -> None:
+        places = arg_places(params)
+        self.places = Places(*(places.get(p) if p else None for p in (
+            "group", spec.tensors[0] if spec.tensors else None, spec.reduce_op, spec.root, spec.group_root,
+            "async_op")))
+        self.has_op, self.has_root, self.has_tensor = bool(spec.reduce_op), bool(spec.root), bool(spec.tensors)
+        self.op_default = _default_op(params, spec)
+        self.fast = state.fast.setdefault(name, {})
+        self.state = state
+
+    def remember(self, args: tuple, kwargs: dict, frame: Any) -> None:
+        """After the slow path wrote a call: its fingerprint under the C path's key, where the call can have one."""
+        shown = self.places.read(args, kwargs)
+        t, op = shown.tensor, shown.reduce_op
+        if shown.group_root is not None or (self.has_tensor and t is None) or not self._op_known(op):
+            return
+        key: tuple = ((id(op),) if self.has_op else ()) + ((shown.root,) if self.has_root else ()) + (shown.async_op,)
+        if self.has_tensor:
+            key += (t.shape, t.dtype, t.is_cpu or t.device)
+        fp = self.state.last_written.fp
+        site_key = (self.state.site_key(frame), None, *key)
+        self.fast[site_key] = fp
+        code = frame.f_code
+        if self.state.plain_user.get(id(code)) is code:   # the user's own function: the short key, code and instruction
+            code_key = (id(code), frame.f_lasti, *key)
+            self.fast[code_key] = fp
+
+    def _op_known(self, op: Any) -> bool:
+        if not self.has_op or op is None or op is self.op_default:
+            return True
+        known = self.state.op_ids.get(id(op))
+        return known is not None and known.op is op
+
+
+def _read(args: tuple, kwargs: dict, place: Place | None) -> Any:
+    if place is None:
+        return None
+    return args[place.index] if 0 <= place.index < len(args) else kwargs.get(place.name, place.default)
 
 
 class PythonThreadFlag(threading.local):
@@ -275,7 +262,7 @@ def c_hot_path() -> Any:
     if os.environ.get("DISTCHECK_HOT_PATH", "").lower() == "python":
         return None
     try:
-        from distcheck.rank import _hot_path_c
+        import distcheck.rank._hot_path_c as _hot_path_c
     except ImportError:
         return None
     return _hot_path_c
@@ -288,22 +275,3 @@ def _default_op(params: list[inspect.Parameter], spec: OpSpec) -> Any:
         if p.name == spec.reduce_op and p.default is not p.empty and p.default is not None:
             return p.default
     return object()
-
-
-def _slow(tracer: Tracer, name: str, spec: OpSpec, extract: Callable) -> Callable[..., int]:
-    """The fast wrapper's other path: ``Tracer._enter``, then the fingerprint it wrote cached under the call's key
-    (``seen``: None where the call cannot have one), where the key's reduce op is one ``op_ids`` keeps alive."""
-    enter, fast, op_ids, local = functools.partial(tracer._enter, name, spec), tracer._fast.setdefault(name, {}), \
-        tracer._op_ids, tracer._local
-    plain_user = tracer.resolver.plain_user
-
-    def slow(args: tuple, kwargs: dict, frame: Any, seen: tuple | None, op: Any) -> int:
-        key = enter(extract(args, kwargs), frame)
-        if seen is not None and (op is None or (op_ids.get(id(op)) or (None,))[0] is op):
-            fp = fast[seen] = local.last_fp
-            code = frame.f_code
-            if plain_user.get(id(code)) is code:   # a function first seen now: its next call's key is the short one
-                fast[(id(code), frame.f_lasti) + seen[2:]] = fp
-        return key
-
-    return slow

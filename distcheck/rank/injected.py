@@ -29,8 +29,9 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from distcheck.rank.guard import Hook, failed
 from distcheck.rank.runtime import PROCESS
@@ -60,7 +61,7 @@ def activate() -> None:
             hook(sys.modules[name])
             del hooks[name]
     if hooks:
-        sys.meta_path.insert(0, _PostImportHook(hooks))
+        PROCESS.patches.finder(_PostImportHook(hooks))
 
 
 def _patch_c10d(c10d: Any) -> None:
@@ -111,15 +112,16 @@ def _become_rank() -> None:
 
     from distcheck.files.launch_dir import LaunchFiles
     from distcheck.models import Phase
-    from distcheck.rank import runtime, worker
+    from distcheck.rank import runtime
+    from distcheck.rank.groups import default_group_facts
 
     rank, world = dist.get_rank(), dist.get_world_size()
     launch = LaunchFiles(Path(os.environ[LAUNCH_DIR_ENV]))
     files = launch.generation(_generation(launch, world))
-    worker.redirect_output(files.log(rank))   # from here on, this rank's output is its own log
+    PROCESS.write_output_to(files.log(rank), launch.command_log)   # its own log, unless the command sent it elsewhere
     armed = runtime.arm(files, rank, script=True, main_thread=threading.get_ident(), command=True)
-    armed.status.update(phase=Phase.RUNNING, pg_initialized=True, world_size=world,
-                        backend=str(dist.get_backend()), test=current_test(launch))
+    armed.status.update(phase=Phase.RUNNING, pg_initialized=True, world_size=world, test=current_test(launch),
+                        **default_group_facts())
     if PROCESS.end_hooks:
         return
     PROCESS.end_hooks = True
@@ -129,7 +131,12 @@ def _become_rank() -> None:
     # atexit for exec'd and spawned processes; multiprocessing's finalizers for forked ones,
     # which leave through os._exit and never run atexit.
     atexit.register(_at_exit)
-    multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
+    finalizer = multiprocessing.util.Finalize(None, _at_exit, exitpriority=100)
+
+    def undo() -> None:
+        atexit.unregister(_at_exit)
+        finalizer.cancel()
+    PROCESS.patches.on_undo(undo)
 
 
 def _own_worker() -> bool:
@@ -206,16 +213,7 @@ def _end_generation() -> None:
     PROCESS.current, PROCESS.ended = None, runtime
     if runtime.status.data.phase == Phase.RUNNING:
         finish_rank(runtime, {})
-    runtime.tracer.uninstall()
-    runtime.sidecar.stop()
-    with runtime.tracer.lock:
-        # It must not read the next generation's groups, nor keep this one's alive (a poll may outlast the stop).
-        runtime.watcher.groups = lambda: ()
-        runtime.watcher.pgs = {}
-    runtime.tracer.close()   # calls through a wrapper bound earlier are dropped, not written here
-    # Forget every group it cached: a group kept alive keeps its store, and a TCPStore server kept
-    # listening takes the port the next generation's rank 0 binds (the pool re-inits on one port).
-    runtime.tracer.begin_segment("generation ended")
+    PROCESS.retire(runtime)
 
 
 def current_test(launch: Any) -> str | None:
@@ -232,7 +230,8 @@ def current_test(launch: Any) -> str | None:
 
 def _ancestors() -> list[int]:
     """This process's parent, grandparent, ... (read from /proc; empty elsewhere)."""
-    out, pid = [], os.getppid()
+    out: list[int] = []
+    pid = os.getppid()
     while pid > 1 and len(out) < 32:
         out.append(pid)
         try:

@@ -14,10 +14,12 @@ import functools
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from distcheck.rank.guard import Hook, failed
+from distcheck.rank.patches import Patches
 
 # logged name -> "file:line:function" of the user's self.log(...) / self.log_dict(...) call
 LOG_SITES: dict[str, str] = {}
@@ -33,7 +35,7 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
     """Runs a callback right after a named module finished executing; ``owner``: the hook whose
     failure it counts (rule 0: the user's import goes on as without distcheck)."""
 
-    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]], owner: Hook = Hook.RANK_SETUP) -> None:
+    def __init__(self, hooks: Mapping[str, Callable[[ModuleType], None]], owner: Hook = Hook.RANK_SETUP) -> None:
         self.hooks, self.owner = hooks, owner
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
@@ -107,15 +109,28 @@ def _patch_lightning_log(module: ModuleType) -> None:
         return _outermost(lambda: original_log_dict(self, *args, **kwargs), site)
 
     log.__distcheck__ = log_dict.__distcheck__ = True  # type: ignore[attr-defined]
-    cls.log, cls.log_dict = log, log_dict
+    _PATCHES.set(cls, "log", log)
+    _PATCHES.set(cls, "log_dict", log_dict)
 
 
-def install() -> None:
-    """Attribute Lightning's deferred self.log / self.log_dict reductions to their lines."""
+_PATCHES = Patches()   # the rank's record of what distcheck replaced (``rank.patches``), once installed
+
+
+def install(patches: Patches | None = None) -> None:
+    """Attribute Lightning's deferred self.log / self.log_dict reductions to their lines; what it replaces goes
+    through ``patches``."""
+    global _PATCHES
+    _PATCHES = patches or Patches()
     for name in LIGHTNING_MODULES:
         if name in sys.modules:
             _patch_lightning_log(sys.modules[name])
-    sys.meta_path.insert(0, _PostImportHook({name: _patch_lightning_log for name in LIGHTNING_MODULES}, Hook.LIGHTNING))
+    _PATCHES.finder(_PostImportHook({name: _patch_lightning_log for name in LIGHTNING_MODULES}, Hook.LIGHTNING))
+    _PATCHES.on_undo(_forget_patches)
+
+
+def _forget_patches() -> None:
+    global _PATCHES
+    _PATCHES = Patches()
 
 
 def logged_name(target: Any) -> str | None:

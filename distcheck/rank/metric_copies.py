@@ -51,7 +51,7 @@ def pickler(f: Any) -> pickle.Pickler:
 
     tensor = getattr(sys.modules.get("torch"), "Tensor", None)
 
-    class Pickler(base):   # type: ignore[misc, valid-type]
+    class Pickler(base):
         def reducer_override(self, obj: Any) -> Any:
             if group is not None and isinstance(obj, group):
                 return type(None), ()   # a process group means nothing in the replay
@@ -87,7 +87,8 @@ def dumps_by_value(obj: Any) -> bytes:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     registered = []
     for mod in modules:
-        if sys.modules.get(mod.__name__) is mod and mod.__name__ not in ("__main__",):
+        name = mod.__name__
+        if sys.modules.get(name) is mod and name not in ("__main__",):
             try:
                 cloudpickle.register_pickle_by_value(mod)
                 registered.append(mod)

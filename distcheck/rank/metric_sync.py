@@ -1,10 +1,11 @@
-"""Which torchmetrics objects a compute() is judged for, the user's line it was called at, and the sync point (process group and its sequence
-number) by which ``files.metric_records`` pairs it with the other ranks' computes."""
+"""Which torchmetrics objects a compute() is judged for, the user's line it was called at, and the sync point
+(process group and its sequence number) by which ``files.metric_records`` pairs it with the other ranks' computes."""
 
 from __future__ import annotations
 
 import functools
 import sys
+from types import FrameType
 from typing import Any
 
 
@@ -13,7 +14,7 @@ def _is_collection(obj: Any) -> bool:
                                                            for c in type(obj).__mro__)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _judged_class(cls: type) -> bool:
     """Whether compute() of this class syncs through ``Metric._wrap_compute`` (a composite's or a
     wrapper's does not: their inner metrics sync, and are recorded themselves)."""
@@ -25,7 +26,8 @@ def _judged_class(cls: type) -> bool:
 def _judged(obj: Any) -> bool:
     """A collection is judged as a whole only when each member is: a collection of wrappers (a
     ``Running`` window) has no single-process equivalent as a whole, its members' metrics have."""
-    if not _judged_class(type(obj)):
+    cls: type = type(obj)
+    if not _judged_class(cls):
         return False
     return not _is_collection(obj) or all(_judged(m) for m in obj._modules.values())
 
@@ -71,7 +73,7 @@ def user_callsite() -> str | None:
     from distcheck.files.stacks import USER, classify_file, torch_dir
 
     tdir = torch_dir()
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if classify_file(frame.f_code.co_filename, tdir) == USER:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}"

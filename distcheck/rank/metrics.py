@@ -1,35 +1,25 @@
 """Recording torchmetrics inside a rank, for a single-process reference after the launch.
 
-When (and only when) the user's code imports torchmetrics, a post-import hook
-wraps ``Metric.update``/``forward``/``compute``/``reset`` (through
-``Metric._wrap_update``/``_wrap_compute``, which every instance goes through)
-and the same methods of ``MetricCollection``. Updates are credited to the object
-whose state they change: every metric records its own (a composite's children,
-a wrapper's inner metric), except the members of a ``MetricCollection``, whose
-updates are the collection's (compute groups share states between members).
-A ``compute()`` inside another recorded one (a collection's members) is the outer
-one's. Each recorded object keeps:
+When (and only when) the user's code imports torchmetrics, a post-import hook wraps ``Metric.update``/``forward``/
+``compute``/``reset`` (through ``Metric._wrap_update``/``_wrap_compute``, which every instance goes through) and the
+same methods of ``MetricCollection``, through the rank's ``Patches``. Updates are credited to the object whose state
+they change: every metric records its own (a composite's children, a wrapper's inner metric), except the members of a
+``MetricCollection``, whose updates are the collection's (compute groups share states between members). A
+``compute()`` inside another recorded one (a collection's members) is the outer one's. Each recorded object keeps:
 
-* a copy taken before its first update, pickled *by value* when its class lives in
-  the user's own code (a script without a main guard, a class inside a function,
-  a module loaded from a path): the replay never runs the user's script again;
-* every ``update()``'s arguments as detached CPU copies, tagged with how many
-  resets came before;
-* every ``compute()``: its value, the user's line, the object's local (pre-sync)
-  state, and the sync point (process group, its sequence number before and
-  after, this rank's rank in it, the time) by which ``files.metric_records``
+* a copy taken before its first update, pickled *by value* when its class lives in the user's own code (a script
+  without a main guard, a class inside a function, a module loaded from a path): the replay never runs it again;
+* every ``update()``'s arguments as detached CPU copies, tagged with how many resets came before;
+* every ``compute()``: its value, the user's line, the object's local (pre-sync) state, and the sync point (process
+  group, its sequence number before and after, this rank's rank in it, the time) by which ``files.metric_records``
   pairs it with the other ranks' computes.
 
-The metric itself is never touched: inputs are copied, the original call runs
-unchanged. Recorded inputs and states are capped per rank
-(``DISTCHECK_METRIC_MEMORY_MB``, default 256); past the cap they are dropped with
-a note and only the cross-rank comparison of results remains.
-
-Bounded memory in the rank (rule 0): a recorded object is held by a weak reference; inputs go
-to disk every ``FLUSH_BYTES``, compute records every ``SPILL_COMPUTES`` (read back with the
-rank's status); at most ``MAX_ENTRIES`` objects, ``MAX_COMPUTES`` compute records and
-``MAX_VALUE_ELEMENTS_KEPT`` result elements; row digests (``rank.row_digests``) have a cap
-of their own. Reaching a cap is one ``coverage`` note.
+The metric itself is never touched: inputs are copied, the original call runs unchanged. Bounded memory in the rank
+(rule 0): a recorded object is held by a weak reference; inputs and states are capped per rank
+(``DISTCHECK_METRIC_MEMORY_MB``, default 256: past it only the cross-rank comparison of results remains); inputs go to
+disk every ``FLUSH_BYTES``, compute records every ``SPILL_COMPUTES``; at most ``MAX_ENTRIES`` objects,
+``MAX_COMPUTES`` compute records and ``MAX_VALUE_ELEMENTS_KEPT`` result elements; row digests
+(``rank.row_digests``) have a cap of their own. Reaching a cap is one ``coverage`` note.
 """
 
 from __future__ import annotations
@@ -41,11 +31,13 @@ import threading
 import time
 import weakref
 from array import array
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from distcheck.files.metric_records import append_computes, pack, spill_name
 from distcheck.rank.guard import Hook, capped, failed
+from distcheck.rank.patches import Patches
 from distcheck.rank.metric_copies import compute_record, dumps_by_value, elements as _elements, jsonable, pickler
 from distcheck.rank.metric_sync import (_is_collection, _judged, _seq, _sync_on_compute, _sync_point, metrics_of,
                                         user_callsite)
@@ -75,8 +67,7 @@ class _Entry:
         self.info: dict[str, Any] = {
             "id": key, "class": cls.__name__, "module": cls.__module__, "qualname": cls.__qualname__,
             "collection": collection, "sync_on_compute": _sync_on_compute(obj), "fresh": None, "chunks": [],
-            "updates": 0, "computes": [], "note": None,
-        }
+            "updates": 0, "computes": [], "note": None}
         self.epoch = 0            # resets so far
         self.in_epoch = 0         # updates since the last reset
         self.pending: list[tuple] = []   # ("u", epoch, args, kwargs) and ("s", compute index, local state)
@@ -377,9 +368,7 @@ def _detached(x: Any, size: list[int]) -> Any:
     return x
 
 
-_TENSOR: type | None = None   # torch.Tensor, once torchmetrics (hence torch) is imported
-
-
+_TENSOR: Any = None   # torch.Tensor, once torchmetrics (hence torch) is imported
 RECORDER: MetricRecorder | None = None
 
 
@@ -394,13 +383,13 @@ def _patch_metric(module: Any, existing: bool = False) -> None:
 
     def _wrap_update(self: Any, update: Callable) -> Callable:
         inner = wrap_update(self, update)
-        recorded = functools.wraps(inner)(lambda *a, **k: _record(self, "update", lambda: inner(*a, **k), a, k))
+        recorded: Any = functools.wraps(inner)(lambda *a, **k: _record(self, "update", lambda: inner(*a, **k), a, k))
         recorded.__distcheck__ = True
         return recorded
 
     def _wrap_compute(self: Any, compute: Callable) -> Callable:
         inner = wrap_compute(self, compute)
-        recorded = functools.wraps(inner)(lambda *a, **k: _record(self, "compute", lambda: inner(*a, **k)))
+        recorded: Any = functools.wraps(inner)(lambda *a, **k: _record(self, "compute", lambda: inner(*a, **k)))
         recorded.__distcheck__ = True
         return recorded
 
@@ -413,8 +402,9 @@ def _patch_metric(module: Any, existing: bool = False) -> None:
         return _record(self, "reset", lambda: reset(self))
 
     _wrap_update.__distcheck__ = _wrap_compute.__distcheck__ = True   # type: ignore[attr-defined]
-    cls._wrap_update, cls._wrap_compute, cls.forward, cls.reset = (_wrap_update, _wrap_compute, recorded_forward,
-                                                                   recorded_reset)
+    for name, value in (("_wrap_update", _wrap_update), ("_wrap_compute", _wrap_compute), ("forward", recorded_forward),
+                        ("reset", recorded_reset)):
+        _PATCHES.set(cls, name, value)
     if existing:
         _rewrap_existing(cls)
 
@@ -455,7 +445,7 @@ def _patch_collection(module: Any) -> None:
 
         recorded = functools.wraps(original)(recorded)
         recorded.__distcheck__ = True   # type: ignore[attr-defined]
-        setattr(cls, name, recorded)
+        _PATCHES.set(cls, name, recorded)
 
 
 def _record(obj: Any, kind: str, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
@@ -472,17 +462,27 @@ def cap_bytes() -> int:
         return DEFAULT_MEMORY_MB * 2**20
 
 
-def install(directory: Path) -> None:
-    """Record torchmetrics objects from the moment the user's code imports torchmetrics."""
-    global RECORDER
+_PATCHES = Patches()   # the rank's record of what distcheck replaced (``rank.patches``), once installed
+
+
+def install(directory: Path, patches: Patches | None = None) -> None:
+    """Record torchmetrics objects from the moment the user's code imports torchmetrics; what it replaces goes
+    through ``patches``, whose undo also stops the recording (metrics wrapped before that record nothing more)."""
+    global RECORDER, _PATCHES
     from distcheck.rank.integrations import _PostImportHook
 
-    RECORDER = MetricRecorder(directory, cap_bytes())
+    RECORDER, _PATCHES = MetricRecorder(directory, cap_bytes()), patches or Patches()
     hooks = {"torchmetrics.metric": _patch_metric, "torchmetrics.collections": _patch_collection}
     for name, hook in hooks.items():
         if name in sys.modules:
             hook(sys.modules[name], existing=True) if hook is _patch_metric else hook(sys.modules[name])
-    sys.meta_path.insert(0, _PostImportHook(hooks, Hook.METRICS))
+    _PATCHES.finder(_PostImportHook(hooks, Hook.METRICS))
+    _PATCHES.on_undo(_forget_recorder)
+
+
+def _forget_recorder() -> None:
+    global RECORDER, _PATCHES
+    RECORDER, _PATCHES = None, Patches()
 
 
 def results() -> dict[str, Any]:

@@ -24,37 +24,28 @@ groups run calls the tracer did not write, and at most every
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
-import sys
-import threading
 import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Protocol
 
 from distcheck import torch_features
 from distcheck.files import trace as records
 from distcheck.files.flight_recorder import DTYPES, op_name
-from distcheck.files.stacks import TORCH, USER, classify_file, torch_dir
+from distcheck.files.stacks import torch_dir
 from distcheck.models import UNKNOWN_OP
 from distcheck.rank.groups import members_of, process_groups
-from distcheck.rank.guard import Hook, failed
+from distcheck.rank.completion import Completion
+from distcheck.rank.issuers import inside_issuer, issuer_label, stack_digest, stack_of, unknown_call_label, user_line
+from distcheck.rank.guard import Hook
+from distcheck.rank.ticker import TICKER, Ticker
 
 # Ring size distcheck asks of the Flight Recorder when the user set none: a dump
 # costs ~2 ms at 256 entries and ~80 ms at 2000 (torch 2.13, measured).
 DEFAULT_BUFFER = 256
-
-# (path fragment, what issued the call), innermost torch frame first.
-_ISSUERS = (
-    ("/torch/distributed/fsdp/", "FSDP"),
-    ("/torch/distributed/_composable/", "FSDP"),
-    ("/torch/distributed/tensor/", "DTensor"),
-    ("/torch/distributed/_functional_collectives", "functional collective"),
-    ("/torch/nn/parallel/distributed.py", "DDP"),
-    ("/torch/autograd/", "autograd"),
-)
-
 
 @dataclass(frozen=True)
 class NativeCall:
@@ -65,87 +56,6 @@ class NativeCall:
     dtypes: tuple[str, ...] = ()
     t_created: float | None = None
     retired: bool = False
-
-
-def issuer_label(op: str, shapes: tuple[tuple[int, ...], ...], frames: list[tuple[str, int, str]]) -> str:
-    """A person's name for the call: "DDP gradient all_reduce, bucket of 5 elements".
-
-    ``frames`` is the main thread's stack, innermost first: (file, line, function).
-    """
-    issuer = next((name for file, _, _ in frames for frag, name in _ISSUERS if frag in file), None)
-    ddp = any("/torch/nn/parallel/distributed.py" in file for file, _, _ in frames)
-    if issuer == "autograd" or (issuer == "DDP" and not ddp):
-        issuer = "DDP gradient" if op == "all_reduce" else "autograd"
-    elif issuer == "DDP" and any(fn == "__init__" for file, _, fn in frames if "parallel/distributed.py" in file):
-        issuer = "DDP init"
-    if issuer is None:
-        issuer = "C++-issued"
-    text = f"{issuer} {op}"
-    if issuer == "DDP gradient" and shapes:
-        numel = sum(_numel(s) for s in shapes)
-        text += f", bucket of {numel} element{'s' if numel != 1 else ''}"
-    return text
-
-
-def inside_issuer(frames: list[tuple[str, int, str]]) -> bool:
-    """The stack is inside something that issues collectives from C++ (DDP, autograd, FSDP, DTensor, funcol),
-    and its innermost frame is torch's own: a call into C++ that may be waiting. A thread that runs an
-    import or the user's code (a hook) is busy there, not waiting in a collective."""
-    return (bool(frames) and classify_file(frames[0][0], torch_dir()) == TORCH
-            and any(frag in file for file, _, _ in frames for frag, _ in _ISSUERS))
-
-
-def unknown_call_label(frames: list[tuple[str, int, str]], recorder: bool) -> str:
-    """A C++-issued call without a recorder entry: what issued it, and that nothing says which call it was."""
-    if recorder:
-        return "C++-issued call (no Flight Recorder entry)"
-    issuer = issuer_label(UNKNOWN_OP, (), frames).removesuffix(f" {UNKNOWN_OP}")
-    issuer = {"autograd": "DDP's reducer in backward()", "C++-issued": "C++ code"}.get(issuer, issuer)
-    return f"{issuer} (a collective issued from C++; without a Flight Recorder nothing says which)"
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def user_line(frames: list[tuple[str, int, str]], torch: str) -> str | None:
-    """The innermost frame of the user's own code, as 'file:line:function'."""
-    for file, line, fn in frames:
-        if classify_file(file, torch) == USER:
-            return f"{file}:{line}:{fn}"
-    return None
-
-
-def stack_of(thread_id: int | None) -> list[tuple[str, int, str]]:
-    """A thread's stack, innermost first (cheap: no source lines read)."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    out = []
-    while frame is not None and len(out) < 200:
-        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return out
-
-
-def stack_digest(thread_id: int | None) -> int:
-    """A 64-bit digest of a thread's stack (code objects and lines): it changes when the thread moves on."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    parts = []
-    while frame is not None and len(parts) < 200:
-        parts.append((id(frame.f_code), frame.f_lineno))
-        frame = frame.f_back
-    return hash(tuple(parts)) & (1 << 64) - 1
-
-
-def traceback_frames(tb: Any) -> list[tuple[str, int, str]]:
-    """A traceback's frames, innermost first, as ``stack_of`` gives them: where a call that raised was issued."""
-    out = []
-    while tb is not None:
-        out.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
-        tb = tb.tb_next
-    return out[::-1]
 
 
 def flight_recorder_calls() -> dict[tuple[str, int], NativeCall] | None:
@@ -201,6 +111,41 @@ def _counter_value(entry: dict, backend: str | None) -> int:
     return int(entry.get(key, entry.get("collective_seq_id", -1)))
 
 
+class TracerSide(Protocol):
+    """What the sidecar reads of the Python tracer (``rank.tracer.Tracer``, which answers from its parts)."""
+
+    @property
+    def lock(self) -> AbstractContextManager:
+        """Held while a batched launch starts its next segment."""
+
+    @property
+    def writer(self) -> Any:
+        """The trace's ``TraceWriter``."""
+
+    @property
+    def completion(self) -> Completion | None:
+        """When calls completed (NCCL)."""
+
+    @property
+    def busy_group(self) -> str | None:
+        """The group a Python call is in right now: the numbers it runs are its own (read before them)."""
+
+    def take_written(self, group: str) -> list[int]:
+        """The numbers it wrote for ``group`` since the last call, relative to ``seq_base(group)``."""
+
+    def seq_base(self, group: str) -> int:
+        """The group's counter when the segment started."""
+
+    def trace_seq(self, group: str, offset: int) -> int:
+        """The trace's number for the counter's ``offset``: P2P calls' numbers left out."""
+
+    def handles_on_device(self) -> bool:
+        """P2P calls over a device-completed group whose handles have not said they completed."""
+
+    def completed_on_device(self) -> list[int]:
+        """The keys of such calls whose handles say they completed since the last call."""
+
+
 @dataclass
 class _Open:
     seq: int                  # the group's own sequence number (absolute)
@@ -211,16 +156,13 @@ class _Open:
 class NativeWatcher:
     """Finds C++-issued collectives of one rank and writes them into its trace.
 
-    ``tracer`` gives the Python side: ``take_written(key)`` (the numbers it wrote
-    for a group since the last call, relative to ``seq_base(key)``), ``trace_seq(key, offset)``
-    (the trace's number for one of them: P2P calls' numbers left out), ``busy_group``
-    (a Python call in flight: the numbers it runs are its own, e.g. an object
-    collective runs two), and ``lock`` (held while a batched launch starts its
-    next segment). Every number up to ``seen`` is accounted for: written by the
-    tracer, or recorded here.
+    ``tracer`` gives the Python side (``TracerSide``): the numbers it wrote for a group, the group a
+    Python call is in (``busy_group``: the numbers it runs are its own, e.g. an object collective runs
+    two), the P2P calls over a device-completed group, and ``lock`` (held while a batched launch starts
+    its next segment). Every number up to ``seen`` is accounted for: written by the tracer, or recorded here.
     """
 
-    tracer: Any
+    tracer: TracerSide
     main_thread: int | None
     groups: Callable[[], Iterable[tuple[str, Any]]] = process_groups
     calls: Callable[[], dict[tuple[str, int], NativeCall] | None] = flight_recorder_calls
@@ -232,6 +174,10 @@ class NativeWatcher:
     pgs: dict[str, Any] = field(default_factory=dict)        # group → the process group read last time
     fps: dict[tuple, int] = field(default_factory=dict)
     sites: dict[tuple, str] = field(default_factory=dict)
+    completion: Completion | None = None                      # when calls completed (NCCL): the tracer's own
+    counters: dict[str, int] = field(default_factory=dict)    # group → its counter at the last read
+    done: dict[str, int] = field(default_factory=dict)        # group → the trace's number written done up to
+    done_abs: dict[str, int] = field(default_factory=dict)    # ... and the counter's number it stands for
     recorder: bool = field(default_factory=lambda: recorder_problem() is None)   # False: counted, not watched
     on_unwatched: Callable[[str], None] = lambda why: None   # told once, when a call could not be watched
     _last_detail: float = 0.0
@@ -239,13 +185,34 @@ class NativeWatcher:
     _pending_since: dict[tuple[str, int], float] = field(default_factory=dict)
     _torch: str = field(default_factory=torch_dir)
 
-    def flush(self, frames: list[tuple[str, int, str]] | None = None) -> None:
+    def __post_init__(self) -> None:
+        if self.completion is None:
+            self.completion = self.tracer.completion or Completion()
+
+    @property
+    def _completion(self) -> Completion:
+        """``completion``, always set once the watcher is made (``__post_init__``)."""
+        assert self.completion is not None
+        return self.completion
+
+    def flush(self, frames: list[tuple[str, int, str]] | None = None, settle_s: float = 0.0) -> None:
         """Record every call the groups ran so far, and close them all: the caller's work is over
         (the end of a scenario or script, a failure, or a group about to be destroyed), so each
         call it made has returned. ``frames``: the stack the calls were issued from, where the main
-        thread has left it (a failure's traceback), innermost first."""
+        thread has left it (a failure's traceback), innermost first. ``settle_s``: how long calls still
+        waiting on the device (NCCL) may take to complete first (a healthy one does in milliseconds; one that
+        never does stays open in the record, where its hang is told)."""
         with self.tracer.lock:
             self.end_segment(frames)
+            deadline = time.monotonic() + settle_s
+            while self._waiting_on_device() and time.monotonic() < deadline:
+                time.sleep(0.01)
+                self._write_done(time.time())
+
+    def _waiting_on_device(self) -> bool:
+        """A device-completed group has calls not known done."""
+        return (any(self._completion.device(key) and seq > self._done_abs(key) for key, seq in self.counters.items())
+                or self.tracer.handles_on_device())
 
     def end_segment(self, frames: list[tuple[str, int, str]] | None = None) -> None:
         """``flush`` with the tracer's lock held (a batched launch's segment ends here)."""
@@ -263,12 +230,15 @@ class NativeWatcher:
             opened.clear()
         if out:
             self.tracer.writer.write(out.data())
+        self._write_done(now)
         self._forget(gone)
         self._synced(now)
 
     def reset(self) -> None:
         """A new trace segment: numbers restart, definitions are written again."""
         self.open.clear()
+        self.done.clear()
+        self.done_abs.clear()
         self.python.clear()
         self.gids.clear()
         self.fps.clear()
@@ -283,19 +253,20 @@ class NativeWatcher:
         now = time.time() if now is None else now
         with self.tracer.lock:
             new, gone = self._new_numbers()
-            if new or any(self.open.values()):
-                # Rate limit (a dump costs ~2 ms): the numbers wait in the group's counter, and the
-                # sync word stays behind, so nobody reads the record as complete meanwhile. A group
-                # that was destroyed cannot wait: its counter is read for the last time.
-                if now - self._last_detail < self.detail_interval_s and not any(k in gone for k, *_ in new):
-                    self._forget(gone)
-                    return
-                self._last_detail = now
-                if not self._record(new, gone, now):
-                    self._forget(gone)
-                    return   # a counted call waits for its recorder entry: the record is not whole yet
-            self._forget(gone)
-            self._synced(now)
+            try:
+                if new or any(self.open.values()):
+                    # Rate limit (a dump costs ~2 ms): the numbers wait in the group's counter, and the
+                    # sync word stays behind, so nobody reads the record as complete meanwhile. A group
+                    # that was destroyed cannot wait: its counter is read for the last time.
+                    if now - self._last_detail < self.detail_interval_s and not any(k in gone for k, *_ in new):
+                        return
+                    self._last_detail = now
+                    if not self._record(new, gone, now):
+                        return   # a counted call waits for its recorder entry: the record is not whole yet
+                self._synced(now)
+            finally:
+                self._write_done(now)   # after the calls it may cover are in the record
+                self._forget(gone)
 
     def _record(self, new: list, gone: set[str], now: float) -> bool:
         """Write what ``new`` holds; False when a call was left for the next poll (not in the record yet)."""
@@ -310,6 +281,31 @@ class NativeWatcher:
         if out:
             self.tracer.writer.write(out.data())
         return whole
+
+    def _write_done(self, now: float) -> None:
+        """D records: how far each device-completed group's calls have completed (``rank.completion``), never past a
+        number whose enter record is not written yet (``seen``); and the ends of the waits in P2P calls over such a
+        group whose handles completed."""
+        out = records.RecordBatch()
+        completed = self.tracer.completed_on_device()
+        if completed:
+            out.add(records.wait_slots(completed, int(now * 1e9), True))
+        marks = self._completion.done_through(pending=lambda key: self.counters.get(key, 0) > self._done_abs(key))
+        for key, upto in marks.items():
+            pg = self.pgs.get(key)
+            base = self.tracer.seq_base(key)
+            upto = min(upto, self.seen.get(key, base))
+            local = self.tracer.trace_seq(key, upto - base) if upto > base else 0
+            if pg is None or local <= self.done.get(key, 0):
+                continue
+            self.done[key] = local
+            self.done_abs[key] = upto
+            out.add(records.done_slot(self._define_group(key, pg, out), local, int(now * 1e9)))
+        if out:
+            self.tracer.writer.write(out.data())
+
+    def _done_abs(self, key: str) -> int:
+        return self.done_abs.get(key, self.tracer.seq_base(key))
 
     def _synced(self, now: float) -> None:
         """Tell the watchdog that every call counted up to ``now`` is in the trace."""
@@ -332,6 +328,9 @@ class NativeWatcher:
         2.13). A script's ``destroy_process_group()`` at its end no longer takes its last calls along."""
         current = list(self.groups())
         live = {key: pg for key, pg in current}
+        for key, pg in current:   # before its first call where it can be: a call that completes unseen waits forever
+            if key not in self.pgs:
+                self._completion.attach(pg, key)
         gone = {key for key, pg in self.pgs.items() if live.get(key) is not pg}
         # A group re-made under the same name is read from the next poll on, counting afresh.
         groups = [(key, self.pgs[key]) for key in gone] + [(key, pg) for key, pg in current if key not in gone]
@@ -349,6 +348,7 @@ class NativeWatcher:
                 seq = pg._get_sequence_number_for_group()
             except Exception:    # a backend without sequence numbers: nothing to learn here
                 continue
+            self.counters[key] = seq
             base = self.tracer.seq_base(key)
             python = self.python.setdefault(key, set())
             python.update(s + base for s in self.tracer.take_written(key))
@@ -367,6 +367,10 @@ class NativeWatcher:
         for key in gone:
             self.seen.pop(key, None)
             self.python.pop(key, None)
+            self.counters.pop(key, None)
+            self.done.pop(key, None)
+            self.done_abs.pop(key, None)
+            self._completion.forget(key)
 
     def _advance(self, key: str, seq: int) -> None:
         self.seen[key] = max(self.seen.get(key, 0), seq)
@@ -391,8 +395,10 @@ class NativeWatcher:
             local = self.tracer.trace_seq(key, seq - base)   # less what P2P calls took (library_shapes)
             out.add(records.enter_slot(gid, fp, local, int(t_enter * 1e9)))
             # Without a recorder entry the main thread's stack is the evidence: still inside what issued
-            # the call (DDP's backward, FSDP, a functional collective's wait), it may be waiting in it.
-            if final or (call.retired if call else self.recorder or not inside_issuer(frames)):
+            # the call (DDP's backward, FSDP, a functional collective's wait), it may be waiting in it. On a
+            # device-completed group the exit record says only that it was issued: a D record closes it.
+            if final or self._completion.device(key) or (call.retired if call else self.recorder
+                                                         or not inside_issuer(frames)):
                 out.add(records.exit_slot(records.call_key(gid, local), int(now * 1e9)))
             else:
                 self.open.setdefault(key, []).append(_Open(seq, local))
@@ -416,7 +422,7 @@ class NativeWatcher:
         gid = self.gids.get(key)
         if gid is None:
             gid = self.gids[key] = records.NATIVE_GROUP_BASE + len(self.gids)
-            out.define(records.group_record(gid, key, members_of(pg)))
+            out.define(records.group_record(gid, key, members_of(pg), self._completion.device(key)))
         return gid
 
     def _fingerprint(self, call: NativeCall | None, frames: list, out: records.RecordBatch) -> int:
@@ -437,48 +443,22 @@ class NativeWatcher:
         return fp
 
 
-# A poll reads each group's counter through torch's C++ API, which lets go of the GIL. A daemon thread inside
-# such a call when the interpreter finalizes is ended on its way back (pthread_exit), through C++ code that
-# cannot unwind: the process aborts ("terminate called without an active exception", measured: 10 of 10 exits
-# of a 2-rank gloo job with a thread reading the counter in a loop). So every sidecar stops before that, at
-# exit, while threads still run: a program that exits cleanly without distcheck exits cleanly with it.
-STOP_WAIT_S = 2.0
-_running: set["Sidecar"] = set()
-
-
 class Sidecar:
-    """The thread that polls one generation's ``NativeWatcher``, and its stop."""
+    """One generation's ``NativeWatcher``, polled every ``poll_s`` as a task of the rank's one thread of
+    distcheck's (``rank.ticker``: the job cannot see it); ``stop`` removes the task."""
 
-    def __init__(self, watcher: NativeWatcher, poll_s: float) -> None:
-        self.watcher, self.poll_s = watcher, poll_s
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="distcheck-native-collectives", daemon=True)
+    def __init__(self, watcher: NativeWatcher, poll_s: float, ticker: Ticker = TICKER) -> None:
+        self.watcher, self.poll_s, self.ticker = watcher, poll_s, ticker
+        self.task = f"sidecar-{id(self)}"
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.watcher.poll()
-            except Exception as exc:   # never take the rank down; the trace shows less, the report says so
-                failed(Hook.SIDECAR, exc)
-            self._stop.wait(self.poll_s)
-
-    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
-        """Stop polling, and wait (bounded) for a poll under way to return."""
-        self._stop.set()
-        _running.discard(self)
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(wait_s)
+    def stop(self) -> None:
+        """No poll after this one (a poll under way finishes: the tracer's lock orders it with what follows)."""
+        self.ticker.remove(self.task)
 
 
-@atexit.register
-def _stop_all() -> None:
-    for sidecar in list(_running):
-        sidecar.stop()
-
-
-def start(watcher: NativeWatcher, poll_s: float = 0.1) -> Sidecar:
-    """Poll in a daemon thread: collectives release the GIL while they wait, so it runs during a hang."""
-    sidecar = Sidecar(watcher, poll_s)
-    _running.add(sidecar)
-    sidecar.thread.start()
+def start(watcher: NativeWatcher, poll_s: float = 0.05, ticker: Ticker = TICKER) -> Sidecar:
+    """Poll from the rank's thread of distcheck's: collectives release the GIL while they wait, so it runs
+    during a hang."""
+    sidecar = Sidecar(watcher, poll_s, ticker)
+    ticker.every(sidecar.task, poll_s, watcher.poll, Hook.SIDECAR)
     return sidecar

@@ -9,8 +9,9 @@ keyword (no ``inspect.signature(...).bind`` on the hot path).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -114,35 +115,59 @@ def reduce_op_name(op: Any) -> str:
 
 # -- argument extraction ------------------------------------------------------
 
-# What an extractor returns, in this order.
-_SLOTS = ("group", "tensors", "tensor_lists", "reduce_op", "root", "group_root", "async_op", "shape_unless",
-          "object_list", "extra")
+
+class CallArgs(NamedTuple):
+    """What a traced call was given, as the tracer's slow path reads it (``make_extractor``); None (or empty) where
+    the op's signature has no such parameter."""
+
+    group: Any = None                  # the process group (None: the default group)
+    tensors: tuple = ()                # each tensor parameter's tensor (``OpSpec.tensors``)
+    tensor_lists: tuple = ()           # each tensor-list parameter's list (``OpSpec.tensor_lists``)
+    reduce_op: Any = None
+    root: Any = None                   # src/dst (global rank), or the peer of a P2P call
+    group_root: Any = None             # group_src/group_dst (group rank)
+    async_op: Any = None
+    shape_unless: Any = None           # ``OpSpec.shape_unless``'s parameter
+    object_list: Any = None
+    extra: tuple | None = None         # ``OpSpec.extra``'s parameters, read on the slow path only
 
 
-def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], tuple]:
-    """A function ``(args, kwargs) -> (group, tensors, tensor_lists, reduce_op, root,
-    group_root, async_op, shape_unless, object_list, extra)`` specialised to one op's signature.
+def make_extractor(name: str, spec: OpSpec, params: list[inspect.Parameter]) -> Callable[[tuple, dict], CallArgs]:
+    """A function ``(args, kwargs) -> CallArgs`` specialised to one op's signature.
 
     Generated once per op (like ``collections.namedtuple``), so a call reads
     each argument by position or keyword without binding the whole signature.
     """
     read, namespace = arg_reader(params)
-    group = "None" if name == "new_group" else read("group")
-    tensors = "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")"
-    lists = "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")"
-    values = (group, tensors, lists, read(spec.reduce_op), read(spec.root), read(spec.group_root),
-              read("async_op"), read(spec.shape_unless), read(spec.object_list),
-              "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None")
-    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)", f"    return ({', '.join(values)})"]
+    fields = {
+        "group": "None" if name == "new_group" else read("group"),
+        "tensors": "(" + "".join(f"{read(p)}, " for p in spec.tensors) + ")",
+        "tensor_lists": "(" + "".join(f"{read(p)}, " for p in spec.tensor_lists) + ")",
+        "reduce_op": read(spec.reduce_op), "root": read(spec.root), "group_root": read(spec.group_root),
+        "async_op": read("async_op"), "shape_unless": read(spec.shape_unless), "object_list": read(spec.object_list),
+        "extra": "(" + "".join(f"{read(p)}, " for p in spec.extra) + ")" if spec.extra else "None",
+    }
+    # tuple.__new__ called straight from C: no Python frame of the named tuple's own per call
+    namespace.update(_new=tuple.__new__, CallArgs=CallArgs)
+    lines = [f"def extract_{name}(args, kwargs):", "    n = len(args)",
+             f"    return _new(CallArgs, ({', '.join(fields[f] for f in CallArgs._fields)}))"]
     exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's own signature
     return namespace[f"extract_{name}"]
 
 
-def arg_places(params: list[inspect.Parameter]) -> dict[str, tuple[int, Any]]:
-    """Where each parameter is read from: its position (-1 where it is keyword-only) and its default (None where
-    it has none). A call's argument is ``args[i]`` where there are more than ``i``, else ``kwargs.get(name, default)``."""
-    return {p.name: (i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1,
-                     None if p.default is p.empty else p.default) for i, p in enumerate(params)}
+class Place(NamedTuple):
+    """Where a call's argument is read from: ``args[index]`` where there are more than ``index`` (-1: the
+    parameter is keyword-only), else ``kwargs.get(name, default)``."""
+
+    index: int   # type: ignore[assignment]  # the field's name, though tuple.index is a method: read as a field
+    name: str
+    default: Any   # None where the parameter has none
+
+
+def arg_places(params: list[inspect.Parameter]) -> dict[str, Place]:
+    """Where each parameter of a signature is read from."""
+    return {p.name: Place(i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else -1, p.name,
+                          None if p.default is p.empty else p.default) for i, p in enumerate(params)}
 
 
 def arg_reader(params: list[inspect.Parameter]) -> tuple[Callable[[str | None], str], dict[str, Any]]:
@@ -155,11 +180,11 @@ def arg_reader(params: list[inspect.Parameter]) -> tuple[Callable[[str | None], 
     def read(param: str | None) -> str:
         if param is None or param not in places:
             return "None"
-        i, default = places[param]
+        place = places[param]
         var = f"d_{len(namespace)}"
-        namespace[var] = default
-        if i >= 0:
-            return f"(args[{i}] if n > {i} else kwargs.get({param!r}, {var}))"
+        namespace[var] = place.default
+        if place.index >= 0:
+            return f"(args[{place.index}] if n > {place.index} else kwargs.get({param!r}, {var}))"
         return f"kwargs.get({param!r}, {var})"
 
     return read, namespace

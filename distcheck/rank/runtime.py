@@ -19,13 +19,15 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from distcheck import torch_features
 from distcheck.files.launch_dir import LaunchFiles, RankStatus
@@ -34,27 +36,16 @@ from distcheck.models import Phase
 from distcheck.rank import guard, integrations, metrics, native, samples
 from distcheck.rank.callsite import USER, classify_file
 from distcheck.rank.guard import Hook, failed
+from distcheck.rank.issuers import traceback_frames
+from distcheck.rank.patches import Patches
 from distcheck.rank.stack_probe import StackProbe
+from distcheck.rank.ticker import TICKER
 from distcheck.rank.tracer import Tracer, install
 
 FLIGHT_RECORDER_ENV = "DISTCHECK_FLIGHT_RECORDER"
-
-
-class Patches:
-    """Every attribute distcheck replaced, with what was there, so that all can be put back
-    (pytest's ``monkeypatch`` keeps the same record)."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        self._undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    def undo(self) -> None:
-        while self._undo:
-            owner, name, old = self._undo.pop()
-            setattr(owner, name, old)
+# How long a rank that ends its work, or destroys its group, gives its calls still waiting on the device (NCCL) to
+# complete before its record is closed: a healthy call completes in milliseconds; one that never does is a hang.
+SETTLE_S = 1.0
 
 
 class Status:
@@ -105,6 +96,8 @@ class RankProcess:
     end_hooks: bool = False             # a command's rank: sys.excepthook, sys.exit and atexit record its end
     wrapped: bool = False
     _sigterm_file: Any = None           # where faulthandler writes a SIGTERM's stacks (this generation's)
+    enabled_faulthandler: bool = False  # distcheck turned faulthandler on (the user had not): off again on disarm
+    moved_fds: tuple[int, ...] | None = None   # of stdout/stderr, those now written to the rank's log (None: not yet)
     on_init: list[Callable[[], None]] = field(default_factory=list)        # after init_process_group returns
     on_destroy: list[Callable[[Any, Any], None]] = field(default_factory=list)   # (c10d, group), before destroy
 
@@ -120,8 +113,7 @@ class RankProcess:
         guard.set_publisher(lambda counts: status.update(hook_failures=counts))
         _guarded(Hook.STACK_DUMPS, lambda: self._arm_stacks(files, rank, main_thread, command))
         if os.environ.get(FLIGHT_RECORDER_ENV) == "1":
-            start_flight_recorder_sidecar(files, rank, still_wanted=lambda: self.current is None
-                                          or self.current.files is files)
+            start_flight_recorder_sidecar(files, rank)
             status.update(flight_recorder=True)
         tracer = install(files.trace(rank), rank)
         watcher = native.NativeWatcher(tracer, main_thread=main_thread or threading.main_thread().ident,
@@ -133,6 +125,25 @@ class RankProcess:
         _guarded(Hook.RANK_SETUP, self.wrap_process_group_calls)
         return self.current
 
+    def write_output_to(self, log: Path, command_output: Path | None = None) -> None:
+        """From here on the rank's stdout and stderr go to ``log``: those of them that still write where the command
+        as a whole writes (``command_output``; a Slurm step's forwarding pipe); one the command sent elsewhere (``>
+        out.txt``, a pipe, pytest's ``capfd``) stays there. Where they went before is kept, put back on disarm."""
+        if self.moved_fds is None:
+            self.moved_fds = tuple(fd for fd in (1, 2) if command_output is None or _writes_to(fd, command_output))
+            kept = {fd: os.dup(fd) for fd in self.moved_fds}
+            self.patches.on_undo(lambda: self._put_output_back(kept))
+        redirect_output(log, self.moved_fds)
+
+    def _put_output_back(self, kept: dict[int, int]) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        for fd, saved in kept.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.moved_fds = None
+
     def _arm_stacks(self, files: LaunchFiles, rank: int, main_thread: int | None, command: bool) -> None:
         """Stacks on the watchdog's request from a thread of distcheck's own (no signal, so no handler of
         the user's is ever fired or replaced); fatal-error tracebacks on the rank's stderr, as faulthandler
@@ -142,13 +153,15 @@ class RankProcess:
         one that died first: no launcher of distcheck's sees those ranks' exit statuses."""
         if not faulthandler.is_enabled() and sys.stderr is not None:
             faulthandler.enable(file=sys.stderr, all_threads=True)
+            self.enabled_faulthandler = True
         self.probe.aim(files, rank, main_thread)
         if command and (self._sigterm_file is not None or signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
             self._dump_on_sigterm(files.terminated_stack(rank))
 
     def _dump_on_sigterm(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        previous, self._sigterm_file = self._sigterm_file, open(path, "a", buffering=1, encoding="utf-8")
+        # no with-block: the file stays open for faulthandler until the next one replaces it
+        previous, self._sigterm_file = self._sigterm_file, open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         faulthandler.register(signal.SIGTERM, file=self._sigterm_file, all_threads=True, chain=True)
         if previous is not None:
             previous.close()
@@ -162,9 +175,10 @@ class RankProcess:
             return
         self.recorders_armed = True
         if script:
-            _guarded(Hook.RANK_SETUP, integrations.install)
-        _guarded(Hook.RANK_SETUP, samples.SampleRecorder(files.samples(rank) if script else None).install)
-        _guarded(Hook.RANK_SETUP, lambda: metrics.install(files.metrics(rank)))   # once the job imports it
+            _guarded(Hook.RANK_SETUP, lambda: integrations.install(self.patches))
+        _guarded(Hook.RANK_SETUP, lambda: samples.SampleRecorder(files.samples(rank) if script else None).install(
+            self.patches))
+        _guarded(Hook.RANK_SETUP, lambda: metrics.install(files.metrics(rank), self.patches))   # once imported
 
     def wrap_process_group_calls(self) -> None:
         """One wrapper of ``init_process_group`` (then ``on_init``) and one of ``destroy_process_group``
@@ -194,22 +208,56 @@ class RankProcess:
     def _wrapped_destroy(self, original: Callable[..., Any], c10d: Any) -> Callable[..., Any]:
         def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
             runtime = self.current
-            if runtime is not None and runtime.ours:
-                _guarded(Hook.SIDECAR, runtime.watcher.flush)   # never keeps the user's call from running
+            if runtime is not None and runtime.ours:   # never keeps the user's call from running
+                _guarded(Hook.SIDECAR, lambda: runtime.watcher.flush(settle_s=SETTLE_S))
             for callback in list(self.on_destroy):
-                _guarded(Hook.RANK_END, lambda: callback(c10d, group))
+                _guarded(Hook.RANK_END, lambda: callback(c10d, group))  # noqa: B023 - called right here
             return original(group, *args, **kwargs)
         return destroy_process_group
 
-    def disarm(self) -> None:
-        """Put back everything distcheck replaced in this process and stop tracing it."""
-        self.patches.undo()
+    def stop_watching(self, runtime: RankRuntime) -> None:
+        """The generation ``runtime`` serves is over (its default group destroyed, or the process disarmed): no
+        thread of distcheck's polls for it and no file of its stays open in the process."""
+        runtime.sidecar.stop()
+        stop_flight_recorder_sidecar()
+        self.probe.stop()
         if self._sigterm_file is not None:
             faulthandler.unregister(signal.SIGTERM)
-        self.wrapped = False
-        if self.current is not None:
-            self.current.tracer.uninstall()
+            self._sigterm_file.close()
+            self._sigterm_file = None
+
+    def retire(self, runtime: RankRuntime) -> None:
+        """``runtime``'s generation is over: its tracer and sidecar write nothing more, so a later generation's
+        calls never land in its trace, and nothing of distcheck's keeps its groups alive."""
+        runtime.tracer.uninstall()
+        self.stop_watching(runtime)
+        with runtime.tracer.lock:
+            # It must not read the next generation's groups, nor keep this one's alive (a poll may outlast the stop).
+            runtime.watcher.groups = lambda: ()
+            runtime.watcher.pgs = {}
+        runtime.tracer.close()   # calls through a wrapper bound earlier are dropped, not written here
+        # Forget every group it cached: a group kept alive keeps its store, and a TCPStore server kept
+        # listening takes the port the next generation's rank 0 binds (the pool re-inits on one port).
+        runtime.tracer.begin_segment("generation ended")
+
+    def disarm(self) -> None:
+        """Put back everything distcheck installed in this process and stop tracing it: every attribute it
+        replaced, every import finder it added, its recorders, its exit hooks, its threads and open files, and
+        faulthandler as the user had it. Armed again later, it starts from nothing (``tests/test_rule0_disarm.py``)."""
+        runtime = self.current
+        if runtime is not None and runtime.ours:
+            _guarded(Hook.RANK_END, lambda: self.retire(runtime))
+        self.patches.undo()
         self.probe.stop()
+        stop_flight_recorder_sidecar()
+        TICKER.clear()
+        if self.enabled_faulthandler:
+            faulthandler.disable()
+        guard.set_publisher(None)   # the counts stay; no file of a generation that is over is written
+        self.current = self.ended = None
+        self.wrapped = self.recorders_armed = self.end_hooks = self.enabled_faulthandler = False
+        self.on_init.clear()
+        self.on_destroy.clear()
 
 
 PROCESS = RankProcess()
@@ -221,6 +269,29 @@ def arm(files: LaunchFiles, rank: int, *, script: bool, main_thread: int | None 
     return PROCESS.arm(files, rank, script=script, main_thread=main_thread, command=command)
 
 
+def redirect_output(path: Path, fds: tuple[int, ...] = (1, 2)) -> None:
+    """This process's stdout and stderr (the descriptors ``fds``, so its C++ output too) appended to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target in fds:
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+def _writes_to(fd: int, command_output: Path) -> bool:
+    """``fd`` writes where the command's output goes: the very file, or (a task of a Slurm step, whose output srun
+    forwards into it) a pipe or socket."""
+    try:
+        mode, shown = os.fstat(fd), os.stat(command_output)
+    except OSError:
+        return False
+    if (mode.st_dev, mode.st_ino) == (shown.st_dev, shown.st_ino):
+        return True
+    return "SLURM_STEP_ID" in os.environ and (stat.S_ISFIFO(mode.st_mode) or stat.S_ISSOCK(mode.st_mode))
+
+
 def _guarded(hook: Hook, call: Callable[[], Any]) -> None:
     """One of distcheck's installations in a rank; its failure counted (rule 0), the others still made."""
     try:
@@ -229,23 +300,30 @@ def _guarded(hook: Hook, call: Callable[[], Any]) -> None:
         failed(hook, exc)
 
 
-def start_flight_recorder_sidecar(files: LaunchFiles, rank: int, still_wanted: Callable[[], bool]) -> None:
-    """On the launcher's request, dump PyTorch's Flight Recorder (GPU-side state on NCCL).
+FLIGHT_RECORDER_TASK = "flight-recorder"
 
-    A thread, because the main thread may be blocked inside the collective; collectives release the
-    GIL while they wait, so this thread runs. It ends with its generation.
-    """
+
+def start_flight_recorder_sidecar(files: LaunchFiles, rank: int) -> None:
+    """On the launcher's request, dump PyTorch's Flight Recorder (GPU-side state on NCCL), once per generation.
+
+    A task of the rank's thread of distcheck's (``rank.ticker``), because the main thread may be blocked inside
+    the collective; collectives release the GIL while they wait, so it runs. It ends with its generation
+    (``stop_flight_recorder_sidecar``)."""
     def serve() -> None:
+        if not files.flight_recorder_request.exists():
+            return
         try:
-            while not files.flight_recorder_request.exists():
-                if not still_wanted():
-                    return
-                time.sleep(0.05)
             _dump_flight_recorder(files, rank)
-        except Exception as exc:   # a thread of distcheck's own: its failure is counted, never printed (rule 0)
+        except Exception as exc:   # counted, never printed (rule 0)
             failed(Hook.SIDECAR, exc)
+        finally:
+            TICKER.remove(FLIGHT_RECORDER_TASK)
 
-    threading.Thread(target=serve, name="distcheck-flight-recorder", daemon=True).start()
+    TICKER.every(FLIGHT_RECORDER_TASK, 0.05, serve, Hook.SIDECAR)
+
+
+def stop_flight_recorder_sidecar() -> None:
+    TICKER.remove(FLIGHT_RECORDER_TASK)
 
 
 def _dump_flight_recorder(files: LaunchFiles, rank: int) -> None:
@@ -279,10 +357,12 @@ def user_frame_of(tb: Any) -> str | None:
 
 
 def flush_native(runtime: RankRuntime, exc: BaseException | None = None) -> None:
-    """The rank's C++-issued calls are all in its trace (before it says it finished or failed).
-    A failure's traceback says where the call that raised was issued (``loss.backward()``)."""
+    """The rank's C++-issued calls are all in its trace (before it says it finished or failed), and its calls
+    still waiting on the device (NCCL) had ``SETTLE_S`` to complete. A failure's traceback says where the call
+    that raised was issued (``loss.backward()``)."""
     try:
-        runtime.watcher.flush(native.traceback_frames(exc.__traceback__) if exc is not None else None)
+        runtime.watcher.flush(traceback_frames(exc.__traceback__) if exc is not None else None,
+                              settle_s=0.0 if exc is not None else SETTLE_S)
     except Exception as err:   # a failing flush must not hide the rank's own end
         failed(Hook.SIDECAR, err)
 

@@ -12,21 +12,38 @@ A pass that stops before its sampler is exhausted (Lightning's sanity check,
 how much of the dataset it covered is reported. Such a pass is written when
 its iterator is dropped, when its loader starts a new pass, or when the rank
 finishes (``flush``), whichever comes first.
+
+A map-style pass's indices say which samples a rank drew only if every rank's dataset holds the same rows: a
+job that builds each rank its own dataset (its shard, indexed from 0 on every rank) draws coinciding indices of
+different samples. So the first ``INDEXED_ROWS`` rows of such a pass are digested too, each beside the index it
+was drawn at (``index_rows``), and ``diagnose.duplicates`` compares the rows behind a coinciding index before it
+calls it a duplicate. A batch is paired with its indices in the order the loader yields them (it yields in the
+order it drew them, its workers' batches included; a loader told ``in_order=False`` is not digested).
+
+A pass over an ``IterableDataset`` draws no indices: there the batches the iterator yields are digested
+instead (``rank.row_digests.batch_digests``: a few elements of each row, bounded per batch and per pass,
+only read), so that ranks reading the same samples show, whatever their models make of them. Only the
+first ``DIGESTED_EPOCHS`` passes of a loader and then every power-of-two one are digested.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections import deque
 import sys
 import time
 import weakref
 from array import array
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from distcheck.files.samples import append_pass
 from distcheck.rank.guard import Hook, capped, failed
+from distcheck.rank.metric_sync import user_callsite
+from distcheck.rank.patches import Patches
+from distcheck.rank.row_digests import RowDigests, batch_digests, digested_epoch, pass_rows_cap
 
 # Lightning's stage -> the Trainer setting that caps the batches of a pass in that stage
 _LIGHTNING_LIMITS = {
@@ -38,6 +55,8 @@ _LIGHTNING_LIMITS = {
 }
 _RECORD_KEYS = ("dataset", "dataset_size", "ids", "complete", "expected", "batches", "batch_size", "stage", "limits",
                 "sampler", "t_start")
+_SHARD_KEYS = ("sampler_rank", "sampler_replicas", "sampler_site")   # a DistributedSampler's, where it has them
+INDEXED_ROWS = 256   # per map-style pass: rows digested beside their indices (what tells per-rank datasets apart)
 
 
 def index_source(loader: Any) -> str | None:
@@ -54,13 +73,46 @@ def index_source(loader: Any) -> str | None:
         return None
 
 
+# Where each DistributedSampler was made (the user's line): a sampler told the wrong rank= is named by that line.
+_SAMPLER_SITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sampler_shard(sampler: Any) -> dict[str, Any]:
+    """The shard a DistributedSampler was told to draw (its ``rank`` and ``num_replicas``) and where it was made;
+    nothing for any other sampler."""
+    rank, replicas = getattr(sampler, "rank", None), getattr(sampler, "num_replicas", None)
+    if not isinstance(rank, int) or not isinstance(replicas, int):
+        return {}
+    try:
+        site = _SAMPLER_SITES.get(sampler)
+    except TypeError:   # a sampler that cannot be weakly referenced
+        site = None
+    return {"sampler_rank": rank, "sampler_replicas": replicas, **({"sampler_site": site} if site else {})}
+
+
+def _remembering_site(original: Any) -> Any:
+    """``DistributedSampler.__init__`` that also remembers the user's line that made it (rule 0: the sampler is
+    made as it is; a failure to remember is only counted)."""
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            site = user_callsite()   # the user's line that made the sampler
+            if site:
+                _SAMPLER_SITES[self] = site
+        except Exception as exc:
+            failed(Hook.SAMPLES, exc)
+
+    return init
+
+
 def lightning_context(max_depth: int = 80) -> tuple[str | None, dict[str, Any]]:
     """(stage, {setting: value}) of the Lightning Trainer whose loop is creating this iterator, if any.
 
     Found by walking up to a frame whose ``self`` has a Lightning ``trainer``: no
     Lightning import, and nothing when Lightning is not in the stack.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
             break
@@ -122,11 +174,9 @@ class SampleRecorder:
     def _new_pass(self, loader: Any) -> dict[str, Any] | None:
         from torch.utils.data.dataloader import _DatasetKind
 
-        if getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
-            self._iterable_pass(loader)
-            return None
+        iterable = getattr(loader, "_dataset_kind", None) != _DatasetKind.Map
         try:
-            size = len(loader.dataset)
+            size = None if iterable else len(loader.dataset)
         except TypeError:
             return None
         previous = self._open.pop(id(loader), None)
@@ -134,6 +184,9 @@ class SampleRecorder:
             self._finish(previous)
         number, passes = self._loader_number(loader)
         name = f"{type(loader.dataset).__name__} (loader {number}, pass {passes})"
+        if iterable:
+            self._open[id(loader)] = record = self._iterable_pass(name, passes)
+            return record
         try:
             expected = len(loader.sampler)   # what a full pass draws (DistributedSampler: padded share)
         except TypeError:
@@ -141,24 +194,59 @@ class SampleRecorder:
         stage, limits = lightning_context()
         record = {"dataset": name, "dataset_size": size, "ids": array("q"), "expected": expected, "complete": False,
                   "batches": 0, "batch_size": getattr(loader, "batch_size", None), "stage": stage, "limits": limits,
-                  "sampler": index_source(loader), "t_start": time.time(), "drawn": 0}
+                  "sampler": index_source(loader), "t_start": time.time(), "drawn": 0,
+                  **sampler_shard(getattr(loader, "sampler", None))}
+        if digested_epoch(passes):
+            record["index_rows"], record["pending"] = {}, deque()
         self._open[id(loader)] = record
         return record
 
-    def _iterable_pass(self, loader: Any) -> None:
-        """A pass over an ``IterableDataset``: no sampler tells its samples, so only that it started is written
-        (the duplicates check then reads what the ranks fed their metrics instead: ``rank.row_digests``)."""
-        number, passes = self._loader_number(loader)
+    def _iterable_pass(self, name: str, passes: int) -> dict[str, Any]:
+        """A pass over an ``IterableDataset``: no sampler tells its samples, so the rows its batches hold are
+        digested as they are yielded (``_read``), in the first passes of a loader and then every power of two."""
         stage, _ = lightning_context()
-        out = {"dataset": f"{type(loader.dataset).__name__} (loader {number}, pass {passes})", "iterable": True,
-               "stage": stage, "t_start": time.time()}
-        if self.path is None:
-            self._done.append(out)
-        else:
-            append_pass(self.path, out)
+        record = {"dataset": name, "iterable": True, "stage": stage, "t_start": time.time(), "batches": 0,
+                  "complete": False}
+        if digested_epoch(passes):
+            record["digests"] = digests = RowDigests(pass_rows_cap())
+            record["stream"] = digests.stream()
+        return record
+
+    def _read(self, record: dict[str, Any], batch: Any, collated: bool) -> None:
+        """One batch an IterableDataset pass yielded: its rows' digests (the batch is only read)."""
+        record["batches"] += 1
+        digests = record.get("digests")
+        if digests is not None and not record.get("written"):
+            digests.add(record["stream"], *batch_digests(batch, collated))
+
+    def _finish_iterable(self, record: dict[str, Any]) -> dict[str, Any]:
+        out = {k: record[k] for k in ("dataset", "iterable", "stage", "t_start", "batches", "complete")}
+        digests = record.pop("digests", None)
+        if digests is not None:
+            out["rows"] = digests.saved(record.pop("stream"))
+        return out
+
+    def _read_indexed(self, record: dict[str, Any], batch: Any, collated: bool) -> None:
+        """One batch a map-style pass yielded: its first rows' digests beside the indices they were drawn at (the
+        oldest indices not yet paired: a loader yields its batches in the order it drew them)."""
+        pending, rows = record["pending"], record["index_rows"]
+        if not pending:
+            return
+        index = pending.popleft()
+        if index is not None and len(rows) < INDEXED_ROWS and not record.get("written"):
+            digests, _ = batch_digests(batch, collated)
+            for i, digest in zip(index if isinstance(index, (list, tuple)) else (index,), digests):
+                if len(rows) >= INDEXED_ROWS:
+                    break
+                rows.setdefault(int(i), digest)
+        if record.get("complete") and not pending:
+            self._finish(record)   # its last batch is in: the pass is written now
 
     def _record(self, record: dict[str, Any], index: Any) -> None:
         record["batches"] += 1
+        pending = record.get("pending")
+        if pending is not None and len(record["index_rows"]) + len(pending) < INDEXED_ROWS:
+            pending.append(index if isinstance(index, (list, tuple, int)) else None)
         ids = record["ids"]
         before = len(ids)
         if isinstance(index, (list, tuple)):
@@ -175,7 +263,8 @@ class SampleRecorder:
         # complete as soon as it drew everything its sampler holds.
         if record["expected"] is not None and record["drawn"] >= record["expected"]:
             record["complete"] = True
-            self._finish(record)
+            if not record.get("pending"):   # else written once the batches drawn are yielded (``_read_indexed``)
+                self._finish(record)
 
     def _capped(self, record: dict[str, Any]) -> None:
         if not record.get("ids_capped"):
@@ -190,11 +279,21 @@ class SampleRecorder:
         for key, open_record in list(self._open.items()):
             if open_record is record:
                 del self._open[key]
+        if record.get("iterable"):
+            self._write(self._finish_iterable(record))
+            return
         out = {k: record[k] for k in _RECORD_KEYS}
+        out.update((k, record[k]) for k in _SHARD_KEYS if k in record)
         out["ids"] = record["ids"].tolist()
+        if record.get("index_rows"):
+            out["index_rows"] = {str(i): d for i, d in record["index_rows"].items()}
+        record.pop("pending", None)
         if record.get("ids_capped"):   # the pass drew more than it kept: its accounting is that of a cut pass
             out["complete"], out["ids_capped"] = False, record["drawn"]
         record["ids"] = array("q")     # the iterator may live on (its finalizer holds the record): free the ids
+        self._write(out)
+
+    def _write(self, out: dict[str, Any]) -> None:
         if self.path is None:
             self._done.append(out)
             return
@@ -218,9 +317,12 @@ class SampleRecorder:
         done, self._done = self._done, []
         return done
 
-    def install(self) -> None:
+    def install(self, patches: Patches | None = None) -> None:
+        """Record the DataLoader's passes; what it replaces goes through ``patches`` (``rank.patches``), whose
+        undo also forgets this recorder."""
         global ACTIVE
-        from torch.utils.data.dataloader import _BaseDataLoaderIter
+        from torch.utils.data.dataloader import (_BaseDataLoaderIter, _MultiProcessingDataLoaderIter,
+                                                 _SingleProcessDataLoaderIter)
 
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,12 +344,15 @@ class SampleRecorder:
         @functools.wraps(original_next_index)
         def next_index(self: Any) -> Any:
             record = getattr(self, "_distcheck_pass", None)
+            if record is not None and record.get("iterable"):
+                record = None    # its indices are none: its batches are read (``reading``)
             try:
                 index = original_next_index(self)
             except StopIteration:
                 if record is not None:
                     record["complete"] = True
-                    recorder._finish_guarded(record)
+                    if not record.get("pending"):   # else once the batches drawn are yielded (workers prefetch)
+                        recorder._finish_guarded(record)
                 raise
             if record is not None:
                 try:
@@ -256,8 +361,54 @@ class SampleRecorder:
                     failed(Hook.SAMPLES, exc)
             return index
 
-        _BaseDataLoaderIter.__init__ = init
-        _BaseDataLoaderIter._next_index = next_index
+        from torch.utils.data.distributed import DistributedSampler
+
+        patches = patches if patches is not None else Patches()
+        patches.set(DistributedSampler, "__init__", _remembering_site(DistributedSampler.__init__))
+        patches.on_undo(_SAMPLER_SITES.clear)
+        patches.set(_BaseDataLoaderIter, "__init__", init)
+        patches.set(_BaseDataLoaderIter, "_next_index", next_index)
+        for iterator in (_SingleProcessDataLoaderIter, _MultiProcessingDataLoaderIter):
+            patches.set(iterator, "_next_data", _reading(recorder, iterator._next_data))
+        patches.on_undo(_forget_active)
+
+
+def _reading(recorder: SampleRecorder, original: Any) -> Any:
+    """An iterator's ``_next_data`` that also digests what an IterableDataset pass yields (its own ``__next__``,
+    warnings and profiler range included, stays as it is). Rule 0: the batch is returned as it came, the
+    loader's own exceptions pass unchanged, and a recording error is only counted."""
+    @functools.wraps(original)
+    def next_data(self: Any) -> Any:
+        record = getattr(self, "_distcheck_pass", None)
+        if record is None:
+            return original(self)
+        if not record.get("iterable"):
+            return _paired(recorder, record, self, original)
+        try:
+            data = original(self)
+        except StopIteration:
+            record["complete"] = True
+            recorder._finish_guarded(record)
+            raise
+        try:
+            recorder._read(record, data, bool(getattr(self, "_auto_collation", True)))
+        except Exception as exc:
+            failed(Hook.SAMPLES, exc)
+        return data
+
+    return next_data
+
+
+def _paired(recorder: SampleRecorder, record: dict[str, Any], iterator: Any, original: Any) -> Any:
+    """A map-style pass's batch, its first rows digested beside their indices while the pass still digests
+    (``SampleRecorder._read_indexed``). Rule 0: the batch is returned as it came; a recording error is counted."""
+    data = original(iterator)
+    if record.get("pending") and getattr(iterator, "_in_order", True):
+        try:
+            recorder._read_indexed(record, data, bool(getattr(iterator, "_auto_collation", True)))
+        except Exception as exc:
+            failed(Hook.SAMPLES, exc)
+    return data
 
 
 def _forget(loaders: dict[int, tuple[int, int, Any]], key: int, ref: Any) -> None:
@@ -268,6 +419,11 @@ def _forget(loaders: dict[int, tuple[int, int, Any]], key: int, ref: Any) -> Non
 
 
 ACTIVE: SampleRecorder | None = None   # the rank's recorder, once installed
+
+
+def _forget_active() -> None:
+    global ACTIVE
+    ACTIVE = None
 
 
 def aim(path: Path) -> None:

@@ -1,6 +1,6 @@
-"""Where every thread of this rank is, on the watchdog's request, without a signal: a daemon thread
-of distcheck's own polls the rank's stack request (``files.stack_requests``) and appends the
-answer in faulthandler's text layout (what ``files.stacks`` parses).
+"""Where every thread of this rank is, on the watchdog's request, without a signal: a task of the rank's one
+thread of distcheck's (``rank.ticker``, which the job cannot see) polls the rank's stack request
+(``files.stack_requests``) and appends the answer in faulthandler's text layout (what ``files.stacks`` parses).
 
 A signal would do it from C, but whatever handler the user's code installs after
 ``init_process_group`` (Lightning's Slurm auto-requeue on SIGUSR1, a handler of the user's own)
@@ -14,16 +14,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from types import FrameType
 
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stack_requests import answer_path, read_request
-from distcheck.rank.guard import Hook, failed
+from distcheck.rank.guard import Hook
+from distcheck.rank.ticker import TICKER, Ticker
 
 POLL_S = 0.05
 MAX_FRAMES = 100   # per thread, as faulthandler
-MAX_FAILURES = 3   # a probe that keeps failing stops (each failure is counted once it happens)
 
 
 def thread_text(ident: int, frame: FrameType | None) -> str:
@@ -47,34 +46,25 @@ def all_threads_text(main_ident: int | None, skip: int | None = None) -> str:
 
 
 class StackProbe:
-    """One per process; ``aim`` points it at the files of the rank (and generation) the process is now."""
+    """One per process; ``aim`` points it at the files of the rank (and generation) the process is now, ``stop``
+    ends its polls (the generation it served ended)."""
 
-    def __init__(self) -> None:
+    TASK = "stack-probe"
+
+    def __init__(self, ticker: Ticker = TICKER) -> None:
         self._target: tuple[LaunchFiles, int, int | None] | None = None
         self._answered: dict[str, int] = {}
         self._seen: int | None = None
-        self._failures = 0
-        self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._ticker = ticker
 
     def aim(self, files: LaunchFiles, rank: int, main_thread: int | None) -> None:
         self._target, self._seen = (files, rank, main_thread), None
-        self._answered, self._stopped = {}, False
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="distcheck-stacks", daemon=True)
-            self._thread.start()
+        self._answered = {}
+        self._ticker.every(self.TASK, POLL_S, self.poll, Hook.STACK_DUMPS)
 
     def stop(self) -> None:
-        self._stopped, self._target = True, None
-
-    def _run(self) -> None:
-        while self._failures < MAX_FAILURES and not self._stopped:
-            time.sleep(POLL_S)
-            try:
-                self.poll()
-            except Exception as exc:   # a thread of distcheck's own: counted, never printed (rule 0)
-                self._failures += 1
-                failed(Hook.STACK_DUMPS, exc)
+        self._target = None
+        self._ticker.remove(self.TASK)
 
     def poll(self) -> None:
         target = self._target

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from distcheck.knowledge import nccl_tests
 
@@ -162,7 +163,8 @@ def pair_matrix(count: int, warmup: int, iters: int, dev: Any, rounds: int = 3,
                 slow_rank: int | None = None, slow_s: float = 0.0) -> dict[tuple[int, int], float]:
     """GB/s of every ordered pair's send/recv of ``count`` floats, one pair at a time (the others wait at a
     barrier), timed on the receiver. Each pair is measured ``rounds`` times, each round in a new order
-    (the same on every rank), and keeps its best: a neighbour's burst of load slows one round, a slow link slows them all.
+    (the same on every rank), and keeps its best: a neighbour's burst of load slows one round, a slow link slows
+    them all.
     ``slow_rank`` sleeps ``slow_s`` before each of its sends: fault injection, to test the slow-link finding."""
     import torch
     import torch.distributed as dist
@@ -183,10 +185,10 @@ def pair_matrix(count: int, warmup: int, iters: int, dev: Any, rounds: int = 3,
                 def one() -> None:
                     if slow_rank == rank:
                         time.sleep(slow_s)
-                    dist.send(buf, dst)
+                    dist.send(buf, dst)  # noqa: B023 - one() runs in this pass only
             else:
                 def one() -> None:
-                    dist.recv(buf, src)
+                    dist.recv(buf, src)  # noqa: B023
             for _ in range(warmup):
                 one()
             synchronize(dev)

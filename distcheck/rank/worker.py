@@ -22,11 +22,12 @@ from typing import Any
 
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.models import Phase
+from distcheck.rank.groups import default_group_facts
 from distcheck.rank import metrics, samples
 from distcheck.rank.exit_site import exit_site
 from distcheck.rank.oom_standing import take_job_standing
 from distcheck.rank.runtime import (PROCESS, RankRuntime, Status, arm, finish_rank, flush_native, record_failure,
-                                    wait_for_release)
+                                    redirect_output, wait_for_release)
 
 PR_SET_PDEATHSIG = 1
 
@@ -40,16 +41,6 @@ def die_with_parent() -> None:
     expected = os.environ.get("DISTCHECK_LAUNCHER_PID")
     if expected and os.getppid() != int(expected):
         os._exit(70)  # the launcher died before we could register
-
-
-def redirect_output(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -121,6 +112,9 @@ def run_scenarios(args: argparse.Namespace, rank: int, world: int, local_rank: i
 
     tracer, status = runtime.tracer, runtime.status
     device = pick_device(args.backend, args.device, local_rank)
+    if args.backend == "emulated_nccl":   # NCCL's host view on CPU (distcheck.testing.emulated_nccl)
+        from distcheck.testing import emulated_nccl
+        emulated_nccl.register()
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.pg_timeout))
     status.update(phase=Phase.RUNNING)
     batch = len(args.scenario_name) > 1
@@ -210,7 +204,7 @@ def _let_the_server_go() -> None:
     and the server's death is what kills the rank (``die_with_parent``). Only distcheck keeps it."""
     import multiprocessing.forkserver
 
-    server = multiprocessing.forkserver._forkserver
+    server: Any = multiprocessing.forkserver._forkserver   # its private state, which typeshed does not declare
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
@@ -230,7 +224,7 @@ def main(argv: list[str] | None = None, forked: bool = False) -> None:
     except KeyboardInterrupt:   # the launcher forwarded Ctrl-C before the job started (torch still loading)
         os._exit(130)
     status = runtime.status
-    PROCESS.on_init.append(lambda: status.update(phase=Phase.RUNNING, pg_initialized=True))
+    PROCESS.on_init.append(lambda: status.update(phase=Phase.RUNNING, pg_initialized=True, **default_group_facts()))
     try:
         if args.scenario_file:
             results = run_scenarios(args, rank, world, local_rank, runtime)

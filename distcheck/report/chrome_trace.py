@@ -13,7 +13,8 @@ comes from the findings, joined in ``distcheck.report.timeline``.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from distcheck.models import Event, Report
 from distcheck.report.words import verdict

@@ -19,6 +19,14 @@ def _yes(flag: bool) -> Text:
     return Text("yes", style="green") if flag else Text("no", style="dim")
 
 
+def _c_path(text: str, c_name: str) -> Text:
+    """Which of a C extension and its Python fallback runs: the C one plainly, a fallback with its reason dimmed."""
+    if text == c_name:
+        return Text(text, style="green")
+    head, _, why = text.partition(" (")
+    return Text(head, style="yellow") + Text(f" ({why}" if why else "", style="dim")
+
+
 def renderable(info: EnvInfo) -> Group:
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
@@ -27,6 +35,10 @@ def renderable(info: EnvInfo) -> Group:
     facts.add_row("python", escape(info.python))
     facts.add_row("platform", escape(info.platform))
     facts.add_row("host", f"{escape(info.hostname)} · {info.cpus or '?'} CPUs")
+    if info.hot_path:
+        facts.add_row("tracer hot path", _c_path(info.hot_path, "C"))
+    if info.native_thread:
+        facts.add_row("rank thread", _c_path(info.native_thread, "native"))
     if info.torch is None:
         facts.add_row("torch", Text(f"not importable: {info.torch_error}", style="bold red"))
     else:

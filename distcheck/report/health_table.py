@@ -12,7 +12,7 @@ _GROUP = ("time", "algbw", "busbw", "#wrong")
 
 def is_bandwidth_table(table: dict[str, Any]) -> bool:
     """The comm_health sweep's table: its records carry nccl-tests' two placements."""
-    records = table.get("records") or ()
+    records = table.get("records") or []
     return bool(records) and "out_of_place" in records[0]
 
 

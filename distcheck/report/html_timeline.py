@@ -13,15 +13,15 @@ Layout only: what is marked, and why, comes from the findings via
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from html import escape
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
-from distcheck.models import EndReason, Event, Report, ScenarioResult
+from distcheck.models import EndReason, Event, Kind, Report, ScenarioResult
 from distcheck.report.words import verdict
 from distcheck.text import short_path
 from distcheck.torch_features import describe
-from distcheck.report.timeline import Marker, ScenarioTimeline, Slice, build_all, zoom
+from distcheck.report.timeline import Marker, MarkerKind, ScenarioTimeline, Slice, build_all, zoom
 
 WIDTH = 1180
 GUTTER = 190          # lane labels
@@ -78,7 +78,7 @@ svg .crash{stroke:#cf222e;stroke-width:3} svg .crash-text{fill:#82071e;font-size
 .legend span{display:inline-block;margin-right:14px}
 .legend i{display:inline-block;width:12px;height:12px;border-radius:2px;vertical-align:-2px;margin-right:4px}
 .empty{color:#59636e;font-style:italic;font-size:13px}
-"""
+"""  # noqa: E501 - the page's CSS, one rule a line
 
 LEGEND = (
     '<div class="legend">'
@@ -154,12 +154,13 @@ def _callout(tl: ScenarioTimeline, s: Slice) -> str:
         return s.name
     f = tl.result.findings[s.finding]
     detail = next((d for d in f.ranks if d.rank == s.rank and d.fingerprint), None)
+    fingerprint = detail.fingerprint if detail is not None else None
     values = []
     for name in f.fields:
-        if detail is not None and name in detail.fingerprint:
-            value = detail.fingerprint[name]
-            values.append(f"{name} {value if not isinstance(value, list) else value}")
-    if f.kind == "order" and s.event.label:
+        if fingerprint and name in fingerprint:
+            value = fingerprint[name]
+            values.append(f"{name} {value}")
+    if f.kind is Kind.ORDER and s.event.label:
         values = [s.event.label]
     return s.name + (" · " + ", ".join(values) if values else "")
 
@@ -263,7 +264,7 @@ def _slice(f: _Frame, s: Slice) -> tuple[list[str], str | None]:
 
 
 def _marker(f: _Frame, m: Marker) -> str | None:
-    if m.kind == "stall":
+    if m.kind is MarkerKind.STALL:
         tx = f.x(m.t)
         anchor = "end" if tx > GUTTER + PLOT_W / 2 else "start"
         dx = -4 if anchor == "end" else 4
@@ -274,11 +275,11 @@ def _marker(f: _Frame, m: Marker) -> str | None:
     mx, my = f.x(m.t), f.y(m.rank) + LANE_H / 2
     anchor = "end" if mx > GUTTER + PLOT_W * 0.6 else "start"
     dx = -12 if anchor == "end" else 12
-    if m.kind == "absent":
+    if m.kind is MarkerKind.ABSENT:
         return (f'<g><title>{escape(m.text)}</title><circle class="absent" cx="{mx:.1f}" cy="{my:.1f}" r="7"/>'
                 f'<text class="absent-text" x="{mx + dx:.1f}" y="{my + 4:.1f}" text-anchor="{anchor}">'
                 f'{escape(m.text)}</text></g>')
-    if m.kind == "crash":
+    if m.kind is MarkerKind.CRASH:
         return (f'<g><title>{escape(m.text)}</title>'
                 f'<line class="crash" x1="{mx - 7:.1f}" y1="{my - 7:.1f}" x2="{mx + 7:.1f}" y2="{my + 7:.1f}"/>'
                 f'<line class="crash" x1="{mx - 7:.1f}" y1="{my + 7:.1f}" x2="{mx + 7:.1f}" y2="{my - 7:.1f}"/>'
@@ -327,7 +328,7 @@ def _scenario(tl: ScenarioTimeline | None, result: ScenarioResult) -> str:
     for f in result.findings:
         parts.append(f'<div class="finding {escape(f.severity)}"><span class="kind">{escape(f.kind.upper())}</span>'
                      f"{escape(f.summary)}</div>")
-    if tl is None or not tl.slices and not tl.markers:
+    if tl is None or (not tl.slices and not tl.markers):
         parts.append('<div class="empty">no collective was recorded for this scenario</div>')
     else:
         parts += _bounded(tl)
@@ -368,7 +369,8 @@ def render(report: Report, events: Mapping[str, Mapping[int, Sequence[Event]]]) 
         f"started {escape(run.started_at)} on {escape(run.hostname or '?')} · {run.duration_s:.1f} s"
         + (" · interrupted" if report.interrupted else "") + "</div>",
         f'<div class="meta">command: <code>{escape(run.command)}</code></div>',
-        f'<div class="meta">{escape(describe(run.torch_version, run.torch_features))}</div>' if run.torch_features else "",
+        (f'<div class="meta">{escape(describe(run.torch_version, run.torch_features))}</div>'
+         if run.torch_features else ""),
         LEGEND,
     ]
     for result in report.scenarios:

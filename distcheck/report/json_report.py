@@ -18,7 +18,7 @@ def render(report: Report) -> str:
     return _dump(bounded(report.to_dict()), 0) + "\n"
 
 
-def _flat(value: list) -> bool:
+def _flat(value: list | tuple) -> bool:
     return all(not isinstance(v, (dict, list, tuple)) or (isinstance(v, (list, tuple)) and _flat(v)) for v in value)
 
 

@@ -28,7 +28,7 @@ FINDING = {
     "required": ["kind", "severity", "group", "seq", "op", "label", "callsite", "summary",
                  "waiting_ranks", "absent_ranks", "detected_after_s"],
     "properties": {
-        "kind": {"enum": list(FINDING_KINDS)}, "severity": {"enum": list(SEVERITIES)},
+        "kind": {"enum": [k.value for k in FINDING_KINDS]}, "severity": {"enum": [s.value for s in SEVERITIES]},
         "group": _STR_OR_NULL, "seq": _INT_OR_NULL, "op": _STR_OR_NULL, "label": _STR_OR_NULL,
         "callsite": _STR_OR_NULL, "summary": {"type": "string", "minLength": 1},
         "waiting_ranks": _RANKS, "absent_ranks": _RANKS, "detected_after_s": {"type": ["number", "null"]},
@@ -65,6 +65,7 @@ SCENARIO = {
         "ranks": {"type": "array", "items": RANK}, "findings": {"type": "array", "items": FINDING},
         "tables": {"type": "array", "items": TABLE},
         "end_reason": _END_REASON,
+        "command_exit": {"type": ["integer", "null"]},
     },
 }
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from distcheck.models import EndReason, Finding, RankDetail, RankOutcome, Report, ScenarioResult
+from distcheck.models import PASS, EndReason, Finding, RankDetail, RankOutcome, Report, ScenarioResult
 from distcheck.report.frames import without_own_frames
 from distcheck.report.words import alike_ranks, verdict
 from distcheck.text import short_path
@@ -104,7 +104,7 @@ def _testcase(suite: ET.Element, result: ScenarioResult, classname: str) -> None
     case = ET.SubElement(suite, "testcase", {
         "classname": _x(classname), "name": _x(name), "file": _x(file), "time": f"{result.duration_s:.3f}",
     })
-    observed = "+".join(result.observed) or "pass"
+    observed = "+".join(result.observed) or PASS
     said = verdict(result)   # a script as a script: "train.py: hang", never "expected pass"
     ended = EndReason.of(result.end_reason)
     if result.skipped:
@@ -136,7 +136,8 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
     errors = sum(1 for s in ran if not s.ok and EndReason.of(s.end_reason).interrupted)
     # a run cut short between scenarios, or one that ran nothing, must not look green in CI
     cut_short = report.interrupted and not errors
-    nothing_ran = report.nothing_ran and not report.interrupted
+    # a wrapped command that started no process group ends as it ended: its skip says why, no error of ours
+    nothing_ran = report.nothing_ran and not report.interrupted and report.unchecked_exit is None
     errors += nothing_ran
     skipped = len(report.scenarios) - len(ran)
     attrs = {
@@ -152,7 +153,8 @@ def render(report: Report, suite_name: str = "distcheck") -> str:
         "seed": run.seed, "backend": run.backend, "world_size": run.world_size, "nnodes": run.nnodes,
         "nproc_per_node": run.nproc_per_node, "torch": run.torch_version, "distcheck": run.distcheck_version,
         "python": run.python_version, **{name: v for name, v in sorted(run.versions.items())},
-        **{f"torch feature: {LABELS.get(name, name)}": "yes" if ok else "no" for name, ok in run.torch_features.items()},
+        **{f"torch feature: {LABELS.get(name, name)}": "yes" if ok else "no"
+           for name, ok in run.torch_features.items()},
         "command": run.command, "run_dir": run.run_dir, "verdict": report.verdict,
         "end_reason": report.end_reason.words,
     }

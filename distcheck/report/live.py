@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -21,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from distcheck.launch.rank_output import Ends, shown_with_prefix
 from distcheck.report import terminal
 from distcheck.report.frames import OwnFrames
 from distcheck.text import rank_list, short_path
@@ -119,10 +121,14 @@ def _late(state: LiveState) -> list[int]:
 def late_line(state: LiveState, busy_timeout: float) -> str:
     """The plain-output line once the stall timeout passed while a rank is still busy."""
     progress = state.progress or {}
-    where = "; ".join(f"rank {r} busy at {short_path(progress[r].busy_at)}" if progress[r].busy_at
-                      else f"rank {r} busy" for r in _late(state))
-    return (f"        {where}: late, not hung (it is using the CPU); distcheck keeps waiting, "
-            f"up to --busy-timeout {busy_timeout:g} s")
+    where = "; ".join(f"rank {r} at {short_path(progress[r].busy_at)}" + _shown_by(progress[r].evidence)
+                      if progress[r].busy_at else f"rank {r}" + _shown_by(progress[r].evidence) for r in _late(state))
+    return (f"        {where}: late, not hung; distcheck keeps waiting, up to --busy-timeout {busy_timeout:g} s")
+
+
+def _shown_by(evidence: str | None) -> str:
+    """What showed the rank making progress, as measured (its process tree's CPU or I/O, its stack), never a guess."""
+    return f" ({evidence})" if evidence else ""
 
 
 def rank_rows(progress: Mapping[int, RankProgress], now: float) -> list[tuple[str, str, str, str, str, str]]:
@@ -206,7 +212,8 @@ class LiveView:
         self._live: Live | None = None
         self._open: dict[str, str] = {}     # started, no result yet (a shared launch's targets): "[i/n]"
         self._announced: set[str] = set()   # whose RUN line is printed
-        self._frames: dict[int, OwnFrames] = {}   # per rank: inside a distcheck frame of a traceback
+        self._frames: dict[int | None, OwnFrames] = {}   # per rank: inside a distcheck frame of a traceback
+        self._ends: dict[int | None, Ends] = {}    # per rank (None: the command itself): what only reports an end
 
     # rich calls this on every refresh
     def __rich__(self) -> Group:
@@ -245,13 +252,33 @@ class LiveView:
                            highlight=False, soft_wrap=True)
 
     def rank_line(self, rank: int | None, line: str) -> None:
-        """A line a rank wrote, as torchrun shows it ("[rank0]:loss 0.25"; a command's own line, before its
-        ranks had logs, as it is), through the view's own console (a live display stays below it);
-        distcheck's traceback frames left out (the log keeps them)."""
+        """A line a rank wrote, as torchrun shows it ("[rank0]:loss 0.25", one prefix; a command's own line, before
+        its ranks had logs, as it is), through the view's own console (a live display stays below it);
+        distcheck's traceback frames left out (the log keeps them). What only reports an end waits for the
+        result (``rank_output.Ends``): a launcher's report of its children's end, a rank's backend error after
+        its peers left."""
         frames = self._frames.setdefault(rank, OwnFrames())
-        if frames.keep(line):
-            prefix = "" if rank is None else f"[rank{rank}]:"
-            self.console.print(f"{prefix}{line}", markup=False, highlight=False, soft_wrap=True, style="")
+        if not frames.keep(line):
+            return
+        with self._lock:
+            shown = self._ends.setdefault(rank, Ends(launcher=rank is None)).feed(line)
+        self._print_lines(rank, shown)
+
+    def _print_lines(self, rank: int | None, lines: list[str]) -> None:
+        for line in lines:
+            self.console.print(shown_with_prefix(rank, line), markup=False, highlight=False, soft_wrap=True,
+                               style="")
+
+    def _held_ends(self, result, verbose: bool) -> None:
+        """The ranks' output is over: a launcher's folded end is the summary's one line (``terminal.command_output``);
+        a rank's backend error stays out where the result's rank table shows it; anything else held is shown now."""
+        with self._lock:
+            ends, self._ends = self._ends, {}
+        for rank, source in sorted(ends.items(), key=lambda item: -1 if item[0] is None else item[0]):
+            state, held = source.end()
+            if state == "folded" or (state == "consequence" and terminal.shows_error_of(result, rank, verbose)):
+                continue
+            self._print_lines(rank, held)
 
     def note(self, text: str) -> None:
         if self.quiet:
@@ -270,7 +297,7 @@ class LiveView:
             elif not self._stall_reported and _stalling(state):
                 self._stall_reported = report = True
             if (idle_s >= self.stall_timeout and not self._late_reported and _late(state)
-                    and all(state.progress[r].busy_at for r in _late(state))):
+                    and state.progress is not None and all(state.progress[r].busy_at for r in _late(state))):
                 self._late_reported = late = True
         if self.interactive or self.quiet:
             return
@@ -295,5 +322,6 @@ class LiveView:
             self._open.pop(result.name, None)
         if self.quiet:
             return
+        self._held_ends(result, self.verbose or total == 1)
         # a run of one target: all there is to say about it (a demonstration's diagnosis, a node check's table)
-        self.console.print(terminal.scenario_block(result, self.verbose or total == 1))
+        self.console.print(terminal.scenario_block(result, self.verbose or total == 1, flight_recorder=self.verbose))

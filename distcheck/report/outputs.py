@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from distcheck.errors import UsageError
 from distcheck.models import Event, Report

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from rich.console import Console, Group
 from rich.text import Text
 
+from distcheck.models import PASS
 from distcheck.scenario import BACKENDS, ScenarioSpec
 from distcheck.text import short_path
 
@@ -14,7 +15,7 @@ from distcheck.text import short_path
 def _entry(spec: ScenarioSpec, missing: Sequence[str], name_w: int, expect_w: int) -> Group:
     expect = "+".join(spec.expect)
     line = Text.assemble((spec.name.ljust(name_w), "bold"), "  ",
-                         (expect.ljust(expect_w), "green" if expect == "pass" else "yellow"))
+                         (expect.ljust(expect_w), "green" if expect == PASS else "yellow"))
     if spec.requires:
         line.append("  needs ")
         for i, name in enumerate(spec.requires):

@@ -17,11 +17,12 @@ their own. ``windows`` gives the time span around each finding for a close-up.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
 
-from distcheck.models import EndReason, Event, Finding, Report, ScenarioResult
+from distcheck.models import EndReason, Event, Finding, Kind, Report, ScenarioResult
 from distcheck.report.words import EACH_RANK_UP_TO
 from distcheck.text import id_list
 
@@ -59,11 +60,23 @@ class Slice:
         return f"{e.op} #{e.seq}{label}"
 
 
+class MarkerKind(str, enum.Enum):
+    """What a marker flags (also its name in the Chrome trace)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__   # type: ignore[assignment]  # str's own (typeshed reads it short of self)
+
+    ABSENT = "absent"     # a rank that never entered the call the others waited in
+    CRASH = "crash"
+    STALL = "stall"       # where distcheck declared the stall
+    END = "end"           # where the launch ended
+
+
 @dataclass(frozen=True)
 class Marker:
     """A point in time worth a flag: a rank that never came, a crash, the stall."""
 
-    kind: str                       # absent, crash, stall, end
+    kind: MarkerKind
     t: float                        # seconds from the origin
     text: str
     rank: int | None = None         # None: the whole scenario
@@ -114,9 +127,9 @@ def _marks(findings: Sequence[Finding]) -> dict[tuple[str, int, int], tuple[str,
     for i, f in enumerate(findings):
         if f.group is None or f.seq is None:
             continue
-        if f.kind == "hang":
+        if f.kind is Kind.HANG:
             named = {r: "stuck" for r in f.waiting_ranks}
-        elif f.kind in ("mismatch", "order"):
+        elif f.kind in (Kind.MISMATCH, Kind.ORDER):
             # with a tie there is no majority to side with: every participant is odd
             odd = set(f.odd_ranks) if f.odd_ranks and not f.tie else {d.rank for d in f.ranks} | set(f.odd_ranks)
             named = {d.rank: ("odd" if d.rank in odd else "majority") for d in f.ranks}
@@ -150,7 +163,7 @@ def _crashed(findings: Sequence[Finding]) -> dict[int, int]:
     """rank -> index of the crash finding that names it as the crashed rank."""
     crashed: dict[int, int] = {}
     for i, f in enumerate(findings):
-        if f.kind == "crash":
+        if f.kind is Kind.CRASH:
             for d in f.ranks:
                 if d.role == "crashed" or d.state == "crashed":
                     crashed.setdefault(d.rank, i)
@@ -183,7 +196,7 @@ def _summarised(lane: list[Slice], windows: dict[str, tuple[float, float]]) -> l
     """The lane with only its windows in full: WINDOW_CALLS calls around each marked call and its last one."""
     anchors = {j: str(s.finding) for j, s in enumerate(lane) if s.finding is not None}
     anchors.setdefault(len(lane) - 1, "end")
-    keep = set()
+    keep: set[int] = set()
     for j, what in anchors.items():
         lo, hi = max(0, j - WINDOW_CALLS), min(len(lane) - 1, j + WINDOW_CALLS)
         keep.update(range(lo, hi + 1))
@@ -237,7 +250,7 @@ def _groups(result: ScenarioResult, events: Mapping[int, Sequence[Event]],
 def _absent_markers(findings: Sequence[Finding], slices: Sequence[Slice], last_t: float) -> list[Marker]:
     markers: list[Marker] = []
     for i, f in enumerate(findings):
-        if f.kind == "hang" and f.absent_ranks:
+        if f.kind is Kind.HANG and f.absent_ranks:
             # where the waiting ranks entered the collective the absent ones never reached
             entered = [s.start for s in slices if s.finding == i and s.mark == "stuck"]
             t = min(entered) if entered else last_t
@@ -246,7 +259,7 @@ def _absent_markers(findings: Sequence[Finding], slices: Sequence[Slice], last_t
                 d = notes.get(r)
                 why = (d.note or d.state or d.where) if d else None
                 text = f"never entered {f.op or 'the collective'} #{f.seq}" + (f" ({why})" if why else "")
-                markers.append(Marker(kind="absent", t=t, text=text, rank=r, finding=i))
+                markers.append(Marker(kind=MarkerKind.ABSENT, t=t, text=text, rank=r, finding=i))
     return markers
 
 
@@ -259,7 +272,7 @@ def _crash_markers(result: ScenarioResult, crashed: dict[int, int], slices: Sequ
         own = [s for s in slices if s.rank == rank]
         t = max((s.end if s.returned else s.start) for s in own) if own else last_t
         cause = _where(o) if o else ""
-        markers.append(Marker(kind="crash", t=t, text=f"rank {rank} crashed" + (f": {cause}" if cause else ""),
+        markers.append(Marker(kind=MarkerKind.CRASH, t=t, text=f"rank {rank} crashed" + (f": {cause}" if cause else ""),
                               rank=rank, finding=i))
     return markers
 
@@ -269,10 +282,10 @@ def _end_marker(result: ScenarioResult, origin: float) -> tuple[list[Marker], tu
     if result.stall_onset is not None and result.detected_at is not None:
         stall = (result.stall_onset - origin, result.detected_at - origin)
         what = EndReason.of(result.end_reason).words   # as every view says it
-        return [Marker(kind="stall", t=stall[1],
+        return [Marker(kind=MarkerKind.STALL, t=stall[1],
                        text=f"{what} after {result.detected_at - result.stall_onset:.1f} s without progress")], stall
     if result.ended_at is not None:
-        return [Marker(kind="end", t=result.ended_at - origin,
+        return [Marker(kind=MarkerKind.END, t=result.ended_at - origin,
                        text=f"launch ended ({EndReason.of(result.end_reason).words})")], None
     return [], None
 

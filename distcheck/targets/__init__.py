@@ -5,9 +5,12 @@ launch command, and a launch several scenarios share. ``session`` runs each the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from distcheck.models import Expectation, expectations
 
 if TYPE_CHECKING:
     from distcheck.evidence.collect import CollectedRun
@@ -40,9 +43,14 @@ class Ran:
 class Target(Protocol):
     """One thing ``distcheck run`` runs and judges."""
 
-    name: str
-    expect: tuple[str, ...]
-    description: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def expect(self) -> tuple[Expectation, ...]: ...
+
+    @property
+    def description(self) -> str: ...
 
     @property
     def source(self) -> str: ...        # what the user named: a scenario's file, a script, a command line
@@ -82,8 +90,9 @@ class FromSpec:
         return self.spec.name
 
     @property
-    def expect(self) -> tuple[str, ...]:
-        return self.spec.expect
+    def expect(self) -> tuple[Expectation, ...]:
+        """The spec's expectation (the user's strings), read as kinds."""
+        return expectations(self.spec.expect)
 
     @property
     def description(self) -> str:

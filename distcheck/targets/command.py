@@ -69,18 +69,22 @@ class CommandTarget(FromSpec):
         flight_recorder = ctx.options.flight_recorder is not False
         limits = limits_of(ctx.options)
         if ctx.cluster is None:
-            outcome = launch_generations(self.spec, launch_dir, limits, flight_recorder, ctx.on_poll)
+            outcome = launch_generations(self.spec, launch_dir, limits, flight_recorder, ctx.on_poll,
+                                         rank_env=ctx.options.rank_env)
             return Ran(self._results(ctx.options, outcome, launch_dir))
         cluster = ctx.cluster
         channel_for = lambda world: cluster.launch(launch_dir.name, world)   # noqa: E731
-        outcome, channel = launch_command(self.spec, launch_dir, limits, flight_recorder, ctx.on_poll, channel_for)
-        options = command_options(ctx.options, launch_dir, outcome.world_size)
-        return Ran([judged_across_nodes(self, options, launch_dir, outcome, channel)])
+        launched, channel = launch_command(self.spec, launch_dir, limits, flight_recorder, ctx.on_poll,
+                                           rank_env=ctx.options.rank_env, channel_for=channel_for)
+        options = command_options(ctx.options, launch_dir, launched.world_size)
+        return Ran([judged_across_nodes(self, options, launch_dir, launched, channel)])
 
     def _results(self, options: RunOptions, command: CommandOutcome, launch_dir: Path) -> list[ScenarioResult]:
         """One result per pytest test whose ranks ran (each of its generations judged on its own, then
         merged), one for ranks outside any test, and one for the command itself where only it explains
         the run's end (it exited non-zero, or distcheck ended it between generations)."""
+        if not command.generations:
+            return [self._unchecked(options, command, launch_dir)]
         tests = any(g.test for g in command.generations)
         groups: dict[str | None, list[ScenarioResult]] = {}
         for i, gen in enumerate(command.generations):
@@ -103,3 +107,19 @@ class CommandTarget(FromSpec):
         if own is not None:
             own = dataclasses.replace(own, script=True, log_tail=command.output_tail)
         return results + ([own] if own is not None else [])
+
+    def _unchecked(self, options: RunOptions, command: CommandOutcome, launch_dir: Path) -> ScenarioResult:
+        """A command that ran to its end and never started a process group: nothing was checked, which is said
+        in one line; the run ends with the command's own exit code (``Report.unchecked_exit``), unless the
+        user asked for a process group (``--require-process-group``: then it is exit 6, nothing ran)."""
+        code = command.command_exit
+        why = f"it started no process group, so nothing was checked (it exited with code {code}"
+        why += f": {command.why_ended})" if command.why_ended else ")"
+        if options.require_process_group:
+            why += "; --require-process-group makes that an error"
+        return ScenarioResult(
+            name=self.name, source=self.source, expected=self.expect, observed=(), ok=False, duration_s=max(
+                command.ended_at - command.started_at, 0.0), skipped=why, end_reason=EndReason.NOTHING_RAN,
+            launch_dir=str(launch_dir), description=self.description, log_tail=command.output_tail or None,
+            started_at=command.started_at, ended_at=command.ended_at, script=True,
+            command_exit=None if options.require_process_group else code)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from distcheck.errors import UsageError
 from distcheck.launch.command import command_spec
+from distcheck.models import PASS
 from distcheck.options import NodeConfig, RunFlags, check_command_flags
 from distcheck.scenario import BACKENDS, EXPECTATIONS, ScenarioSpec, expectations_by_world_size
 from distcheck.targets import Target
@@ -77,7 +78,7 @@ def scenarios_in_file(path: Path, builtin: bool = False) -> list[ScenarioSpec]:
         kwargs = {kw.arg: kw.value for kw in deco.keywords} if isinstance(deco, ast.Call) else {}
         if isinstance(deco, ast.Call) and deco.args:
             kwargs.setdefault("expect", deco.args[0])
-        expect = _as_tuple(_literal(kwargs["expect"], "expect", path)) if "expect" in kwargs else ("pass",)
+        expect = _as_tuple(_literal(kwargs["expect"], "expect", path)) if "expect" in kwargs else (PASS,)
         bad = [e for e in expect if e not in EXPECTATIONS]
         if bad:
             raise UsageError(
@@ -91,7 +92,7 @@ def scenarios_in_file(path: Path, builtin: bool = False) -> list[ScenarioSpec]:
             expect=expect,
             requires=_as_tuple(_literal(kwargs["requires"], "requires", path)) if "requires" in kwargs else (),
             backends=_as_tuple(_literal(kwargs["backends"], "backends", path)) if "backends" in kwargs else BACKENDS,
-            min_world_size=int(_literal(kwargs["min_world_size"], "min_world_size", path))  # type: ignore[arg-type]
+            min_world_size=int(_literal(kwargs["min_world_size"], "min_world_size", path))  # type: ignore[call-overload]
             if "min_world_size" in kwargs else 2,
             description=" ".join(doc.strip().split("\n\n")[0].split()),
             builtin=builtin,
@@ -100,7 +101,7 @@ def scenarios_in_file(path: Path, builtin: bool = False) -> list[ScenarioSpec]:
     return specs
 
 
-def _by_world_size(kwargs: dict[str, ast.expr], path: Path, node: ast.FunctionDef
+def _by_world_size(kwargs: dict[str | None, ast.expr], path: Path, node: ast.FunctionDef
                    ) -> tuple[tuple[int, tuple[str, ...]], ...]:
     if "expect_by_world_size" not in kwargs:
         return ()
@@ -170,7 +171,8 @@ def resolve_targets(targets: list[str]) -> list[ScenarioSpec]:
         elif path.is_dir():
             found = [s for p in sorted(path.glob("*.py")) if not p.name.startswith("_") for s in scenarios_in_file(p)]
             if not found:
-                raise UsageError(f"no @scenario functions in folder {path}", "add scenario files, or name a built-in scenario")
+                raise UsageError(f"no @scenario functions in folder {path}",
+                                 "add scenario files, or name a built-in scenario")
             specs.extend(found)
         elif path.is_file():
             found = scenarios_in_file(path)

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distcheck.diagnose.rules import RunFacts
-from distcheck.evidence.collect import collect
+from distcheck.evidence.collect import CollectedRun, collect
 from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import forkserver
 from distcheck.launch.node_config import node_address
 from distcheck.launch.launcher import LaunchOutcome, LaunchSpec, merge_node_summaries, node_summary
-from distcheck.launch.replay import with_metric_reference
+from distcheck.launch.replay import metric_reference
 from distcheck.launch.watchdog import Limits, NodeChannel
 from distcheck.models import EndReason, RankState, ScenarioResult
 from distcheck.options import RunOptions, pg_timeout
 from distcheck.targets import Target
 from distcheck.text import rank_list
+
+if TYPE_CHECKING:
+    from distcheck.launch.cluster import LaunchChannel
 
 LOG_TAIL_LINES = 40
 
@@ -45,7 +49,7 @@ def launch_spec(options: RunOptions, launch_dir: Path, args: tuple[str, ...], ru
                       device=options.device, rdzv_endpoint=nodes.rdzv_endpoint, nnodes=nodes.nnodes,
                       node_rank=nodes.node_rank, local_addr=node_address(nodes), rdzv_timeout=nodes.rdzv_timeout,
                       channel=channel, flight_recorder=options.flight_recorder is not False,
-                      forked=forked and forkserver.available())
+                      forked=forked and forkserver.available(), env=options.rank_env)
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -63,7 +67,7 @@ def skipped_result(target: Target, reason: str) -> ScenarioResult:
 
 
 def judged_across_nodes(target: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome,
-                        channel: NodeChannel | None) -> ScenarioResult:
+                        channel: LaunchChannel | None) -> ScenarioResult:
     """Node 0 gathers every node's files and judges the whole job; another node returns node 0's verdict."""
     files = LaunchFiles(launch_dir)
     timeout_s = options.nodes.rdzv_timeout + 60
@@ -82,29 +86,36 @@ def judged_across_nodes(target: Target, options: RunOptions, launch_dir: Path, o
 
 
 def result_of_launch(target: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome) -> ScenarioResult:
-    """Collect what the ranks left in ``launch_dir`` and judge it (the pure part is ``diagnose.verdict``)."""
+    """Collect what the ranks left in ``launch_dir``, replay their metrics, then judge it: every fact is in
+    before judging starts (the pure part is ``diagnose.verdict``)."""
     files = LaunchFiles(launch_dir)
     run = collect(files, options.world_size, outcome)
     target.check_collected(run, outcome.end_reason)
+    # the single-process replay (a subprocess) only where every compute() could finish
+    reference = metric_reference(run.results, launch_dir) if outcome.end_reason == EndReason.COMPLETED else None
+    result = judged(target, options, launch_dir, outcome, run, reference)
+    if result.ok:
+        return result
+    log_rank = next((o.rank for o in run.outcomes.values() if o.state == RankState.CRASHED), 0)
+    return dataclasses.replace(result, log_tail=tail(files.log(log_rank)))
+
+
+def judged(target: Target, options: RunOptions, launch_dir: Path, outcome: LaunchOutcome, run: CollectedRun,
+           reference: dict | None) -> ScenarioResult:
+    """The verdict on a collected launch, from facts alone (``reference``: the metric replay's answer)."""
     facts = RunFacts(world_size=options.world_size, end_reason=outcome.end_reason,
                      stall_onset=outcome.watchdog.stall_onset, detected_at=outcome.watchdog.detected_at,
                      timeout_s=options.timeout, stall_timeout_s=options.stall_timeout, oom_kills=outcome.oom_kills,
                      command_exit=outcome.command_exit, evidence=outcome.watchdog.evidence,
                      late_evidence=outcome.watchdog.late_evidence, records_lost=outcome.records_lost,
                      elided={r: t.elided for r, t in run.traces.items() if t.elided},
-                     waited={r: t.waited for r, t in run.traces.items() if t.waited})
+                     waited={r: t.waited for r, t in run.traces.items() if t.waited},
+                     after_decision=run.after_decision, metric_reference=reference)
     evidence = Evidence(events={r: t.events for r, t in run.traces.items()}, outcomes=run.outcomes, facts=facts,
                         why_ended=f"the records of {rank_list(outcome.records_lost)} went with their lost node"
                         if outcome.records_lost else None,
-                        # the replay (a subprocess) only where every compute() could finish
-                        results=with_metric_reference(run.results, launch_dir)
-                        if outcome.end_reason == EndReason.COMPLETED else run.results,
-                        started_at=outcome.started_at, ended_at=outcome.ended_at)
+                        results=run.results, started_at=outcome.started_at, ended_at=outcome.ended_at)
     scenario = Scenario(name=target.name, source=target.source, expected=target.expect,
                         description=target.description, launch_dir=str(launch_dir))
-    result = dataclasses.replace(scenario_result(scenario, evidence, outcome.ended_at - outcome.started_at),
-                                 script=target.script)
-    if result.ok:
-        return result
-    log_rank = next((o.rank for o in run.outcomes.values() if o.state == RankState.CRASHED), 0)
-    return dataclasses.replace(result, log_tail=tail(files.log(log_rank)))
+    return dataclasses.replace(scenario_result(scenario, evidence, outcome.ended_at - outcome.started_at),
+                               script=target.script)

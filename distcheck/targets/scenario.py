@@ -9,17 +9,18 @@ from pathlib import Path
 
 from distcheck.files import run_dir as rundir
 from distcheck.launch.launcher import launch
+from distcheck.models import PASS, Kind
 from distcheck.options import RunOptions
 from distcheck.scenario import ScenarioSpec, skip_reason
 from distcheck.targets import FromSpec, Ran, RunContext
 from distcheck.targets.launching import judged_across_nodes, launch_spec, skipped_result, worker_common_args
 
 # Expectations whose scenarios end with a healthy process group.
-BATCHABLE = frozenset({"pass", "numeric", "duplicates", "order", "straggler", "health"})
+BATCHABLE = frozenset({PASS, Kind.NUMERIC, Kind.DUPLICATES, Kind.ORDER, Kind.STRAGGLER, Kind.HEALTH})
 # Expectations that may or may not poison the group (SUM vs MAX completes; a shape
 # mismatch aborts a gloo rank): they share the launch too, after the healthy ones,
 # since a poisoned launch only ends the batch there and the rest runs again.
-RISKY = frozenset({"mismatch", "count"})
+RISKY = frozenset({Kind.MISMATCH, Kind.COUNT})
 
 
 def scenario_args(specs: list[ScenarioSpec], options: RunOptions, launch_dir: Path) -> tuple[str, ...]:

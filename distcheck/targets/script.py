@@ -7,14 +7,16 @@ from __future__ import annotations
 import ast
 import shlex
 from dataclasses import dataclass, replace
+from typing import cast
 from pathlib import Path
 
 from distcheck.evidence.collect import CollectedRun
 from distcheck.errors import UsageError
 from distcheck.files import run_dir as rundir
 from distcheck.files import user_code
+from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch.launcher import launch
-from distcheck.models import EndReason, RankState
+from distcheck.models import PASS, EndReason, Expectation, RankState
 from distcheck.options import RunOptions
 from distcheck.targets import Ran, RunContext
 from distcheck.targets.launching import judged_across_nodes, launch_spec, worker_common_args
@@ -26,7 +28,7 @@ class ScriptTarget:
     file: str | None = None
     module: str | None = None
     args: tuple[str, ...] = ()
-    expect: tuple[str, ...] = ("pass",)
+    expect: tuple[Expectation, ...] = (PASS,)
     description: str = ""
     script = True
     shares_launch = False
@@ -49,10 +51,13 @@ class ScriptTarget:
         return ([self.file] if self.file else []) + user_code.named_paths(self.args)
 
     def as_reported(self, options: RunOptions, run_dir: Path) -> tuple[RunOptions, str | None]:
-        return options, None
+        """The backend the report states is the one the script's ranks initialized (its own
+        ``init_process_group`` names it: ``--backend`` is only what distcheck's scenarios use)."""
+        backends = {s.backend for s in LaunchFiles(run_dir / self.name).read_statuses().values() if s.backend}
+        return (replace(options, backend=backends.pop()) if len(backends) == 1 else options), None
 
     def worker_args(self, options: RunOptions, launch_dir: Path) -> tuple[str, ...]:
-        what = ("--module", self.module) if self.module else ("--script", self.file)
+        what = ("--module", self.module) if self.module else ("--script", cast(str, self.file))   # one of the two
         return (*worker_common_args(options, launch_dir), *what, "--", *self.args)
 
     def check_collected(self, run: CollectedRun, end_reason: str) -> None:

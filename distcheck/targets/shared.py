@@ -4,17 +4,23 @@ poisoned the group) comes back as ``Ran.not_reached`` and runs again."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from distcheck.files import run_dir as rundir
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.launch import batch
 from distcheck.launch.launcher import launch
+from distcheck.models import Expectation
 from distcheck.options import RunOptions
 from distcheck.targets import Ran, RunContext, Target
 from distcheck.targets.launching import launch_spec, result_of_launch, skipped_result
 from distcheck.targets.scenario import ScenarioTarget, scenario_args
+
+if TYPE_CHECKING:
+    from distcheck.launch.progress import RankProgress
 
 
 def plan(targets: list[Target], batching: bool) -> list[Target]:
@@ -24,7 +30,9 @@ def plan(targets: list[Target], batching: bool) -> list[Target]:
         return list(targets)
     shared = sorted((t for t in targets if t.shares_launch), key=lambda t: getattr(t, "risky", False))
     alone = [t for t in targets if not t.shares_launch]
-    return ([SharedLaunch(tuple(shared))] if len(shared) > 1 else shared) + alone
+    # only scenarios share a launch (``ScenarioTarget.shares_launch``)
+    units: list[Target] = [SharedLaunch(tuple(cast("list[ScenarioTarget]", shared)))] if len(shared) > 1 else shared
+    return units + alone
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ class SharedLaunch:
     script = False
     shares_launch = False
     forked = True
-    expect: tuple[str, ...] = ()
+    expect: tuple[Expectation, ...] = ()
     description: str = "scenarios sharing one launch"
 
     @property
@@ -76,7 +84,7 @@ class SharedLaunch:
         follower = batch.ScenarioFollower(LaunchFiles(batch_dir), specs, lambda spec: ctx.announce(by_name[spec.name]))
         follower.start()
 
-        def poll(progress: dict, idle_s: float) -> None:
+        def poll(progress: Mapping[int, RankProgress], idle_s: float) -> None:
             follower.poll()
             if ctx.on_poll is not None:
                 ctx.on_poll(progress, idle_s)

@@ -4,7 +4,9 @@
 #   2. one-rank NCCL (clean), and a one-rank NCCL stall with the Flight Recorder dump,
 #   3. the tracer's overhead on one-rank NCCL,
 #   4. the node check (comm_health) on NCCL, one rank per GPU, and 5. its timing against a plain torch loop,
-#   6. distcheck attach on a plain torchrun NCCL job with a planted hang (needs py-spy: distcheck[attach]).
+#   6. distcheck attach on a plain torchrun NCCL job with a planted hang (needs py-spy: distcheck[attach]),
+#   7. the completion source on real NCCL: a call held behind a kernel is open until the stream ran it, closed
+#      <= 0.1 s after; the Flight Recorder read's cost at 256 and 20,000 entries (benchmarks/completion_source.py).
 # Usage (on the GPU machine, from the repo root): bash tests/gpu/run_gpu_checks.sh OUTDIR
 set -uo pipefail
 out=${1:-gpu-results}
@@ -81,3 +83,11 @@ if command -v py-spy > /dev/null; then
 else
   echo "skipped: py-spy is not installed (pip install 'distcheck[attach]')" | tee "$out/attach.txt"
 fi
+
+echo "== 7. NCCL's completion, one rank: open while a kernel holds the stream, closed <= 0.1 s after it ran"
+timeout 120 python tests/gpu/nccl_completion.py --hold-s 2 2>&1 | tee "$out/nccl_completion.txt" | tail -5
+echo "exit code: ${PIPESTATUS[0]} (expected 0)" | tee -a "$out/nccl_completion.txt"
+for n in 256 20000; do
+  TORCH_FR_BUFFER_SIZE=$n timeout 300 python tests/gpu/nccl_completion.py --hold-s 1 --fill $n 2>&1 | tail -1 \
+    | sed "s/^/ring of $n entries: /" | tee -a "$out/nccl_completion.txt"
+done

@@ -4,12 +4,13 @@ Why: after a blocking collective the rank's caches are cold, and there every byt
 wrapper touches costs several times what it costs in a warm loop; in Python the fast path added 16-18% to a
 1-element gloo all_reduce (2 ranks on 2 cores), the same steps from C 5-6% (benchmarks/tracer_overhead.py).
 
-What: ``FastCall(fallback, state...)`` is called as the collective. A call that the fast path records from what
-it shows alone (a key already cached, on a group already defined, not nested in a traced call) is numbered,
-written and run here, step for step as ``_FAST_SOURCE`` does; every other call goes to ``fallback``, the
-generated Python wrapper, whole (nothing is done here before it is chosen but reads). Rule 0 as there: an error
-of distcheck's is counted through ``failed(Hook.TRACER, exc)``, never raised into the user's call; the user's own
-exception leaves as it came. Optional: where this does not build, the Python wrapper is the hot path. */
+What: ``FastCall(state, keys, fallback, original)`` is called as the collective (``state``: the tracer's
+``HotPathState``, ``keys``: the op's ``CKeys``, both read once here). A call that the fast path records from what it
+shows alone (a key already cached, on a group already defined, not nested in a traced call) is numbered, written and
+run here, step for step as ``_FAST_SOURCE`` does; every other call goes to ``fallback``, the generated Python
+wrapper, whole (nothing is done here before it is chosen but reads). Rule 0 as there: an error of distcheck's is
+counted through ``state.failed(exc)`` (``guard.failed(Hook.TRACER, exc)``), never raised into the user's call; the
+user's own exception leaves as it came. Optional: where this does not build, the Python wrapper is the hot path. */
 
 #include "hot_path_c.h"
 
@@ -75,22 +76,16 @@ static void leave(FastCall *self) {
     (void)flag_set((ThreadFlag *)self->inside, 0);   /* fails only out of memory, and sets no error */
 }
 
-/* ``failed(Hook.TRACER, exc)`` with the exception set now; cleared after. */
+/* ``failed(exc)`` with the exception set now; cleared after. */
 static COLD void count_failure(FastCall *self) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value != NULL) {
-        if (tb != NULL)
-            PyException_SetTraceback(value, tb);
-        PyObject *r = PyObject_CallFunctionObjArgs(self->failed, self->hook, value, NULL);
+    Raised exc = raised_take();
+    if (exc.value != NULL) {
+        PyObject *r = PyObject_CallOneArg(self->failed, exc.value);
         if (r == NULL)
             PyErr_Clear();
         Py_XDECREF(r);
     }
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
+    raised_drop(&exc);
 }
 
 /* The call's number on its group (``*seq``, and as a new reference): the group's counter (less its segment's base)
@@ -136,7 +131,7 @@ static int enter(FastCall *self, PyObject *entry, uint64_t fp, uint64_t *key_out
     }
     self->hot->count++;
     /* key_base + seq - skew, as Python's numbers compute it, refused where its record could not hold it */
-    if (__builtin_add_overflow(v.key_base, seq, &key) || __builtin_sub_overflow(key, v.skew, &key)) {
+    if (key_overflows(v.key_base, seq, v.skew, &key)) {
         PyErr_SetString(PyExc_OverflowError, "a call's key does not fit its record");
         goto done;
     }
@@ -166,7 +161,7 @@ static void exit_ok(FastCall *self, uint64_t key, int async_flag, PyObject *resu
     PyObject *key_obj = PyLong_FromUnsignedLongLong(key);
     PyObject *results = key_obj ? PyTuple_Pack(1, result) : NULL;
     PyObject *keys = results ? PyTuple_Pack(1, key_obj) : NULL;
-    PyObject *r = keys ? PyObject_CallMethodObjArgs(self->tracer, s_hold, results, keys, NULL) : NULL;
+    PyObject *r = keys ? PyObject_CallMethodObjArgs(self->handles, s_hold, results, keys, NULL) : NULL;
     if (r == NULL)
         count_failure(self);
     Py_XDECREF(r);
@@ -175,21 +170,17 @@ static void exit_ok(FastCall *self, uint64_t key, int async_flag, PyObject *resu
     Py_XDECREF(key_obj);
 }
 
-/* The user's exception from the call: ``tracer._exit_guarded(key, exc)``, then the exception as it was. */
+/* The user's exception from the call: ``exit_guarded(key, exc)``, then the exception as it was. */
 static COLD void exit_raised(FastCall *self, uint64_t key) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb != NULL && value != NULL)
-        PyException_SetTraceback(value, tb);
+    Raised exc = raised_take();
     PyObject *key_obj = PyLong_FromUnsignedLongLong(key);
-    PyObject *r = key_obj ? PyObject_CallMethodObjArgs(self->tracer, s_exit_guarded, key_obj,
-                                                       value ? value : Py_None, NULL) : NULL;
+    PyObject *r = key_obj ? PyObject_CallFunctionObjArgs(self->exit_guarded, key_obj,
+                                                         exc.value ? exc.value : Py_None, NULL) : NULL;
     if (r == NULL)
         PyErr_Clear();
     Py_XDECREF(r);
     Py_XDECREF(key_obj);
-    PyErr_Restore(type, value, tb);
+    raised_restore(&exc);
 }
 
 static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -210,11 +201,11 @@ static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nar
     uint64_t key = 0;
     int recorded = enter(self, entry, fp, &key) == 0;
     Py_DECREF(entry);
-    PyObject *unrecorded_type = NULL, *unrecorded = NULL, *unrecorded_tb = NULL;
+    Raised unrecorded = {0};
     if (!recorded) {
-        PyErr_Fetch(&unrecorded_type, &unrecorded, &unrecorded_tb);
-        if (!PyErr_GivenExceptionMatches(unrecorded_type, PyExc_Exception)) {   /* KeyboardInterrupt... */
-            PyErr_Restore(unrecorded_type, unrecorded, unrecorded_tb);
+        unrecorded = raised_take();
+        if (!PyErr_GivenExceptionMatches(unrecorded.value, PyExc_Exception)) {   /* KeyboardInterrupt... */
+            raised_restore(&unrecorded);
             leave(self);
             return NULL;
         }
@@ -223,16 +214,14 @@ static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nar
     if (result == NULL) {
         if (recorded)
             exit_raised(self, key);
-        Py_XDECREF(unrecorded_type);
-        Py_XDECREF(unrecorded);
-        Py_XDECREF(unrecorded_tb);
+        raised_drop(&unrecorded);
         leave(self);
         return NULL;   /* the user's exception, as it was */
     }
     if (recorded) {
         exit_ok(self, key, async_flag, result);
-    } else if (unrecorded_type != NULL) {   /* counted for a call that worked (a malformed call is the user's) */
-        PyErr_Restore(unrecorded_type, unrecorded, unrecorded_tb);
+    } else if (unrecorded.value != NULL) {   /* counted for a call that worked (a malformed call is the user's) */
+        raised_restore(&unrecorded);
         count_failure(self);
     }
     leave(self);
@@ -241,83 +230,129 @@ static PyObject *fast_call(PyObject *callable, PyObject *const *args, size_t nar
 
 /* -- the type ---------------------------------------------------------------------------------------------- */
 
-static int param_from(PyObject *spec, Param *p) {
-    /* spec: None (not in the signature) or (index or -1, name, default) */
-    if (spec == Py_None) {
+/* ``obj.name`` (a new reference), of ``type`` where one is given (None allowed where ``or_none``): NULL with an
+   error set. */
+static PyObject *field(PyObject *obj, const char *name, PyTypeObject *type, int or_none) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL || type == NULL || PyObject_TypeCheck(v, type) || (or_none && v == Py_None))
+        return v;
+    PyErr_Format(PyExc_TypeError, "FastCall: %s is a %s, not a %s", name, Py_TYPE(v)->tp_name, type->tp_name);
+    Py_DECREF(v);
+    return NULL;
+}
+
+/* ``obj.name`` as a C int (its truth): 0 or 1, or -1 with an error set. */
+static int flag_field(PyObject *obj, const char *name) {
+    PyObject *v = field(obj, name, NULL, 0);
+    int on = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    return on;
+}
+
+/* ``obj.name`` as an unsigned 64-bit int: 0, or -1 with an error set. */
+static int u64_field(PyObject *obj, const char *name, uint64_t *out) {
+    return take_u64(field(obj, name, NULL, 0), out);
+}
+
+/* One argument's place (``rank.ops.Place``: ``index``, ``name``, ``default``), or None where the signature lacks
+   it. 0, or -1 with an error set. */
+static int param_from(PyObject *place, Param *p) {
+    if (place == Py_None) {
         p->present = 0;
         return 0;
     }
-    Py_ssize_t index;
-    PyObject *name, *deflt;
-    if (!PyArg_ParseTuple(spec, "nUO", &index, &name, &deflt))
+    PyObject *index = field(place, "index", &PyLong_Type, 0);
+    if (index == NULL)
+        return -1;
+    p->index = PyLong_AsSsize_t(index);
+    Py_DECREF(index);
+    if (p->index == -1 && PyErr_Occurred())
+        return -1;
+    if ((p->name = field(place, "name", &PyUnicode_Type, 0)) == NULL)
+        return -1;
+    PyUnicode_InternInPlace(&p->name);
+    if ((p->deflt = field(place, "default", NULL, 0)) == NULL)
         return -1;
     p->present = 1;
-    p->index = index;
-    Py_INCREF(name);
-    PyUnicode_InternInPlace(&name);
-    p->name = name;
-    Py_INCREF(deflt);
-    p->deflt = deflt;
     return 0;
 }
 
+/* ``rank.hot_path.Places``'s fields, in the order of ``P_PG``... */
+static const char *const place_names[N_PARAMS] = {"group", "tensor", "reduce_op", "root", "group_root", "async_op"};
+
+/* What the fast path reads, from the tracer's ``HotPathState`` (``state``) and the op's ``CKeys`` (``keys``): 0, or
+   -1 with an error set (what was read so far held, let go with ``self``). */
+static int read_state(FastCall *self, PyObject *state, PyObject *keys) {
+    PyObject *writer = NULL, *numbering = NULL, *places = NULL, *cursor = NULL;
+    int status = -1;
+    if ((self->inside = field(state, "inside", &ThreadFlagType, 0)) == NULL
+        || (self->hot = (HotState *)field(state, "hot", &HotStateType, 0)) == NULL
+        || (writer = field(state, "writer", NULL, 0)) == NULL
+        || (self->append = field(writer, "append", NULL, 0)) == NULL
+        || (self->write = field(writer, "write", NULL, 0)) == NULL
+        || (cursor = field(writer, "cursor", &SlotCursorType, 1)) == NULL
+        || (numbering = field(state, "numbering", NULL, 0)) == NULL
+        || (self->groups = field(numbering, "groups", &PyDict_Type, 0)) == NULL
+        || (self->seqs = field(numbering, "seqs", &PyDict_Type, 0)) == NULL
+        || (self->default_group = field(numbering, "default_group", NULL, 0)) == NULL
+        || (self->handles = field(state, "handles", NULL, 0)) == NULL
+        || (self->exit_guarded = field(state, "exit_guarded", NULL, 0)) == NULL
+        || (self->failed = field(state, "failed", NULL, 0)) == NULL
+        || (self->plain_user = field(state, "plain_user", &PyDict_Type, 0)) == NULL
+        || (self->site_key = field(state, "site_key", NULL, 0)) == NULL
+        || (self->op_ids = field(state, "op_ids", &PyDict_Type, 0)) == NULL
+        || u64_field(state, "check", &self->check) < 0 || u64_field(state, "x_ok", &self->x_ok) < 0
+        || (self->op_default = field(keys, "op_default", NULL, 0)) == NULL
+        || (self->fast = field(keys, "fast", &PyDict_Type, 0)) == NULL
+        || (self->has_op = flag_field(keys, "has_op")) < 0 || (self->has_root = flag_field(keys, "has_root")) < 0
+        || (self->has_tensor = flag_field(keys, "has_tensor")) < 0
+        || (places = field(keys, "places", NULL, 0)) == NULL)
+        goto done;
+    for (int i = 0; i < N_PARAMS; i++) {
+        PyObject *place = field(places, place_names[i], NULL, 0);
+        int read = place == NULL ? -1 : param_from(place, &self->params[i]);
+        Py_XDECREF(place);
+        if (read < 0)
+            goto done;
+    }
+    if (cursor != Py_None) {
+        self->cursor = (SlotCursor *)cursor;
+        cursor = NULL;
+    }
+    status = 0;
+done:
+    Py_XDECREF(writer);
+    Py_XDECREF(numbering);
+    Py_XDECREF(places);
+    Py_XDECREF(cursor);
+    return status;
+}
+
+/* ``FastCall(state, keys, fallback, original)``: ``original`` traced, ``fallback`` (the Python wrapper) for every call
+   this does not record itself. */
 static PyObject *fast_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *kw[] = {"fallback", "original", "tracer", "inside", "hot", "append", "write", "plain_user", "site_key",
-                         "op_ids", "op_default", "fast", "groups", "default_group", "seqs", "failed", "hook",
-                         "params", "has_op", "has_root", "has_tensor", "check", "x_ok", "cursor", NULL};
-    PyObject *fallback, *original, *tracer, *inside, *hot, *append, *write, *plain_user, *site_key, *op_ids, *op_default,
-        *fast, *groups, *default_group, *seqs, *failed, *hook, *params, *cursor = Py_None;
-    int has_op, has_root, has_tensor;
-    unsigned long long check, x_ok;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!O!OOO!OO!OO!O!OO!OOO!pppKK|O", kw, &fallback,
-                                     &original, &tracer, &ThreadFlagType, &inside, &HotStateType, &hot, &append, &write, &PyDict_Type, &plain_user, &site_key,
-                                     &PyDict_Type, &op_ids, &op_default, &PyDict_Type, &fast, &PyDict_Type, &groups,
-                                     &default_group, &PyDict_Type, &seqs, &failed, &hook, &PyTuple_Type, &params,
-                                     &has_op, &has_root, &has_tensor, &check, &x_ok, &cursor))
+    static char *kw[] = {"state", "keys", "fallback", "original", NULL};
+    PyObject *state, *keys, *fallback, *original;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO", kw, &state, &keys, &fallback, &original))
         return NULL;
-    if (cursor != Py_None && !Py_IS_TYPE(cursor, &SlotCursorType)) {
-        PyErr_SetString(PyExc_TypeError, "cursor: a SlotCursor or None");
-        return NULL;
-    }
-    if (PyTuple_GET_SIZE(params) != N_PARAMS) {
-        PyErr_SetString(PyExc_ValueError, "params: one entry each for pg, t, op, root, group_root, async_op");
-        return NULL;
-    }
     FastCall *self = (FastCall *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->vectorcall = fast_call;
-    PyObject **slots[] = {&self->fallback, &self->original, &self->tracer, &self->inside, (PyObject **)&self->hot,
-                          &self->append,
-                          &self->write, &self->plain_user, &self->site_key, &self->op_ids, &self->op_default,
-                          &self->fast, &self->groups, &self->default_group, &self->seqs, &self->failed, &self->hook};
-    PyObject *values[] = {fallback, original, tracer, inside, hot, append, write, plain_user, site_key, op_ids, op_default,
-                          fast, groups, default_group, seqs, failed, hook};
-    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
-        Py_INCREF(values[i]);
-        *slots[i] = values[i];
-    }
-    for (int i = 0; i < N_PARAMS; i++) {
-        if (param_from(PyTuple_GET_ITEM(params, i), &self->params[i]) < 0) {
-            Py_DECREF(self);
-            return NULL;
-        }
-    }
-    self->has_op = has_op;
-    self->has_root = has_root;
-    self->has_tensor = has_tensor;
-    self->check = check;
-    self->x_ok = x_ok;
-    if (cursor != Py_None) {
-        Py_INCREF(cursor);
-        self->cursor = (SlotCursor *)cursor;
+    Py_INCREF(fallback);
+    self->fallback = fallback;
+    Py_INCREF(original);
+    self->original = original;
+    if (read_state(self, state, keys) < 0) {
+        Py_DECREF(self);
+        return NULL;
     }
     return (PyObject *)self;
 }
 
 #define VISIT_ALL(V)                                                                                                 \
-    V(dict) V(fallback) V(original) V(tracer) V(inside) V(hot) V(append) V(write) V(plain_user) V(site_key)           \
-    V(op_ids) V(op_default) V(fast) V(groups) V(default_group) V(seqs) V(failed) V(hook)
+    V(dict) V(fallback) V(original) V(inside) V(hot) V(append) V(write) V(groups) V(seqs) V(default_group)          \
+    V(handles) V(exit_guarded) V(failed) V(plain_user) V(site_key) V(op_ids) V(op_default) V(fast)
 
 static int fast_traverse(FastCall *self, visitproc visit, void *arg) {
 #define V(f) Py_VISIT(self->f);
@@ -355,6 +390,7 @@ static void fast_dealloc(FastCall *self) {
 
 /* Bound as a plain function is (a collective kept as a class attribute gets the instance first). */
 static PyObject *fast_get(PyObject *self, PyObject *obj, PyObject *type) {
+    UNUSED(type);
     if (obj == NULL || obj == Py_None) {
         Py_INCREF(self);
         return self;
@@ -368,10 +404,12 @@ static PyObject *fast_repr(FastCall *self) {
 
 /* Pickled by name, as the function it stands for is. */
 static PyObject *fast_reduce(FastCall *self, PyObject *unused) {
+    UNUSED(unused);
     return PyObject_GetAttr((PyObject *)self, s_qualname);
 }
 
 static PyObject *fast_forget(FastCall *self, PyObject *unused) {
+    UNUSED(unused);
     last_forget(self);
     Py_RETURN_NONE;
 }

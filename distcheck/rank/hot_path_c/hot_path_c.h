@@ -5,8 +5,17 @@
 #ifndef DISTCHECK_HOT_PATH_C_H
 #define DISTCHECK_HOT_PATH_C_H
 
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <frameobject.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+/* -- portability: CPython 3.10-3.13 on GCC, Clang or any C11 compiler --------------------------------------- */
+
 /* Kept out of the hot path's cache lines: error and first-call paths. */
-#if defined(__GNUC__)
+#if defined(__GNUC__) || defined(__clang__)
 #define COLD __attribute__((cold, noinline))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #else
@@ -14,12 +23,82 @@
 #define LIKELY(x) (x)
 #endif
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <frameobject.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <time.h>
+#define UNUSED(x) (void)(x)
+
+/* The checked arithmetic of a call's key: the compiler's builtins where it has them (GCC 5+, Clang), else the same
+   answer in plain C. ``DISTCHECK_PORTABLE_C`` forces the plain C (how the fallback is tested). */
+#if !defined(DISTCHECK_PORTABLE_C)
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_add_overflow) && __has_builtin(__builtin_sub_overflow)
+#define HAVE_OVERFLOW_BUILTINS 1
+#endif
+#elif defined(__GNUC__) && __GNUC__ >= 5
+#define HAVE_OVERFLOW_BUILTINS 1
+#endif
+#endif
+
+/* ``*out = base + seq - skew``, as Python's unbounded ints compute it: 0, or 1 where it does not fit 64 bits
+   unsigned (or an intermediate sum does not: as the builtins check it, step by step). */
+static inline int key_overflows(uint64_t base, uint64_t seq, int64_t skew, uint64_t *out) {
+#if defined(HAVE_OVERFLOW_BUILTINS)
+    return __builtin_add_overflow(base, seq, out) || __builtin_sub_overflow(*out, skew, out);
+#else
+    uint64_t sum = base + seq;
+    if (sum < base)
+        return 1;
+    if (skew >= 0) {
+        if ((uint64_t)skew > sum)
+            return 1;
+        *out = sum - (uint64_t)skew;
+        return 0;
+    }
+    uint64_t minus = (uint64_t)(-(skew + 1)) + 1;   /* |skew|, INT64_MIN included */
+    *out = sum + minus;
+    return *out < sum;
+#endif
+}
+
+/* The exception being raised, taken out of the thread's error indicator and put back: one object from 3.12 on
+   (``PyErr_GetRaisedException``; 3.12 deprecated the Fetch/Restore triple), the normalized triple before it, its
+   traceback set on the value as 3.12's is. ``value`` is NULL where none was raised. */
+typedef struct {
+    PyObject *value;
+#if PY_VERSION_HEX < 0x030C0000
+    PyObject *type, *tb;
+#endif
+} Raised;
+
+static inline Raised raised_take(void) {
+    Raised r;
+#if PY_VERSION_HEX >= 0x030C0000
+    r.value = PyErr_GetRaisedException();
+#else
+    PyErr_Fetch(&r.type, &r.value, &r.tb);
+    PyErr_NormalizeException(&r.type, &r.value, &r.tb);
+    if (r.tb != NULL && r.value != NULL)
+        PyException_SetTraceback(r.value, r.tb);
+#endif
+    return r;
+}
+
+/* Raised again, as it was taken (the references go with it). */
+static inline void raised_restore(Raised *r) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(r->value);
+#else
+    PyErr_Restore(r->type, r->value, r->tb);
+    r->type = r->tb = NULL;
+#endif
+    r->value = NULL;
+}
+
+static inline void raised_drop(Raised *r) {
+    Py_CLEAR(r->value);
+#if PY_VERSION_HEX < 0x030C0000
+    Py_CLEAR(r->type);
+    Py_CLEAR(r->tb);
+#endif
+}
 
 typedef struct {   /* thread_flag.c */
     PyObject_HEAD
@@ -64,11 +143,17 @@ typedef struct {
     PyObject *weakrefs;
     PyObject *dict;             /* __dict__: functools.update_wrapper writes __wrapped__, __name__... here */
     PyObject *fallback;         /* the Python wrapper: every call this does not record itself */
-    PyObject *original, *tracer, *inside, *append, *write;   /* inside: a ThreadFlag */
-    HotState *hot;              /* the tracer's busy group and count */
-    PyObject *plain_user, *site_key, *op_ids, *op_default, *fast, *groups, *default_group, *seqs;
-    PyObject *failed, *hook;
-    SlotCursor *cursor;         /* the trace's cursor where it has one (else NULL): records go straight in */
+    PyObject *original;
+    /* read once from the tracer's ``rank.hot_path.HotPathState`` (``state``) and the op's ``CKeys`` (``keys``) */
+    PyObject *inside;           /* state.inside: a ThreadFlag */
+    HotState *hot;              /* state.hot: the tracer's busy group and count */
+    PyObject *append, *write;   /* state.writer's */
+    SlotCursor *cursor;         /* state.writer.cursor where it has one (else NULL): records go straight in */
+    PyObject *groups, *seqs, *default_group;   /* state.numbering's */
+    PyObject *handles;          /* state.handles: ``hold(works, keys)`` */
+    PyObject *exit_guarded, *failed;           /* state's: ``exit_guarded(key, exc)``, ``failed(exc)`` */
+    PyObject *plain_user, *site_key, *op_ids;  /* state's */
+    PyObject *op_default, *fast;               /* keys' */
     Param params[N_PARAMS];
     /* the last call recorded here whose site is the user's own function, and its answer (``forget()`` when the
        tracer starts a segment: its keys and groups are cleared then) */
@@ -104,7 +189,7 @@ extern PyTypeObject ThreadFlagType, HotStateType, SlotCursorType, FastCallType;
 
 /* interned attribute names (module.c) */
 extern PyObject *s_shape, *s_dtype, *s_is_cpu, *s_device, *s_key, *s_counter, *s_base, *s_written,
-    *s_key_base, *s_e_word, *s_skew, *s_exit_guarded, *s_hold, *s_append, *s_qualname;
+    *s_key_base, *s_e_word, *s_skew, *s_hold, *s_append, *s_qualname;
 
 int flag_is_set(ThreadFlag *flag);
 int flag_set(ThreadFlag *flag, int on);

@@ -5,11 +5,16 @@
 
 #include "hot_path_c.h"
 
+#if PY_VERSION_HEX >= 0x030C0000
+#define MEMBER_ULONGLONG Py_T_ULONGLONG   /* 3.12 moved the member types into Python.h, with their Py_ names */
+#else
 #include <structmember.h>
+#define MEMBER_ULONGLONG T_ULONGLONG
+#endif
 
 void hot_busy(HotState *self, PyObject *group) {
     Py_INCREF(group);
-    Py_SETREF(self->busy_group, group);
+    Py_XSETREF(self->busy_group, group);   /* NULL only after the collector's tp_clear */
 }
 
 static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -39,9 +44,28 @@ static void hot_dealloc(HotState *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* ``busy_group`` as the old ``T_OBJECT`` member read and wrote it (None where unset), but never NULL: ``del`` sets
+   None, which the fast path's store can let go of. */
+static PyObject *hot_get_busy(HotState *self, void *closure) {
+    UNUSED(closure);
+    PyObject *group = self->busy_group != NULL ? self->busy_group : Py_None;
+    Py_INCREF(group);
+    return group;
+}
+
+static int hot_set_busy(HotState *self, PyObject *value, void *closure) {
+    UNUSED(closure);
+    hot_busy(self, value != NULL ? value : Py_None);
+    return 0;
+}
+
+static PyGetSetDef hot_getset[] = {
+    {"busy_group", (getter)hot_get_busy, (setter)hot_set_busy, "the group a Python call is in right now, or None", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef hot_members[] = {
-    {"busy_group", T_OBJECT, offsetof(HotState, busy_group), 0, "the group a Python call is in right now, or None"},
-    {"count", T_ULONGLONG, offsetof(HotState, count), 0, "calls recorded"},
+    {"count", MEMBER_ULONGLONG, offsetof(HotState, count), 0, "calls recorded"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -56,4 +80,5 @@ PyTypeObject HotStateType = {
     .tp_traverse = (traverseproc)hot_traverse,
     .tp_clear = (inquiry)hot_clear,
     .tp_members = hot_members,
+    .tp_getset = hot_getset,
 };

@@ -35,6 +35,7 @@ static PyObject *cursor_attach(SlotCursor *self, PyObject *args) {
 }
 
 static PyObject *cursor_detach(SlotCursor *self, PyObject *unused) {
+    UNUSED(unused);
     if (self->attached) {
         PyBuffer_Release(&self->view);
         self->attached = 0;
@@ -56,6 +57,7 @@ static PyObject *cursor_write(SlotCursor *self, PyObject *arg) {
 }
 
 static PyObject *cursor_tell(SlotCursor *self, PyObject *unused) {
+    UNUSED(unused);
     return PyLong_FromSsize_t(self->pos);
 }
 

@@ -33,10 +33,12 @@ static void flag_dealloc(ThreadFlag *self) {
 }
 
 static PyObject *flag_get_active(ThreadFlag *self, void *closure) {
+    UNUSED(closure);
     return PyBool_FromLong(flag_is_set(self));
 }
 
 static int flag_set_active(ThreadFlag *self, PyObject *value, void *closure) {
+    UNUSED(closure);
     int on = value == NULL ? 0 : PyObject_IsTrue(value);
     if (on < 0)
         return -1;

@@ -78,7 +78,7 @@ class _ArmOnImport:
         loader.exec_module = exec_module
 
 
-def _remove(finder: object) -> None:
+def _remove(finder: _ArmOnImport) -> None:
     try:
         sys.meta_path.remove(finder)
     except ValueError:   # someone else rearranged sys.meta_path: our finder is inert once armed

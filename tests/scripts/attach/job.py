@@ -4,7 +4,8 @@ Modes: ``allreduce`` rank 0 waits in an all_reduce while the others poll for a f
 ``auroc`` rank 0 alone calls BinaryAUROC.compute() (the first seed's bug); ``ddp`` rank 0 runs one more
 DDP backward (the reducer's C++ all_reduce) than the others; ``frdump`` rank 0 alone issues an async all_reduce
 (#6) and waits on it, every rank having written its Flight Recorder dump to ``TORCH_FR_DUMP_TEMP_FILE<rank>``; ``busy`` rank 0 waits in an all_reduce while
-rank 1 computes in Python (late, not stuck); ``healthy`` every rank runs all_reduce steps and exits 0.
+rank 1 computes in Python (late, not stuck); ``barrier`` rank 0 alone enters a barrier while the others poll;
+``healthy`` every rank runs all_reduce steps and exits 0.
 Each rank writes ``<dir>/ready<rank>`` when it stands where the test wants it; every waiting rank
 leaves once ``<dir>/release`` exists (the test's own clean-up), so the job never outlives its test.
 """
@@ -124,6 +125,12 @@ def main() -> None:
             dist.all_reduce(torch.ones(4, device=dev))   # waits for ranks that never come
         elif args.mode == "busy":
             busy_until(release)
+        else:
+            poll_for(release)
+    elif args.mode == "barrier":
+        ready(args.folder, rank)
+        if rank == 0:
+            dist.barrier()   # only rank 0 enters the barrier
         else:
             poll_for(release)
     elif args.mode == "auroc":

@@ -1,4 +1,5 @@
-"""The running job's wait-for graph: a hang that nothing can release is certain now. Pure.
+"""The running job's wait-for graph: a hang that nothing can release is certain now. Pure (the live
+watchdog, ``launch.watchdog``, and attach, ``attach.judge``, hand it what they read of each rank).
 
 A rank waiting in a collective (group, seq) waits for the members of the group
 that have not entered that call yet; a P2P call (group ``p2p:src>dst``, the
@@ -18,6 +19,14 @@ for, followed through the graph, is
   out of that call after one that can never pair with it (a ``new_group``
   that asked for other members, or a collective where it created a group).
 
+A certain hang, too, when every peer left the call and finished (or died),
+whatever the shapes in the call: nobody is left to complete it with the
+ranks still in it. Those must be settled and idle (a rank still using the
+CPU may be completing a large call on data its peers already sent), and the
+verdict is confirmed like a clash (``reason`` "clash": the call was entered
+by every member, and a rank descheduled right after it returned looks open
+for a while on a loaded node).
+
 A rank that is running outside every collective, or one whose record is not
 *settled* (its sidecar has not synced since its newest record, so a
 C++-issued call it made may be missing), leaves the question open: that is
@@ -26,15 +35,19 @@ the stall timeout's case, not this module's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
+from distcheck.diagnose.progress import BUSY_CPU
 from distcheck.files.trace_tail import pairing_of
+from distcheck.models.group_key import GroupKey, is_p2p
 from distcheck.text import rank_list
 
 # Groups whose waits cannot be followed: a receive from any source has no one peer to wait for.
-_ANY_SOURCE = "p2p:any>"
-_P2P = "p2p:"
+# A rank in a call using a busy rank's CPU (``diagnose.progress.BUSY_CPU``) may be completing it: copying or
+# reducing what its peers already sent. A rank blocked in a collective uses ~0.
+_COMPLETING_CPU = BUSY_CPU
 
 
 class Waiter(Protocol):
@@ -63,7 +76,7 @@ class CertainHang:
 
     ranks: tuple[int, ...]      # every rank the verdict rests on: the waiting ones and those they wait for
     waiting: tuple[int, ...]
-    reason: str                 # "finished" | "dead" | "cycle" | "clash"
+    reason: str                 # "finished" | "dead" | "cycle" | "clash" (fingerprints, or a call its peers left)
     evidence: str               # "certain: ranks 1-3 finished"
 
 
@@ -100,6 +113,7 @@ class _Graph:
         self.free_calls: set[tuple] = set()
         self._absent: dict[tuple, frozenset[int] | None] = {}
         self._clash: dict[tuple, str | None] = {}
+        self._abandoned: dict[tuple, Abandoned | None] = {}
 
     def absent(self, group: str, seq: int, members: Sequence[int]) -> frozenset[int] | None:
         """Members that have not entered (group, seq); None when that cannot be told."""
@@ -128,11 +142,19 @@ class _Graph:
             self._clash[key] = _clash(rank, self.ranks)
         return self._clash[key]
 
+    def abandoned(self, rank: int) -> Abandoned | None:
+        """``_abandoned`` once per call."""
+        key = tuple((w[0], w[1]) for w in self.ranks[rank].waits)
+        if key not in self._abandoned:
+            self._abandoned[key] = _abandoned(rank, self.ranks)
+        return self._abandoned[key]
+
 
 def _absent(group: str, seq: int, members: Sequence[int], ranks: Mapping[int, Waiter]) -> frozenset[int] | None:
-    if str(group).startswith(_ANY_SOURCE):
+    key = GroupKey.of(group)
+    if key.any_source:
         return None
-    if str(group).startswith(_P2P) and _takes_any_source(group, ranks):
+    if key.is_p2p and _takes_any_source(key, ranks):
         return None   # its receiver also receives from any source: that may be the receive that pairs with it
     out = set()
     for m in members:
@@ -147,9 +169,9 @@ def _absent(group: str, seq: int, members: Sequence[int], ranks: Mapping[int, Wa
 def _takes_any_source(group: str, ranks: Mapping[int, Waiter]) -> bool:
     """Whether the receiver of P2P pair ``p2p:src>dst`` ever received from any source (a send to it is then
     not paired by number)."""
-    _, _, dst = str(group).rpartition(">")
-    receiver = ranks.get(int(dst)) if dst.isdigit() else None
-    return receiver is not None and f"{_ANY_SOURCE}{dst}" in receiver.entered
+    dst = GroupKey.of(group).dst
+    receiver = ranks.get(dst) if dst is not None else None
+    return receiver is not None and GroupKey.p2p(None, dst) in receiver.entered
 
 
 def _clash(rank: int, ranks: Mapping[int, Waiter]) -> str | None:
@@ -157,7 +179,7 @@ def _clash(rank: int, ranks: Mapping[int, Waiter]) -> str | None:
     fingerprints that differ, or one left it after a call that can never pair with the rank's (it will
     not come back to that number). None: the call may be completing."""
     for group, seq, members, signature in ranks[rank].waits:
-        if str(group).startswith(_P2P):
+        if is_p2p(group):
             return None   # both sides posted a send and its receive: the transfer is under way (or gloo aborts)
         others = []
         for m in members:
@@ -173,6 +195,48 @@ def _clash(rank: int, ranks: Mapping[int, Waiter]) -> str | None:
             return None   # a member already left the call, as its partner: the call is completing
         if len(set(others)) > 1:
             return f"certain: {rank_list(sorted(members))} wait in one call with fingerprints that cannot match"
+    return None
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A call every other member left and went away from: the ranks still in it, and those gone."""
+
+    inside: frozenset[int]
+    gone: Mapping[int, str]     # rank -> "finished" | "dead"
+    evidence: str
+
+
+def _abandoned(rank: int, ranks: Mapping[int, Waiter]) -> Abandoned | None:
+    """The call of ``rank`` that every member not in it left and then finished (or died): nothing will come to
+    complete it, whatever the shapes in it. Every rank still in it must be settled and idle (one using the CPU
+    may be completing it on what its peers sent). None: a member may yet take part in it."""
+    for group, seq, members, _ in ranks[rank].waits:
+        if is_p2p(group):
+            continue   # a transfer both sides posted completes by itself
+        inside, gone = set(), {}
+        for m in members:
+            peer = ranks.get(m)
+            if peer is None:
+                break
+            if any(w[0] == group and w[1] == seq for w in peer.waits):
+                if not peer.settled or (getattr(peer, "cpu", None) or 0.0) >= _COMPLETING_CPU:
+                    break
+                inside.add(m)
+            elif any(w[0] == group and w[1] == seq for w in peer.left) and (
+                    peer.dead or (peer.finished and not peer.waits)):
+                gone[m] = "dead" if peer.dead else "finished"
+            else:
+                break   # on its way, running, or it left without a trace of it here: it may yet take part
+        else:
+            if gone and rank in inside:
+                op = pairing_of(next(w[3] for w in ranks[rank].waits if w[0] == group and w[1] == seq))[0]
+                how = " and ".join(f"{rank_list(sorted(r for r, why in gone.items() if why == w))} "
+                                   f"{'finished' if w == 'finished' else 'died'}"
+                                   for w in ("finished", "dead") if w in gone.values())
+                return Abandoned(frozenset(inside), gone, f"certain: {rank_list(sorted(inside))} "
+                                 f"{'waits' if len(inside) == 1 else 'wait'} in {op} #{seq} (group {group}), which "
+                                 f"every other member left: {how}")
     return None
 
 
@@ -193,7 +257,7 @@ def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHa
     while todo:
         r = todo.pop()
         p = ranks[r]
-        if p.dead or p.finished:
+        if p.dead or (p.finished and not p.waits):   # a finished rank whose calls wait on the device still waits
             gone[r] = "dead" if p.dead else "finished"
             continue
         if not p.waits or not p.settled or r in graph.free:
@@ -205,6 +269,11 @@ def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHa
             return None
         if not awaited:
             clash = graph.clash(r)
+            left = graph.abandoned(r) if clash is None else None
+            if left is not None:   # every other member left the call and went away: nobody can complete it
+                clash = left.evidence
+                seen |= left.inside | set(left.gone)
+                waiting += sorted(left.inside - {r})
             if clash is None:
                 graph.free |= {root, r}   # every member is in the call: it is completing
                 return None
@@ -212,7 +281,7 @@ def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHa
         for a in sorted(awaited - seen):
             seen.add(a)
             todo.append(a)
-    return _verdict(tuple(sorted(seen)), tuple(sorted(waiting)), gone, clash)
+    return _verdict(tuple(sorted(seen)), tuple(sorted(set(waiting))), gone, clash)
 
 
 def _verdict(ranks: tuple[int, ...], waiting: tuple[int, ...], gone: Mapping[int, str], clash: str | None

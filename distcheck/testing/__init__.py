@@ -1,0 +1,1 @@
+"""What distcheck ships for testing distributed code without the hardware it runs on (``emulated_nccl``)."""
