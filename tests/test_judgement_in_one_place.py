@@ -22,7 +22,8 @@ def test_the_same_signs_are_the_same_progress_for_the_watchdog_and_for_attach():
     busy = Signs(span=0.5, cores=BUSY_CPU)
     writing = Signs(span=2.0, io_bytes=64 * 1024)
     moved = Signs(span=2.0, stack_moved=True)
-    for signs, words in ((busy, "its processes used 0.1 cores"), (writing, "read or wrote 64.0 KiB in the last 2.0 s"),
+    for signs, words in ((busy, "its main process used 0.1 cores"),
+                         (writing, "its main process read or wrote 64.0 KiB in the last 2.0 s"),
                          (moved, "its stack moved")):
         assert both(signs) == (words, words)
 
@@ -41,6 +42,15 @@ def test_wakeups_count_only_for_an_observer_that_keeps_watching_and_a_spin_is_no
     assert both(starved)[1] == "its main thread was running in 3 of 3 samples (0.05 cores)"
 
 
+def test_each_sign_is_said_of_the_process_that_made_it():
+    worker = Signs(span=0.5, io_bytes=64 * 1024, child_io_bytes=64 * 1024, children=(4242,))
+    assert both(worker)[0] == "its child process 4242 read or wrote 64.0 KiB in the last 0.5 s"
+    both_busy = Signs(span=1.0, cores=1.5, child_cores=0.9, children=(4242, 4243))
+    assert both(both_busy)[0] == "its main process and child processes 4242, 4243 used 1.5 cores"
+    ended = Signs(span=1.0, cores=0.8, child_cores=0.8)   # a child reaped since: its CPU, no pid left
+    assert both(ended)[0] == "its child processes (since ended) used 0.8 cores"
+
+
 def test_the_watchdog_s_evidence_is_that_definition(tmp_path, monkeypatch):
     monitor = RankMonitor(LaunchFiles(tmp_path), 1)
     monkeypatch.setattr(monitor._activity, "sample", lambda rank, pid, now: None)
@@ -48,7 +58,8 @@ def test_the_watchdog_s_evidence_is_that_definition(tmp_path, monkeypatch):
     monitor._activity.latest[0] = Activity(now, 0.5, 0.0, 100, 0)      # 100 B in 0.5 s: a log line
     assert monitor._evidence(0, 1234, None, now, outside=True) == {}
     monitor._activity.latest[0] = Activity(now, 0.5, 0.0, 41 * 1024, 0)
-    assert monitor._evidence(0, 1234, None, now, outside=True)["evidence"] == "read or wrote 41.0 KiB in the last 0.5 s"
+    assert (monitor._evidence(0, 1234, None, now, outside=True)["evidence"]
+            == "its main process read or wrote 41.0 KiB in the last 0.5 s")
 
 
 def _end(rank: int, phase: str, *, exception: str | None = None, signal: str | None = None,

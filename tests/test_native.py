@@ -7,7 +7,8 @@ import threading
 
 from distcheck.files.trace_reader import parse_trace
 from distcheck.files.trace_writer import TraceWriter
-from distcheck.rank.issuers import issuer_label
+from distcheck.files.stacks import LIBRARY, torch_dir
+from distcheck.rank.issuers import issuer_label, python_caller, user_line
 from distcheck.rank.native import NativeCall, NativeWatcher
 
 
@@ -141,6 +142,25 @@ def test_issuer_is_named_from_the_main_threads_stack():
     fsdp = [("/venv/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 1, "foreach_all_gather")]
     assert issuer_label("all_gather", ((36,),), fsdp) == "FSDP all_gather"
     assert issuer_label("all_reduce", ((1,),), [("/home/u/x.py", 3, "f")]) == "C++-issued all_reduce"
+
+
+def test_a_call_made_from_python_past_the_tracer_is_not_called_cpp_issued_nor_placed_nowhere():
+    # Lightning's strategy broadcast, its object through torch.distributed's Python API, that API's own global
+    # ``broadcast`` taken past the tracer's wrapper: the stack says Python made it, and whose Python.
+    torch = torch_dir().rstrip("/")
+    lightning = "/venv/lib/python3.11/site-packages/lightning/pytorch/strategies/ddp.py"
+    frames = [(f"{torch}/distributed/distributed_c10d.py", 2800, "broadcast"),
+              (f"{torch}/distributed/c10d_logger.py", 81, "wrapper"),
+              (f"{torch}/distributed/distributed_c10d.py", 3500, "broadcast_object_list"),
+              (lightning, 305, "broadcast"),
+              ("/venv/lib/python3.11/site-packages/lightning/pytorch/trainer/trainer.py", 1000, "fit")]
+    assert python_caller(frames) == "lightning"
+    assert issuer_label("broadcast", ((1,),), frames) == "lightning broadcast"
+    assert user_line(frames, torch) is None and user_line(frames, torch, LIBRARY) == f"{lightning}:305:broadcast"
+    users = [(f"{torch}/distributed/distributed_c10d.py", 2800, "all_reduce"), ("/home/u/train.py", 9, "main")]
+    assert issuer_label("all_reduce", ((1,),), users) == "all_reduce"   # the user's own: "called from all_reduce"
+    # the main thread in the user's code, not inside the API: nothing says Python made it
+    assert python_caller([("/home/u/train.py", 9, "main")]) is None
 
 
 # -- exact records: destroyed groups, failures, the sync record (issue 24) -----------------------------------

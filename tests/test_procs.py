@@ -3,11 +3,13 @@
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 
 from conftest import wait_for
-from distcheck.launch.procs import is_alive, stat_of, terminate, terminate_tree
+from distcheck.diagnose.progress import progress
+from distcheck.launch.procs import Activity, ActivityMeter, is_alive, stat_of, terminate, terminate_tree
 
 SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, {handler}); print('ready', flush=True); time.sleep(120)"
 
@@ -101,3 +103,73 @@ def test_a_teardown_ends_the_ranks_trees_and_with_and_mine_everything_below_dist
             psutil.Process(grandchild).kill()
     swept = subprocess.run([sys.executable, "-c", AND_MINE], capture_output=True, text=True, timeout=60)
     assert swept.stdout.split() == [str(-signal.SIGTERM), "None"], swept.stderr   # the kept helper outlived it
+
+
+# A rank whose data-loader worker (a child process) writes while its main process waits for it on a pipe; with
+# ``main_writes`` the main process writes and the child only waits.
+WRITING_TREE = """
+import os, sys, time
+out = sys.argv[1]
+main_writes = sys.argv[2] == "main"
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    if main_writes:
+        os.read(r, 1)
+        os._exit(0)
+    with open(out + ".child", "wb") as f:
+        while True:
+            f.write(b"x" * 8192); f.flush(); time.sleep(0.005)
+print(pid, flush=True)
+if main_writes:
+    with open(out + ".main", "wb") as f:
+        while True:
+            f.write(b"x" * 8192); f.flush(); time.sleep(0.005)
+os.read(r, 1)   # waits for good: the child never writes to the pipe
+"""
+
+
+def _writing_tree(tmp_path, who: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", WRITING_TREE, str(tmp_path / "data"), who], stdout=subprocess.PIPE,
+                            text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def _measured(proc: subprocess.Popen, enough: int) -> Activity:
+    """The meter's sample of the tree once it has counted ``enough`` bytes since its first look."""
+    meter = ActivityMeter(interval_s=0.0, children_s=0.0)
+    assert meter.sample(0, proc.pid, time.monotonic()) is None   # the first look is the baseline
+    seen: list[Activity] = []
+    def counted() -> bool:
+        act = meter.sample(0, proc.pid, time.monotonic())
+        seen.extend([act] if act else [])
+        return sum(a.io_bytes for a in seen) >= enough
+    assert wait_for(counted, timeout=30), seen
+    span = sum(a.span for a in seen)
+    return Activity(seen[-1].at, span, sum(a.cores * a.span for a in seen) / span,
+                    sum(a.io_bytes for a in seen), 0, 0.0, sum(a.child_io_bytes for a in seen),
+                    tuple(dict.fromkeys(p for a in seen for p in a.children)))
+
+
+def test_io_made_by_a_child_is_said_of_that_child_not_of_the_rank_s_main_process(tmp_path):
+    proc, child = _writing_tree(tmp_path, "child")
+    try:
+        act = _measured(proc, 256 * 1024)
+        assert act.children == (child,) and act.child_io_bytes == act.io_bytes
+        words = progress(act.signs(), keeps_watching=True)
+        assert words and words.startswith(f"its child process {child} read or wrote "), words
+    finally:
+        terminate_tree([proc.pid], grace_s=1)
+        proc.wait(timeout=10)
+
+
+def test_io_made_by_the_main_process_is_said_of_it(tmp_path):
+    proc, child = _writing_tree(tmp_path, "main")
+    try:
+        act = _measured(proc, 256 * 1024)
+        assert child not in act.children and act.child_io_bytes == 0
+        words = progress(act.signs(), keeps_watching=True)
+        assert words and words.startswith("its main process read or wrote "), words
+    finally:
+        terminate_tree([proc.pid], grace_s=1)
+        proc.wait(timeout=10)

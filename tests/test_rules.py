@@ -532,7 +532,7 @@ def test_a_rank_late_by_a_stall_timeout_is_a_straggler_warning_naming_where_it_w
     [f] = _late_arrival(12.0)
     assert (f.kind, f.severity, f.op, f.seq) == ("straggler", "warning", "barrier", 1)
     assert f.waiting_ranks == (1,) and f.odd_ranks == (0,)
-    assert f.summary.startswith("Rank 1 waited 12.0 s in barrier #1 (group 0) for rank 0, busy at ")
+    assert f.summary.startswith("Rank 1 waited 12.0 s in barrier #1 (group 0) for rank 0 (its main thread at ")
     assert "eval.py:7" in f.summary and f.data["busy_at"] == "/home/u/eval.py:7:main"
     assert behaved_as_expected(("pass",), observed_kinds([f]))
 

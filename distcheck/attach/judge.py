@@ -87,10 +87,10 @@ def progress(view: RankView) -> str | None:
     missed), so a move counts only from one function to another."""
     act = view.activity
     seen = readable(view)
-    signs = Signs(span=act.span if act else 0.0, cores=act.cores if act else None, io_bytes=act.io_bytes if act else 0,
-                  stack_moved=len({p.calls for p in seen}) > 1, running=(sum(p.active for p in seen), len(seen)),
-                  # A device sync may spin (CUDA's default on an idle core): its CPU is the wait, not work.
-                  spinning=device.synced(view.positions, view.state.alive) is not None)
+    signs = dataclasses.replace(act.signs() if act else Signs(), stack_moved=len({p.calls for p in seen}) > 1,
+                                running=(sum(p.active for p in seen), len(seen)),
+                                # A device sync may spin (CUDA's default on an idle core): its CPU is the wait.
+                                spinning=device.synced(view.positions, view.state.alive) is not None)
     return progress_in(signs, keeps_watching=False)
 
 

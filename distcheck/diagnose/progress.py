@@ -8,7 +8,8 @@ sample). ``analyze`` measures nothing: it reads the words the run saved (``RunFa
 
 A rank makes progress when, over the span, any of these holds:
 
-* its tree used at least ``BUSY_CPU`` cores (children and data-loader workers count), unless that CPU is a
+* its tree used at least ``BUSY_CPU`` cores (children and data-loader workers count, and are named as its
+  makers), unless that CPU is a
   device sync spinning (CUDA's default wait on an idle core: the wait itself, not work);
 * its tree read or wrote at least ``IO_FLOOR_BPS`` bytes a second (files, pipes): below that it is a log
   line now and then (a heartbeat thread, a logger's flush), not work that brings the rank to the call;
@@ -51,17 +52,24 @@ class Signs:
     stack_moved: bool = False       # its main thread's stack changed (from one function to another, from outside)
     running: tuple[int, int] | None = None   # (samples its main thread was running in, samples read): py-spy
     spinning: bool = False          # its CPU is a device sync's spin: the wait, not work
+    child_cores: float = 0.0        # of ``cores``, its children's (data-loader workers, subprocesses)
+    child_io_bytes: int = 0         # of ``io_bytes``, its children's
+    children: tuple[int, ...] = ()  # the pids of the children that did it, busiest first
 
 
 def progress(signs: Signs, *, keeps_watching: bool) -> str | None:
-    """The evidence that the rank makes progress, in words ("read or wrote 41.0 KiB in the last 0.5 s"); None
-    when it shows none. ``keeps_watching``: the observer looks again (wake-ups count, see above)."""
+    """The evidence that the rank makes progress, in words, each sign said of the process that made it ("its
+    child process 4242 read or wrote 64.0 KiB in the last 0.5 s": a data-loader worker, not the rank's main
+    process); None when it shows none. ``keeps_watching``: the observer looks again (wake-ups count, see above)."""
     said = []
     cores = signs.cores if not signs.spinning else None
     if cores is not None and cores >= BUSY_CPU:
-        said.append(f"its processes used {cores:.1f} cores")
-    if signs.io_bytes and signs.io_bytes >= IO_FLOOR_BPS * signs.span:
-        said.append(f"read or wrote {size(signs.io_bytes)} in the last {signs.span:.1f} s")
+        said.append(f"{_makers(cores - signs.child_cores, signs.child_cores, BUSY_CPU / 2, signs.children)} "
+                    f"used {cores:.1f} cores")
+    floor = IO_FLOOR_BPS * signs.span
+    if signs.io_bytes and signs.io_bytes >= floor:
+        said.append(f"{_makers(signs.io_bytes - signs.child_io_bytes, signs.child_io_bytes, floor / 2, signs.children)}"
+                    f" read or wrote {size(signs.io_bytes)} in the last {signs.span:.1f} s")
     if signs.running is not None and cores is not None:
         ran, seen = signs.running
         if ran and 2 * ran >= seen and cores >= RUNNING_CPU:
@@ -72,3 +80,12 @@ def progress(signs: Signs, *, keeps_watching: bool) -> str | None:
         said.append("its stack moved")
     return ", ".join(said) or None
 
+
+def _makers(own: float, children: float, floor: float, pids: tuple[int, ...]) -> str:
+    """Who made a sign: the rank's main process, its children, or both (each counted past half the sign's floor,
+    so one of them always is)."""
+    if children < floor:
+        return "its main process"
+    named = (f"child process {pids[0]}" if len(pids) == 1 else
+             f"child processes {', '.join(map(str, pids))}" if pids else "child processes (since ended)")
+    return f"its main process and {named}" if own >= floor else f"its {named}"

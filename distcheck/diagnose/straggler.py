@@ -83,10 +83,11 @@ def _late_finding(group: GroupKey, seq: int, events: Mapping[int, Event], outcom
     ref = events[waiters[0]]
     busy = [outcomes[r].busy_at for r in late if r in outcomes and outcomes[r].busy_at]
     shown = [evidence[r] for r in late if r in evidence]
-    where = f", busy at {site(busy[0])}" if busy else ""
+    # The stack sample is the main thread's: where the work was a child's (a data-loader worker), it only waited.
+    where = f" (its main thread at {site(busy[0])})" if busy else ""
     it = "it" if len(late) == 1 else "them"
-    why = (f"{it.capitalize()} was making progress ({shown[0] if shown else 'using the CPU'}), so distcheck took "
-           f"{it} for late, not hung, and kept waiting. " if busy or shown else "")
+    why = (f"{it.capitalize()} was making progress ({shown[0]}), so distcheck took {it} for late, not hung, and kept "
+           f"waiting. " if shown else "")
     summary = (f"{rank_list(waiters).capitalize()} waited {waited:.1f} s in {ref.op} #{seq} (group {group}) for "
                f"{rank_list(late)}{where}. {why}If this is expected (a rank-0-only evaluation or checkpoint save), "
                f"nothing is wrong; if not, look at what {rank_list(late)} does before this call.")

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import psutil
 
+from distcheck.diagnose.progress import Signs
 from distcheck.files.launch_dir import LaunchFiles
 from distcheck.files.stack_requests import StackKind, answer_path, write_request
 from distcheck.launch import stack_reader
@@ -263,7 +264,7 @@ class ActivityMeter:
     def __init__(self, interval_s: float = 0.5, children_s: float = 2.0) -> None:
         self.interval_s = interval_s
         self.children_s = children_s
-        self._last: dict[int, tuple[float, float, int, int]] = {}    # rank -> (when, cpu s, io bytes, wakeups)
+        self._last: dict[int, _Totals] = {}
         self._tree: dict[int, tuple[float, list[psutil.Process]]] = {}
         self.latest: dict[int, Activity] = {}
 
@@ -271,18 +272,16 @@ class ActivityMeter:
         """What the rank did since the last sample; None when not due yet (the previous one stays in
         ``latest``) or when the process is gone."""
         last = self._last.get(rank)
-        if last is not None and now - last[0] < self.interval_s:
+        if last is not None and now - last.at < self.interval_s:
             return None
         totals = self._totals(rank, pid, now)
         if totals is None:
             self._last.pop(rank, None)
             return None
-        self._last[rank] = (now, *totals)
+        self._last[rank] = totals
         if last is None:
             return None
-        span = now - last[0]
-        self.latest[rank] = Activity(now, span, max(0.0, totals[0] - last[1]) / span, max(0, totals[1] - last[2]),
-                                     max(0, totals[2] - last[3]))
+        self.latest[rank] = totals.since(last)
         return self.latest[rank]
 
     def forget(self, rank: int) -> None:
@@ -295,9 +294,9 @@ class ActivityMeter:
         """Forget what was counted so far (distcheck's own stack request made the rank write)."""
         totals = self._totals(rank, pid, now)
         if totals is not None:
-            self._last[rank] = (now, *totals)
+            self._last[rank] = totals
 
-    def _totals(self, rank: int, pid: int | None, now: float) -> tuple[float, int, int] | None:
+    def _totals(self, rank: int, pid: int | None, now: float) -> _Totals | None:
         if not pid:
             return None
         when, tree = self._tree.get(rank, (0.0, []))
@@ -307,23 +306,24 @@ class ActivityMeter:
             except psutil.Error:
                 return None
             self._tree[rank] = (now, tree)
-        cpu, io, wakeups = 0.0, 0, 0
         try:
             switches = tree[0].num_ctx_switches()   # /proc/<pid>/status: the main thread's own
-            wakeups = switches.voluntary + switches.involuntary
         except psutil.Error:
             return None
+        per_process: dict[int, tuple[float, int]] = {}
+        reaped = 0.0
         for i, p in enumerate(tree):
             try:
                 t = p.cpu_times()
-                cpu += t.user + t.system + t.children_user + t.children_system
                 c = p.io_counters()
-                io += c.read_chars + c.write_chars
             except (psutil.Error, AttributeError):
                 if i == 0:
                     return None
-        return cpu, io, wakeups
-
+                continue
+            # a child already reaped is the main process's children_* time: a child's work, not its own
+            reaped += t.children_user + t.children_system
+            per_process[p.pid] = (t.user + t.system, c.read_chars + c.write_chars)
+        return _Totals(now, pid, per_process, reaped, switches.voluntary + switches.involuntary)
 
     def _descendants(self, pid: int, now: float) -> list[int]:
         """Every descendant of ``pid``, from one scan of the process table per ``children_s`` shared by
@@ -377,13 +377,43 @@ def _processes(pids: Iterable[int]) -> list[psutil.Process]:
 
 
 class Activity(NamedTuple):
-    """What a rank's process tree did between two samples."""
+    """What a rank's process tree did between two samples, and which of its processes did it."""
 
     at: float          # when the sample was taken (monotonic)
     span: float        # over how many seconds
     cores: float       # CPU of the whole tree
     io_bytes: int      # read or written by the tree (files, pipes)
     wakeups: int       # times the main thread woke up
+    child_cores: float = 0.0    # of ``cores``, what its children used (data-loader workers, subprocesses)
+    child_io_bytes: int = 0     # of ``io_bytes``, what its children read or wrote
+    children: tuple[int, ...] = ()   # the pids of the children that did it, busiest first (at most 3)
+
+    def signs(self) -> Signs:
+        """These counters as ``diagnose.progress`` reads them."""
+        return Signs(span=self.span, cores=self.cores, io_bytes=self.io_bytes, wakeups=self.wakeups,
+                     child_cores=self.child_cores, child_io_bytes=self.child_io_bytes, children=tuple(self.children))
+
+
+class _Totals(NamedTuple):
+    """One sample's counters of a rank's tree: per process (pid -> CPU seconds, I/O bytes)."""
+
+    at: float
+    main: int                                    # the rank's own pid
+    per_process: dict[int, tuple[float, int]]
+    reaped_cpu: float                            # children already reaped (their CPU, counted by their parents)
+    wakeups: int
+
+    def since(self, last: _Totals) -> Activity:
+        span = self.at - last.at
+        cpu = {pid: max(0.0, c - last.per_process.get(pid, (0.0, 0))[0]) for pid, (c, _) in self.per_process.items()}
+        io = {pid: max(0, b - last.per_process.get(pid, (0.0, 0))[1]) for pid, (_, b) in self.per_process.items()}
+        reaped = max(0.0, self.reaped_cpu - last.reaped_cpu)
+        child_cpu = sum(c for pid, c in cpu.items() if pid != self.main) + reaped
+        child_io = sum(b for pid, b in io.items() if pid != self.main)
+        busiest = sorted((pid for pid in cpu if pid != self.main and (cpu[pid] > 0 or io[pid] > 0)),
+                         key=lambda pid: (-cpu[pid], -io[pid], pid))
+        return Activity(self.at, span, (cpu.get(self.main, 0.0) + child_cpu) / span, io.get(self.main, 0) + child_io,
+                        max(0, self.wakeups - last.wakeups), child_cpu / span, child_io, tuple(busiest[:3]))
 
 
 @contextlib.contextmanager

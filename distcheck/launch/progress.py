@@ -184,7 +184,7 @@ class RankMonitor:
         ages = []
         act = self._activity.latest.get(rank)
         if act is not None and now - act.at < RECENT_S:
-            counted = Signs(span=act.span, cores=act.cores, io_bytes=act.io_bytes, wakeups=act.wakeups)
+            counted = act.signs()
             ages += [now - act.at] if progress(counted, keeps_watching=True) else []
         else:
             counted = Signs()

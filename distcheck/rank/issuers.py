@@ -7,8 +7,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from distcheck.files.stacks import TORCH, USER, classify_file, torch_dir
+from distcheck.files.stacks import LIBRARY, TORCH, USER, classify_file, torch_dir
 from distcheck.models import UNKNOWN_OP
+from distcheck.text import call_site
+
+# torch.distributed's Python API (distributed_c10d.py and the like): a frame there means Python made the call.
+_PYTHON_API = "/torch/distributed/"
 
 # (path fragment, what issued the call), innermost torch frame first.
 _ISSUERS = (
@@ -33,12 +37,38 @@ def issuer_label(op: str, shapes: tuple[tuple[int, ...], ...], frames: list[tupl
     elif issuer == "DDP" and any(fn == "__init__" for file, _, fn in frames if "parallel/distributed.py" in file):
         issuer = "DDP init"
     if issuer is None:
-        issuer = "C++-issued"
-    text = f"{issuer} {op}"
+        caller = python_caller(frames)
+        issuer = "C++-issued" if caller is None else caller
+    text = f"{issuer} {op}" if issuer else op
     if issuer == "DDP gradient" and shapes:
         numel = sum(_numel(s) for s in shapes)
         text += f", bucket of {numel} element{'s' if numel != 1 else ''}"
     return text
+
+
+def python_caller(frames: list[tuple[str, int, str]]) -> str | None:
+    """Who called torch.distributed's Python API, when the stack is inside it: a library by its package name
+    ("lightning"), the user's own code as "". Such a call was issued from Python, past the tracer's wrappers (a
+    reference to the function taken before distcheck armed, a module's own global): not from C++. None when the
+    stack's innermost torch frames are not that API."""
+    torch = torch_dir()
+    inside_api = False
+    for file, _, _ in frames:
+        kind = classify_file(file, torch)
+        if kind == TORCH:
+            inside_api = inside_api or _PYTHON_API in file
+        elif kind in (USER, LIBRARY):
+            return (_package(file) if kind == LIBRARY else "") if inside_api else None
+    return None
+
+
+def _package(file: str) -> str:
+    """The installed package a library file belongs to: the folder under site-packages."""
+    parts = file.replace("\\", "/").split("/")
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            return parts[parts.index(marker) + 1].removesuffix(".py")
+    return parts[-2] if len(parts) > 1 else file
 
 
 def inside_issuer(frames: list[tuple[str, int, str]]) -> bool:
@@ -65,11 +95,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def user_line(frames: list[tuple[str, int, str]], torch: str) -> str | None:
-    """The innermost frame of the user's own code, as 'file:line:function'."""
+def user_line(frames: list[tuple[str, int, str]], torch: str, kind: int = USER) -> str | None:
+    """The innermost frame of the user's own code (``kind``: of a library), as 'file:line:function'."""
     for file, line, fn in frames:
-        if classify_file(file, torch) == USER:
-            return f"{file}:{line}:{fn}"
+        if classify_file(file, torch) == kind:
+            return call_site(file, line, fn)
     return None
 
 

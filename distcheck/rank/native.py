@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from distcheck import torch_features
 from distcheck.files import trace as records
 from distcheck.files.flight_recorder import DTYPES, op_name
-from distcheck.files.stacks import torch_dir
+from distcheck.files.stacks import LIBRARY, torch_dir
 from distcheck.models import UNKNOWN_OP
 from distcheck.rank.groups import members_of, process_groups
 from distcheck.rank.completion import Completion
@@ -430,11 +430,13 @@ class NativeWatcher:
         shapes = call.shapes if call else ()
         dtypes = call.dtypes if call else ()
         label = issuer_label(op, shapes, frames) if call else unknown_call_label(frames, self.recorder)
-        site_key = (user_line(frames, self._torch), label)
+        library = user_line(frames, self._torch, LIBRARY)
+        # no line of the user's: the library's that made the call is still a place (never "an unknown place")
+        site_key = (user_line(frames, self._torch) or library, library, label)
         site = self.sites.get(site_key)
         if site is None:
             site = self.sites[site_key] = f"n{len(self.sites)}"
-            out.define(records.site_record(site, site_key[0], None, label))
+            out.define(records.site_record(site, *site_key))
         fp_key = (op, shapes, dtypes, site)
         fp = self.fps.get(fp_key)
         if fp is None:
