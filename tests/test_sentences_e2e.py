@@ -127,3 +127,20 @@ def test_the_same_sampler_told_each_rank_s_own_rank_passes(distcheck):
                   timeout=E2E_TIMEOUT)
     s = _only(r.report)
     assert r.returncode == 0 and s["observed"] == ["pass"], r.stdout[-3000:]
+
+
+def test_a_lightning_rank_that_stops_alone_leaves_its_peer_waiting_in_lightning_s_call(distcheck):
+    """One rank's callback sets ``trainer.should_stop``: it leaves ``fit`` and finishes, its peer waits in the
+    broadcast Lightning issues from Python. Said as that: the peer's call at the script's line (never "C++-issued"
+    nor "an unknown place"), the rank that stopped finished, the teardown's calls a note after the decision."""
+    script = SENTENCES / "lightning_should_stop.py"
+    r = distcheck("run", str(script), "--nproc-per-node", "2", "--stall-timeout", "30", timeout=E2E_TIMEOUT)
+    assert r.returncode == 1, r.stdout[-3000:]
+    s = _only(r.report)
+    assert s["observed"] == ["hang"] and s["end_reason"] == "certain_hang", (s["observed"], s["end_reason"])
+    [hang] = [f for f in s["findings"] if f["severity"] == "error"]
+    assert hang["waiting_ranks"] == [1] and hang["absent_ranks"] == [0], hang
+    assert hang["callsite"].startswith(f"{script}:{_line_of(script, 'trainer.fit(')}:")
+    assert "C++-issued" not in r.stdout and "unknown place" not in r.stdout, r.stdout[-3000:]
+    assert "rank 0 never entered it (finished" in hang["summary"], hang["summary"]
+    assert {x["rank"]: x["state"] for x in s["ranks"]} == {0: "finished", 1: "stuck"}
