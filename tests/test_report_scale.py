@@ -232,6 +232,27 @@ def test_a_stalled_tp_group_is_one_finding_that_says_what_waits_downstream_of_it
     assert len([f for f in found if f.kind == "hang"]) == 1 + FOLD_PAST
 
 
+def test_ranks_of_a_mesh_waiting_alike_in_groups_of_their_own_share_a_lane():
+    """Issue 57: the ranks of a 3-D mesh are in different groups (each TP group, each DP group its own), and a lane
+    per group kept 512 ranks in hundreds of lanes (a 10-19 MB timeline). Ranks whose calls stand alike (the same
+    op and number, in a group of the same size) share one; the stuck TP group's ranks keep theirs apart."""
+    from distcheck.diagnose.rules import RunFacts, analyze
+
+    world, tp = 256, 16   # 16 DP groups waiting downstream: folded into the TP group's finding (FOLD_PAST)
+    traces = _stalled_tp_group(world, tp)
+    outcomes = {r: RankOutcome(rank=r, state="stuck", collectives=len(traces[r])) for r in range(world)}
+    found = analyze(traces, outcomes, RunFacts(world_size=world, end_reason="stall", evidence="stuck: 5 s"))
+    result = ScenarioResult(name="train", source="train.py", expected=("hang",), observed=("hang",), ok=True,
+                            duration_s=5.0, findings=tuple(found), ranks=tuple(outcomes.values()), end_reason="stall",
+                            started_at=T0, ended_at=T0 + 5)
+    tl = build(result, traces)
+    downstream = [lane for lane in tl.lanes if len(lane.ranks) == world - tp]
+    assert len(downstream) == 1 and downstream[0].label == f"ranks 0-{world - tp - 1} ({world - tp})"
+    assert [lane.label for lane in tl.lanes] == [f"ranks 0-{world - tp - 1} ({world - tp})",
+                                                 f"ranks {world - tp}-{world - 1} ({tp})"]   # the stuck TP group
+    assert tl.ranks == world
+
+
 def test_a_group_waiting_on_a_lost_nodes_rank_is_the_finding():
     """Issue 57, a node lost mid-step: its ranks' records went with it. The DP group whose other members wait in
     its all_gather is the hang, the lost rank "not known" in it (the group was no finding at all, and a 512-rank

@@ -11,7 +11,8 @@ calls keeps, in full, ``WINDOW_CALLS`` calls on each side of every call a findin
 names and of its last call, and draws each stretch between them as one summary
 slice ("4,980 calls: all_reduce x4,980"); a job of more than ``MAX_LANES`` ranks
 draws one lane per group of ranks that behave alike (same state, same number of
-calls, same last call, same marks), and the ranks a finding names keep lanes of
+calls, same last call — its op and number in a group of the same size, whichever
+group of a mesh it was — same marks), and the ranks a finding names keep lanes of
 their own. ``windows`` gives the time span around each finding for a close-up.
 """
 
@@ -22,7 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from distcheck.models import EndReason, Event, Finding, Kind, Report, ScenarioResult
+from distcheck.models import EndReason, Event, Finding, Kind, Report, ScenarioResult, is_p2p
 from distcheck.report.words import EACH_RANK_UP_TO
 from distcheck.text import id_list
 
@@ -240,8 +241,11 @@ def _groups(result: ScenarioResult, events: Mapping[int, Sequence[Event]],
     for r in ranks:
         evs = events.get(r, ())
         last = evs[-1] if evs else None
+        # the last call by its place in the step, not by its group's identity: the TP groups of a 3-D mesh each
+        # have their own group and stand alike (one lane each was 10-19 MB of timeline at 512 ranks)
         key = (outcomes[r].state if r in outcomes else "unknown", len(evs),
-               (last.group, last.seq, last.op, last.t_exit is None) if last else None,
+               (len(last.group_ranks or ()), is_p2p(last.group), last.seq, last.op, last.t_exit is None)
+               if last else None,
                tuple(sorted(marks.get(r, ()))), r in crashed, r if r in named else None)
         alike.setdefault(key, []).append(r)
     return {members[0]: tuple(members) for members in alike.values()}
