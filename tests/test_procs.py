@@ -173,3 +173,24 @@ def test_io_made_by_the_main_process_is_said_of_it(tmp_path):
     finally:
         terminate_tree([proc.pid], grace_s=1)
         proc.wait(timeout=10)
+
+
+def test_a_child_the_main_thread_starts_is_measured_at_once_not_at_the_next_table_scan():
+    """A rank late by a subprocess it waits for: the meter reads the new child at its next sample, where it
+    waited for its next scan of the process table (up to twice ``children_s``), and a 5 s stall timeout on a
+    loaded machine called such a rank stuck."""
+    starts_child = ("import subprocess, sys\nsys.stdin.readline()\n"
+                    "subprocess.run([sys.executable, '-c', 'while True: pass'])")
+    proc = subprocess.Popen([sys.executable, "-c", starts_child], stdin=subprocess.PIPE, text=True)
+    meter = ActivityMeter(interval_s=0.0, children_s=3600.0)   # no table scan due during the test
+    try:
+        assert wait_for(lambda: meter.sample(0, proc.pid, time.monotonic()) is not None, timeout=30)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        def child_seen() -> bool:
+            act = meter.sample(0, proc.pid, time.monotonic())
+            return act is not None and bool(act.children) and act.child_cores > 0
+        assert wait_for(child_seen, timeout=30)
+    finally:
+        terminate_tree([proc.pid], grace_s=1)
+        proc.wait(timeout=10)

@@ -112,6 +112,9 @@ def test_a_late_rank_making_progress_without_cpu_is_not_called_hung(late_runs, s
     assert not [f for f in s["findings"] if f["severity"] == "error"]
     [late] = [f for f in s["findings"] if f["kind"] == "straggler"]
     assert late["odd_ranks"] == [0] and late["data"]["progress"], late["summary"]
+    # said of the process that made it: the writer's own, the waiting rank's child (not the rank, idle in wait())
+    maker = {"slow_writer.py": "its main process ", "waits_on_child.py": "its child process "}.get(script)
+    assert maker is None or late["data"]["progress"].startswith(maker), late["data"]["progress"]
 
 
 def test_a_rank_blocked_on_an_event_never_set_is_a_hang_naming_the_wait_line(distcheck):

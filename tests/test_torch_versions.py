@@ -117,6 +117,7 @@ def test_the_flight_recorder_claims_hold_on_a_real_gloo_group(tmp_path):
         dump = torch_features.fr_dump_function()
         entries = pickle.loads(dump(True, False, False)).get("entries", []) if dump else []
         print(json.dumps({{"counted": after - before, "names": [e.get("profiling_name") for e in entries]}}))
+        dist.destroy_process_group()   # without it, gloo's threads abort the exit now and then (torch's own)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"}, start_new_session=True)

@@ -265,7 +265,7 @@ class ActivityMeter:
         self.interval_s = interval_s
         self.children_s = children_s
         self._last: dict[int, _Totals] = {}
-        self._tree: dict[int, tuple[float, list[psutil.Process]]] = {}
+        self._tree: dict[int, tuple[float, list[psutil.Process], frozenset[int] | None]] = {}
         self.latest: dict[int, Activity] = {}
 
     def sample(self, rank: int, pid: int | None, now: float) -> Activity | None:
@@ -299,13 +299,17 @@ class ActivityMeter:
     def _totals(self, rank: int, pid: int | None, now: float) -> _Totals | None:
         if not pid:
             return None
-        when, tree = self._tree.get(rank, (0.0, []))
-        if not tree or tree[0].pid != pid or now - when >= self.children_s:
+        when, tree, kids = self._tree.get(rank, (0.0, [], None))
+        now_kids = _main_thread_children(pid)
+        # A child the main thread just started (a subprocess it waits for, a data loader's workers) is read at
+        # once, not up to two table scans later: a rank late by its child's work looked idle that long.
+        started = now_kids is not None and now_kids != kids
+        if not tree or tree[0].pid != pid or now - when >= self.children_s or started:
             try:
-                tree = [psutil.Process(pid), *_processes(self._descendants(pid, now))]
+                tree = [psutil.Process(pid), *_processes(self._descendants(pid, now, fresh=started))]
             except psutil.Error:
                 return None
-            self._tree[rank] = (now, tree)
+            self._tree[rank] = (now, tree, now_kids)
         try:
             switches = tree[0].num_ctx_switches()   # /proc/<pid>/status: the main thread's own
         except psutil.Error:
@@ -315,21 +319,36 @@ class ActivityMeter:
         for i, p in enumerate(tree):
             try:
                 t = p.cpu_times()
-                c = p.io_counters()
-            except (psutil.Error, AttributeError):
+            except psutil.Error:
                 if i == 0:
                     return None
                 continue
+            try:
+                io = p.io_counters()
+                written = io.read_chars + io.write_chars
+            except (psutil.Error, AttributeError):   # not readable (a zombie, another user's): its CPU still counts
+                written = 0
             # a child already reaped is the main process's children_* time: a child's work, not its own
             reaped += t.children_user + t.children_system
-            per_process[p.pid] = (t.user + t.system, c.read_chars + c.write_chars)
+            per_process[p.pid] = (t.user + t.system, written)
         return _Totals(now, pid, per_process, reaped, switches.voluntary + switches.involuntary)
 
-    def _descendants(self, pid: int, now: float) -> list[int]:
+    def _descendants(self, pid: int, now: float, fresh: bool = False) -> list[int]:
         """Every descendant of ``pid``, from one scan of the process table per ``children_s`` shared by
         all ranks and every meter of this process (psutil's ``children`` scans the whole table for each
-        call: a node of 8 ranks beside hundreds of processes spent most of its poll there)."""
-        return _below([pid], _children_table(now, self.children_s))
+        call: a node of 8 ranks beside hundreds of processes spent most of its poll there); ``fresh``: a
+        scan of now (a child was just started)."""
+        return _below([pid], _children_table(now, 0.0 if fresh else self.children_s))
+
+
+def _main_thread_children(pid: int) -> frozenset[int] | None:
+    """The children the process's main thread started (Linux's ``/proc/<pid>/task/<pid>/children``: one small
+    read); None where the kernel does not offer it."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return frozenset(int(c) for c in f.read().split())
+    except (OSError, ValueError):
+        return None
 
 
 _table: tuple[float, dict[int, list[int]]] = (float("-inf"), {})   # when, ppid -> child pids
