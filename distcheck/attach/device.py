@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from distcheck.attach.position import Position
+from distcheck.attach.position import Position, Where
 from distcheck.models import Finding, Kind, RankDetail, Severity
 from distcheck.text import rank_list, site
 
@@ -24,9 +24,9 @@ def synced(positions: Sequence[Position], alive: bool) -> Position | None:
     """The device sync the rank is blocked in: its main thread at the same stack in every readable sample, in a
     device sync in the last (a native read, which pauses the rank, is taken only for the last: the Python stack of
     the others, the same, stands for it). None: not blocked in one."""
-    seen = [p for p in positions if p.kind != "unreadable"]
+    seen = [p for p in positions if p.kind != Where.UNREADABLE]
     last = seen[-1] if seen else None
-    if not alive or last is None or len(seen) < 2 or last.kind != "device_sync":
+    if not alive or last is None or len(seen) < 2 or last.kind != Where.DEVICE_SYNC:
         return None
     return last if all(p.digest == last.digest for p in seen) else None
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from distcheck.attach import device
 from distcheck.attach.flight import FrCall, FrState, members, open_call
-from distcheck.attach.position import Position
+from distcheck.attach.position import Position, Where
 from distcheck.attach.read import ProcState
 from distcheck.diagnose.common import RunFacts
 from distcheck.diagnose.progress import IO_FLOOR_BPS, Signs, progress as progress_in
@@ -65,7 +65,7 @@ def waiting_in(view: RankView) -> Position | None:
     the same, stands for it."""
     seen = readable(view)
     last = seen[-1] if seen else None
-    if not view.state.alive or last is None or len(seen) < 2 or last.kind != "collective":
+    if not view.state.alive or last is None or len(seen) < 2 or last.kind != Where.COLLECTIVE:
         return None
     if any(p.digest != last.digest or (p.op != last.op and last.native_wait is None) for p in seen):
         return None
@@ -77,7 +77,7 @@ def waiting_in(view: RankView) -> Position | None:
 def readable(view: RankView) -> list[Position]:
     """The samples py-spy could read: on a loaded node one read of 32 may time out, and an unreadable sample
     is no evidence that the rank moved (it made rank 0 of a 32-rank hang look like it had left its call)."""
-    return [p for p in view.positions if p.kind != "unreadable"]
+    return [p for p in view.positions if p.kind != Where.UNREADABLE]
 
 
 def progress(view: RankView) -> str | None:
@@ -101,7 +101,7 @@ def _event(view: RankView, at: Position, world: int, t: float) -> Event:
 
 
 def _outcome(view: RankView, at: Position | None, event: Event | None, stuck: bool, late: str | None) -> RankOutcome:
-    last = (readable(view) or list(view.positions) or [Position("unreadable")])[-1]
+    last = (readable(view) or list(view.positions) or [Position(Where.UNREADABLE)])[-1]
     common: dict[str, Any] = dict(rank=view.rank, host=view.host, node=view.node, pid=view.pid,
                                   stack=last.stack or None, phase=Phase.RUNNING)
     if not view.state.alive:
@@ -228,7 +228,7 @@ def _fr_event(view: RankView, at: Position | None, call: FrCall, group_ranks: tu
     """The call in flight in the rank's dump, as the rules take it. Its host past it (blocked in a device sync, or
     anywhere on NCCL, whose dump says the call is not completed on the device): the call returned and its work did
     not complete, called where the dump says (the host's line is the rank's whereabouts, not the call's)."""
-    last = (readable(view) or [Position("unreadable")])[-1]
+    last = (readable(view) or [Position(Where.UNREADABLE)])[-1]
     op = at.op if at is not None and at.op not in (None, "collective") else call.op
     on_device = view.fr is not None and view.fr.device
     if at is None and (on_device or device.synced(view.positions, view.state.alive) is not None):
@@ -246,7 +246,7 @@ def late_finding(events: Mapping[int, Event], late: Mapping[int, str], views: Ma
     waiting for a busy rank), said as a warning with where the late ranks are busy."""
     ref = events[min(events)]
     ranks = sorted(late)
-    where = {r: (readable(views[r]) or [Position("unreadable")])[-1].callsite for r in ranks}
+    where = {r: (readable(views[r]) or [Position(Where.UNREADABLE)])[-1].callsite for r in ranks}
     summary = (f"{_waiting_in(events)} for {rank_list(ranks)}, which "
                f"{'is' if len(ranks) == 1 else 'are'} making progress outside the collectives "
                f"({late[ranks[0]]}) at {site(where[ranks[0]])}: late, not hung. Attach again later; if "

@@ -8,6 +8,7 @@ into the object that issued the call, ``BinaryAUROC.compute``). Pure."""
 
 from __future__ import annotations
 
+import enum
 import re
 import zlib
 from dataclasses import dataclass
@@ -51,11 +52,22 @@ _EMULATED_WAITS = {"synchronize": "emulated_nccl.synchronize()", "drain": "emula
                    "wait_for": "a read of a tensor a pending emulated_nccl call touches"}
 
 
+class Where(str, enum.Enum):
+    """Where a rank was in one read: in a collective, in a device sync (NCCL's host waiting on the stream),
+    outside both, gone (its process ended), or unreadable (the read failed)."""
+
+    COLLECTIVE = "collective"
+    DEVICE_SYNC = "device_sync"
+    OUTSIDE = "outside"
+    GONE = "gone"
+    UNREADABLE = "unreadable"
+
+
 @dataclass(frozen=True)
 class Position:
     """Where one rank was in one read."""
 
-    kind: str                          # "collective" | "device_sync" | "outside" | "gone" | "unreadable"
+    kind: Where
     op: str | None = None
     label: str | None = None
     callsite: str | None = None        # the user's innermost frame: file:line:function
@@ -80,7 +92,7 @@ def frame_kind(filename: str) -> int:
 def position(read: StackRead) -> Position:
     """The rank's position from one read of its threads (the main thread decides)."""
     if read.error is not None:
-        return Position("unreadable", stack=read.error)
+        return Position(Where.UNREADABLE, stack=read.error)
     main = read.main()
     frames = main.frames if main else ()
     py = [f for f in frames if not f.native]
@@ -91,7 +103,7 @@ def position(read: StackRead) -> Position:
         op, native = _native_op(frames)
     if op is None:
         sync = device_sync(frames)
-    kind = "collective" if op else "device_sync" if sync else "outside"
+    kind = Where.COLLECTIVE if op else Where.DEVICE_SYNC if sync else Where.OUTSIDE
     calls = zlib.crc32("|".join(f"{f.file}:{f.function}" for f in py if frame_kind(f.file) in (USER, LIBRARY))
                        .encode())
     return Position(kind, op, _label(py) if op else None, str(user) if user else None,

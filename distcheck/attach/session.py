@@ -20,7 +20,7 @@ from pathlib import Path
 from distcheck.attach import discover, flight
 from distcheck.attach.judge import Judged, RankView, fr_joined, judge, unread
 from distcheck.attach.nodes import Gathered, Meeting
-from distcheck.attach.position import Position, position
+from distcheck.attach.position import Position, Where, position
 from distcheck.attach.read import (BACKENDS, DENIED_HINT, StackRead, backend_of, proc_state, read_stacks, reader,
                                    thread_names)
 from distcheck.diagnose.verdict import Scenario, exit_code, run_info
@@ -128,7 +128,7 @@ def _in_torch_native(p: Position, read: StackRead) -> bool:
 
     main = read.main()
     top = main.frames[0] if main and main.frames else None
-    return p.kind == "outside" and top is not None and frame_kind(top.file) == TORCH
+    return p.kind == Where.OUTSIDE and top is not None and frame_kind(top.file) == TORCH
 
 
 def wants_native(reads: Sequence[StackRead], on_device: bool) -> bool:
@@ -139,7 +139,7 @@ def wants_native(reads: Sequence[StackRead], on_device: bool) -> bool:
     seen = [(position(x), x) for x in reads]
     if all(_in_torch_native(p, x) for p, x in seen):
         return True
-    return on_device and len(seen) > 1 and all(p.kind == "outside" for p, _ in seen) \
+    return on_device and len(seen) > 1 and all(p.kind == Where.OUTSIDE for p, _ in seen) \
         and len({p.digest for p, _ in seen}) == 1
 
 

@@ -218,15 +218,15 @@ def folded_line(held: list[str]) -> str:
     text = [bare(line).strip() for line in held]
     ended = next((t for t in text if t.startswith(LAUNCHER_ENDS)), "")
     name, _, said = ended.partition(":")
-    kind = name.rpartition(".")[2]
-    if kind == "ChildFailedError":
+    error_class = name.rpartition(".")[2]
+    if error_class == "ChildFailedError":
         pairs = (t.split(":", 1) for t in text if ":" in t)
         # the root cause's: last
         fields = {k.strip(): v.strip() for k, v in pairs if k.strip() in ("rank", "exitcode")}
         title = next((t for t in text if t.endswith(" FAILED")), "")
         first = ", ".join(f"{k} {' '.join(_PID.sub('', v).split())}" for k, v in fields.items())
         said = "; ".join(filter(None, [title, f"first failure: {first}" if first else ""]))
-    return f"the launcher's {kind}: {said.strip()} ({len(held)} {FOLD_MARK}; every line in the run dir's logs)"
+    return f"the launcher's {error_class}: {said.strip()} ({len(held)} {FOLD_MARK}; every line in the run dir's logs)"
 
 
 def folded_output(text: str) -> list[str]:

@@ -1,12 +1,22 @@
 """Which torchmetrics objects a compute() is judged for, the user's line it was called at, and the sync point
-(process group and its sequence number) by which ``files.metric_records`` pairs it with the other ranks' computes."""
+(process group and its sequence number) by which ``files.metric_records`` pairs it with the other ranks' computes;
+which of a metric's methods a recorded call was."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 from types import FrameType
 from typing import Any
+
+
+class MetricCall(str, enum.Enum):
+    """Which of a metric's methods a recorded call was (``forward`` records as an update)."""
+
+    UPDATE = "update"
+    COMPUTE = "compute"
+    RESET = "reset"
 
 
 def _is_collection(obj: Any) -> bool:

@@ -39,8 +39,8 @@ from distcheck.files.metric_records import append_computes, pack, spill_name
 from distcheck.rank.guard import Hook, capped, failed
 from distcheck.rank.patches import Patches
 from distcheck.rank.metric_copies import compute_record, dumps_by_value, elements as _elements, jsonable, pickler
-from distcheck.rank.metric_sync import (_is_collection, _judged, _seq, _sync_on_compute, _sync_point, metrics_of,
-                                        user_callsite)
+from distcheck.rank.metric_sync import (MetricCall as Call, _is_collection, _judged, _seq, _sync_on_compute,
+                                        _sync_point, metrics_of, user_callsite)
 from distcheck.rank.row_digests import RowDigests, digest_rows, digested_epoch, packed_tensors, rows_cap
 
 MEMORY_ENV = "DISTCHECK_METRIC_MEMORY_MB"
@@ -52,7 +52,6 @@ SPILL_COMPUTES = 64            # compute() records of one object held in memory 
 MAX_VALUE_ELEMENTS_KEPT = 2**21   # elements of compute() results kept per rank
 MAX_STREAMS = 20_000           # (metric, epoch) streams of row digests per rank
 _LIBRARY_METRICS = ("lightning", "pytorch_lightning")   # Lightning's own self.log accumulators
-
 
 class _Entry:
     """One recorded Metric or MetricCollection on this rank."""
@@ -106,18 +105,18 @@ class MetricRecorder:
             stack = self._local.stack = []
         return stack
 
-    def _credited_elsewhere(self, obj: Any, kind: str) -> bool:
+    def _credited_elsewhere(self, obj: Any, kind: Call) -> bool:
         """Whether a recorded call already running accounts for this one: the same object's
         (forward's own update/compute/reset), a collection's update of its members, or any
         compute() around this compute()."""
         stack = self._stack()
         if any(o is obj for o, _ in stack):
             return True
-        if kind == "compute":
-            return any(k == "compute" for _, k in stack)
+        if kind is Call.COMPUTE:
+            return any(k is Call.COMPUTE for _, k in stack)
         return any(_is_collection(o) for o, _ in stack)
 
-    def call(self, obj: Any, kind: str, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
+    def call(self, obj: Any, kind: Call, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
              collection: bool = False) -> Any:
         """Run the user's call, once and as it is; record it unless another recorded call accounts for it.
         Rule 0: an error in the recording is counted (rank.guard), never raised into the user's call."""
@@ -134,11 +133,11 @@ class MetricRecorder:
         try:
             try:
                 entry = self._entry(obj, collection)
-                copied = self._copy_inputs(args, kwargs or {}) if kind == "update" else None
+                copied = self._copy_inputs(args, kwargs or {}) if kind is Call.UPDATE else None
             except Exception as exc:
                 self._unrecorded(obj, exc)
                 return call()
-            if kind == "compute":
+            if kind is Call.COMPUTE:
                 return self._compute(entry, call)
             result = call()
             try:
@@ -157,8 +156,8 @@ class MetricRecorder:
         capped(Hook.METRICS_CAP, f"more than {MAX_ENTRIES:,} torchmetrics objects; later ones were not recorded")
         return True
 
-    def _after(self, entry: _Entry, kind: str, copied: Any, args: tuple = (), kwargs: dict | None = None) -> None:
-        if kind == "update":
+    def _after(self, entry: _Entry, kind: Call, copied: Any, args: tuple = (), kwargs: dict | None = None) -> None:
+        if kind is Call.UPDATE:
             entry.info["updates"] += 1
             entry.in_epoch += 1
             self._digest(entry, copied if copied is not None else (args, kwargs or {}))
@@ -167,7 +166,7 @@ class MetricRecorder:
                 entry.pending_bytes += sum(len(p.data) for p in packed_tensors(copied))
                 if entry.pending_bytes > FLUSH_BYTES:
                     self._flush(entry)
-        elif kind == "reset":
+        elif kind is Call.RESET:
             entry.epoch, entry.in_epoch = entry.epoch + 1, 0
 
     def _digest(self, entry: _Entry, inputs: Any) -> None:
@@ -383,23 +382,23 @@ def _patch_metric(module: Any, existing: bool = False) -> None:
 
     def _wrap_update(self: Any, update: Callable) -> Callable:
         inner = wrap_update(self, update)
-        recorded: Any = functools.wraps(inner)(lambda *a, **k: _record(self, "update", lambda: inner(*a, **k), a, k))
+        recorded: Any = functools.wraps(inner)(lambda *a, **k: _record(self, Call.UPDATE, lambda: inner(*a, **k), a, k))
         recorded.__distcheck__ = True
         return recorded
 
     def _wrap_compute(self: Any, compute: Callable) -> Callable:
         inner = wrap_compute(self, compute)
-        recorded: Any = functools.wraps(inner)(lambda *a, **k: _record(self, "compute", lambda: inner(*a, **k)))
+        recorded: Any = functools.wraps(inner)(lambda *a, **k: _record(self, Call.COMPUTE, lambda: inner(*a, **k)))
         recorded.__distcheck__ = True
         return recorded
 
     @functools.wraps(forward)
     def recorded_forward(self: Any, *a: Any, **k: Any) -> Any:   # forward = one update (plus a batch value)
-        return _record(self, "update", lambda: forward(self, *a, **k), a, k)
+        return _record(self, Call.UPDATE, lambda: forward(self, *a, **k), a, k)
 
     @functools.wraps(reset)
     def recorded_reset(self: Any) -> None:
-        return _record(self, "reset", lambda: reset(self))
+        return _record(self, Call.RESET, lambda: reset(self))
 
     _wrap_update.__distcheck__ = _wrap_compute.__distcheck__ = True   # type: ignore[attr-defined]
     for name, value in (("_wrap_update", _wrap_update), ("_wrap_compute", _wrap_compute), ("forward", recorded_forward),
@@ -437,10 +436,11 @@ def _patch_collection(module: Any) -> None:
     cls = getattr(module, "MetricCollection", None)
     if cls is None or getattr(cls.update, "__distcheck__", False):
         return
-    for name, kind in (("update", "update"), ("forward", "update"), ("compute", "compute"), ("reset", "reset")):
+    for name, kind in (("update", Call.UPDATE), ("forward", Call.UPDATE), ("compute", Call.COMPUTE),
+                       ("reset", Call.RESET)):
         original = getattr(cls, name)
 
-        def recorded(self: Any, *a: Any, _original: Callable = original, _kind: str = kind, **k: Any) -> Any:
+        def recorded(self: Any, *a: Any, _original: Callable = original, _kind: Call = kind, **k: Any) -> Any:
             return _record(self, _kind, lambda: _original(self, *a, **k), a, k, collection=True)
 
         recorded = functools.wraps(original)(recorded)
@@ -448,7 +448,7 @@ def _patch_collection(module: Any) -> None:
         _PATCHES.set(cls, name, recorded)
 
 
-def _record(obj: Any, kind: str, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
+def _record(obj: Any, kind: Call, call: Callable[[], Any], args: tuple = (), kwargs: dict | None = None,
             collection: bool = False) -> Any:
     if RECORDER is None:
         return call()
