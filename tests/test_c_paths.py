@@ -213,6 +213,37 @@ def test_the_native_thread_ticks_unseen_and_stops():
     assert len(ticks) == after
 
 
+
+def test_a_forked_child_s_native_thread_forgets_the_parent_s_and_ticks_anew():
+    """After fork the thread is gone from the child while its object says it ran, and its lock may be held:
+    ``forget_after_fork`` makes the lock and condition anew, and the child starts and stops its own thread."""
+    c = _c_module("_native_thread")
+    ticks: list[float] = []
+    thread = c.NativeThread(lambda: ticks.append(time.monotonic()) or True, 0.01)
+    thread.start()
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: report how it went through the pipe, then leave at once
+            ok = False
+            try:
+                thread.forget_after_fork()
+                seen = len(ticks)
+                thread.start()
+                deadline = time.monotonic() + 10
+                while len(ticks) < seen + 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                ok = len(ticks) >= seen + 3 and thread.stop(2.0) is True and not thread.running
+            finally:
+                os.write(write, b"1" if ok else b"0")
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.waitpid(pid, 0)
+    finally:
+        assert thread.stop(2.0) is True
+
+
 # -- what the package ships, and an install without a C compiler ---------------------------------------------
 
 

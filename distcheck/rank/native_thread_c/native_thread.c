@@ -128,6 +128,16 @@ static void *thread_main(void *arg) {
     return NULL;
 }
 
+/* The lock and the condition (on the monotonic clock) the thread and its callers share, made anew. */
+static void init_sync(NativeThread *self) {
+    pthread_mutex_init(&self->lock, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&self->changed, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
 static PyObject *nt_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"tick", "interval_s", NULL};
     PyObject *tick;
@@ -148,12 +158,7 @@ static PyObject *nt_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     Py_INCREF(tick);
     self->tick = tick;
     self->interval_s = interval_s;
-    pthread_mutex_init(&self->lock, NULL);
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&self->changed, &attr);
-    pthread_condattr_destroy(&attr);
+    init_sync(self);
     return (PyObject *)self;
 }
 
@@ -230,12 +235,7 @@ static PyObject *nt_get_ident(NativeThread *self, void *closure) {
    os.register_at_fork hook). */
 static PyObject *nt_forget_after_fork(NativeThread *self, PyObject *unused) {
     UNUSED(unused);
-    pthread_mutex_init(&self->lock, NULL);
-    pthread_condattr_t attr;
-    pthread_condattr_init(&attr);
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&self->changed, &attr);
-    pthread_condattr_destroy(&attr);
+    init_sync(self);
     self->running = self->ticking = 0;
     self->stopping = 1;
     self->ident = 0;
