@@ -35,6 +35,10 @@ NCCL_VERDICTS = {
     # the cycle of stages 0 and 1 is named at once, before stages 2 and 3 reached their waits (on NCCL their
     # posts return at once); on gloo they were already waiting, and get findings of their own
     "pipeline_stage_splits_differently": ("hang",),
+    # 7 ranks' 3x3 confusion matrices against rank 7's 4x4 in one all_reduce: NCCL checks no size, the 7 return
+    # and finish, rank 7 waits (the mismatch, a certain hang). Over gloo whether its ring lets the 3x3 ranks
+    # through is its timing: on a loaded machine all 8 stayed in the call, a hang besides the mismatch
+    "confmat_at_8": ("mismatch",),
 }
 # What the emulation cannot carry, and why: these run on gloo only.
 NOT_EMULATED = {

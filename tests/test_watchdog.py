@@ -180,9 +180,17 @@ def test_a_peer_that_left_a_call_that_may_pair_leaves_it_open(theirs, mine):
 
 def test_same_call_with_fingerprints_that_cannot_match_is_certain():
     d = detector(stall_timeout=30.0)
-    seen = {0: in_call("0", 3, (0, 1), "all_reduce 577 float32"), 1: in_call("0", 3, (0, 1), "all_reduce () float32")}
+    seen = {0: in_call("0", 3, (0, 1), "all_reduce 577 float32 - -"), 1: in_call("0", 3, (0, 1), "barrier - - - -")}
     d.observe(1.0, seen)
     assert d.observe(2.0, seen) is Decision.DEADLOCK and d.certain.reason == "clash"
+
+
+def test_same_op_with_other_shapes_in_one_call_is_left_to_the_stall():
+    """NCCL runs it (no size check); gloo aborts a rank, or lets some through: not certain, whoever waits in it."""
+    d = detector(stall_timeout=30.0)
+    seen = {0: in_call("0", 3, (0, 1), "all_reduce 577 float32 - -"), 1: in_call("0", 3, (0, 1), "all_reduce () float32 - -")}
+    d.observe(1.0, seen)
+    assert d.observe(2.0, seen) is Decision.CONTINUE
 
 
 def test_same_call_with_matching_fingerprints_is_completing():
