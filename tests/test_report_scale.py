@@ -275,6 +275,31 @@ def test_a_group_waiting_on_a_lost_nodes_rank_is_the_finding():
     assert "rank 3: not known (their records went with their lost node)" in h.summary
 
 
+def test_a_lost_node_s_ranks_awaited_alike_in_many_groups_are_one_finding():
+    """Issue 57, a node lost mid-step at 512 ranks: each of its 8 ranks was in a DP group of its own, and each DP
+    group's all_gather waiting on it was a finding (16 findings with the pipeline's receives: 112 terminal lines).
+    The same call stuck in groups of other ranks, for ranks of the same end, is one finding said once."""
+    from distcheck.diagnose.rules import RunFacts, analyze
+
+    world, dp_groups = 32, 8   # ranks 24-31 are the lost node, one in each DP group of 4
+    traces, outcomes = {}, {}
+    for r in range(24):
+        members = tuple(range(r % dp_groups, world, dp_groups))
+        t = T0 + 0.05
+        traces[r] = [Event(rank=r, group=str(1 + r % dp_groups), seq=5, op="all_gather_into_tensor", reduce_op=None,
+                           shapes=((4,),), dtypes=("float32",), device="cpu", group_ranks=members, t_enter=t,
+                           t_exit=None, callsite="/home/u/train.py:120:unshard")]
+        outcomes[r] = RankOutcome(rank=r, state="stuck")
+    outcomes |= {r: RankOutcome(rank=r, state="killed") for r in range(24, world)}
+    found = analyze(traces, outcomes, RunFacts(world_size=world, end_reason="certain_hang",
+                                               records_lost=tuple(range(24, world))))
+    [h] = [f for f in found if f.kind == "hang"]
+    assert h.waiting_ranks == tuple(range(24)) and h.absent_ranks == tuple(range(24, world))
+    assert h.summary.startswith("Ranks 0-23 wait in 8 calls alike (all_gather_into_tensor #5 at "), h.summary
+    assert "train.py:120, each in a group of other ranks) for ranks 24-31; the first: " in h.summary
+    assert len(h.data["alike_groups"]) == dp_groups
+
+
 def test_cycles_alike_on_every_tp_lane_are_one_finding():
     """Issue 57: a pipeline stage that skipped a micro-batch leaves a cycle of receives per TP lane of the stage
     pair (8 at tp=8: 91 terminal lines at 512 ranks); cycles of the same calls on other ranks are said once."""

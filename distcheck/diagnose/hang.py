@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts, who
 from distcheck.knowledge.library_shapes import waits_elsewhere
-from distcheck.models import (Cause, EndReason, Event, Finding, GroupKey, Kind, Phase, RankDetail, RankOutcome,
+from distcheck.models import (Cause, EndReason, Event, Finding, GroupKey, Kind, Phase, RankDetail, RankOutcome, is_p2p,
                               RankState, Severity)
 from distcheck.text import rank_list, site
 
@@ -60,7 +60,8 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
             continue
         findings.append(_hang_finding(group, seq, present, absent, outcomes, last, detected_after,
                                       facts.records_lost))
-    findings = fold_downstream(roots_first(merge_alike_cycles(merge_cycles(findings))))
+    # alike waits merged after the fold: those downstream of a root are a sentence of it, not a finding of their own
+    findings = merge_alike_hangs(fold_downstream(roots_first(merge_alike_cycles(merge_cycles(findings)))))
     if facts.evidence:
         findings = [dataclasses.replace(f, summary=f"{f.summary} Decided: {facts.evidence}.",
                                         data={**f.data, "evidence": facts.evidence}) for f in findings]
@@ -145,6 +146,42 @@ def _alike(cycles: list[Finding]) -> Finding:
             f"other ranks); the first: {first.summary}")
     return dataclasses.replace(first, waiting_ranks=waiting, summary=said, ranks=tuple(
         d for f in cycles for d in f.ranks), data={**first.data, "alike": [list(f.waiting_ranks) for f in cycles]})
+
+
+def merge_alike_hangs(findings: list[Finding]) -> list[Finding]:
+    """The same call stuck in many groups of other ranks is one fault said once: a node lost mid-step leaves every
+    DP group that had one of its 8 ranks waiting in the same all-gather (8 findings alike), and every pipeline
+    pair in the same receive. Roots only (what they wait for waits in no other hang); cycles are
+    ``merge_alike_cycles``'."""
+    waiting = {r for f in findings for r in f.waiting_ranks}
+
+    def shape(f: Finding) -> tuple | None:
+        # roots only: a few waits downstream of another hang stay findings of their own (``fold_downstream``)
+        if f.kind != Kind.HANG or f.data.get("cycle") or f.group is None or waiting & set(f.absent_ranks):
+            return None
+        absent = tuple(sorted({d.state or "" for d in f.ranks if d.role == "absent"}))
+        return (f.op, f.seq, f.callsite, is_p2p(f.group), len(f.waiting_ranks), len(f.absent_ranks), absent)
+
+    alike: dict[tuple, list[int]] = defaultdict(list)
+    for i, f in enumerate(findings):
+        key = shape(f)
+        if key is not None:
+            alike[key].append(i)
+    merged = {idx[0]: [findings[i] for i in idx] for idx in alike.values() if len(idx) > ALIKE_PAST}
+    gone = {i for idx in alike.values() if len(idx) > ALIKE_PAST for i in idx[1:]}
+    return [_alike_hang(merged[i]) if i in merged else f for i, f in enumerate(findings) if i not in gone]
+
+
+def _alike_hang(hangs: list[Finding]) -> Finding:
+    first = hangs[0]
+    waiting = tuple(sorted(r for f in hangs for r in f.waiting_ranks))
+    absent = tuple(sorted(r for f in hangs for r in f.absent_ranks))
+    said = (f"{rank_list(waiting).capitalize()} wait in {len(hangs)} calls alike ({first.op} #{first.seq} at "
+            f"{site(first.callsite)}, each in a group of other ranks) for {rank_list(absent)}; the first: "
+            f"{first.summary}")
+    return dataclasses.replace(first, waiting_ranks=waiting, absent_ranks=absent, summary=said, ranks=tuple(
+        d for f in hangs for d in f.ranks), data={**first.data, "alike": [list(f.waiting_ranks) for f in hangs],
+                                                  "alike_groups": [str(f.group) for f in hangs]})
 
 
 def merge_cycles(findings: list[Finding]) -> list[Finding]:
