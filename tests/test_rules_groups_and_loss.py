@@ -111,6 +111,27 @@ def test_a_root_that_returned_alone_without_evidence_is_the_jobs_count_differenc
     assert "broadcast #2" in f.summary
 
 
+def test_a_rank_whose_tracer_failed_as_often_as_it_lacks_calls_lost_their_records():
+    """Rule 3 (evidence, the rank's own counters): a rank whose tracer caught errors of its own let those calls run
+    unrecorded (rule 0). A root's broadcast its peer's record lacks is then distcheck's loss, a coverage warning,
+    not the job's count difference; with fewer failures than calls missing, nothing says so."""
+    sent = ev(0, 2, "broadcast", root=0, members=(0, 1))
+    events = [ev(r, 1, members=(0, 1)) for r in (0, 1)] + [sent]
+
+    def peer_failed(times: int) -> dict:
+        return {0: RankOutcome(rank=0, state="finished", phase="finished"),
+                1: RankOutcome(rank=1, state="finished", phase="finished",
+                               hook_failures={"tracer": {"count": times, "error": "PlantedFault: planted"}})}
+
+    found = run(traces_of(*events), peer_failed(3), world=2)
+    [f] = [f for f in found if f.kind != "coverage" or "missing" in f.data]
+    assert (f.kind, f.severity) == ("coverage", "warning")
+    assert f.data["evidence"] == {"1": "its tracer failed 3 time(s) (calls it could not record)"}
+    too_few = [f for f in run(traces_of(*[sent, *[ev(0, s, members=(0, 1)) for s in (1, 3)]]), peer_failed(1),
+                              world=2) if f.kind == "count"]
+    assert too_few and too_few[0].severity == "error"   # rank 1 lacks 3 calls, its tracer failed once
+
+
 # -- duplicates: an error only where a compared result takes them --------------------------------
 
 

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, majority
-from distcheck.models import EndReason, Event, Finding, GroupKey, Kind, RankOutcome, Severity
+from distcheck.models import EndReason, Event, Finding, GroupKey, Hook, Kind, RankOutcome, Severity
 from distcheck.text import rank_list, site
 
 
@@ -78,6 +78,10 @@ def _lost_evidence(rank: int, group: GroupKey, seq: int, events: Mapping[int, Ev
     fr = (outcome.flight_recorder or {}).get(group) if outcome is not None else None
     if fr and not group.is_p2p and fr.get("last_enqueued_collective", 0) >= seq:
         return "its Flight Recorder counted it"
+    # the rank's own counters: calls its hooks could not write (rule 0 let them run unrecorded), as many as it lacks
+    failed = _recording_failures(outcome, lacks=sum(1 for evs in seqs.values() if rank not in evs))
+    if failed:
+        return failed
     for peer, e in events.items():
         if e.t_exit is None or e.error or e.async_op:
             continue
@@ -85,6 +89,18 @@ def _lost_evidence(rank: int, group: GroupKey, seq: int, events: Mapping[int, Ev
                 or (e.op in FROM_ROOT and e.root == rank) or e.op in RECV_OPS):
             return f"rank {peer} returned from {e.op} #{seq}, which returns only once every member entered it"
     return None
+
+
+def _recording_failures(outcome: RankOutcome | None, lacks: int) -> str | None:
+    """What the rank's own counters say its recorders failed to write, when they failed at least as often as the
+    rank lacks calls: its tracer (Python calls) or its sidecar (C++-issued calls) caught an error of its own and
+    let a call run unrecorded."""
+    failures = (outcome.hook_failures or {}) if outcome is not None else {}
+    counts = {hook: int(failures[hook].get("count", 1)) for hook in (Hook.TRACER.value, Hook.SIDECAR.value)
+              if hook in failures}
+    if not counts or sum(counts.values()) < lacks:
+        return None
+    return " and ".join(f"its {hook} failed {n} time(s)" for hook, n in counts.items()) + " (calls it could not record)"
 
 
 def _divergence(group: GroupKey, members: tuple[int, ...], seqs: Mapping[int, Mapping[int, Event]],
