@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts, who
 from distcheck.knowledge.library_shapes import waits_elsewhere
@@ -129,6 +129,12 @@ def merge_alike_cycles(findings: list[Finding]) -> list[Finding]:
         parts = f.data.get("cycle")
         return tuple((p["op"], p["seq"], p["callsite"], len(p["ranks"])) for p in parts) if parts else None
 
+    return _merge_alike(findings, shape, _alike)
+
+
+def _merge_alike(findings: list[Finding], shape: Callable[[Finding], tuple | None],
+                 merge: Callable[[list[Finding]], Finding]) -> list[Finding]:
+    """More than ``ALIKE_PAST`` findings of one shape are one, said by ``merge``, where the first of them stood."""
     alike: dict[tuple, list[int]] = defaultdict(list)
     for i, f in enumerate(findings):
         key = shape(f)
@@ -136,7 +142,7 @@ def merge_alike_cycles(findings: list[Finding]) -> list[Finding]:
             alike[key].append(i)
     merged = {idx[0]: [findings[i] for i in idx] for idx in alike.values() if len(idx) > ALIKE_PAST}
     gone = {i for idx in alike.values() if len(idx) > ALIKE_PAST for i in idx[1:]}
-    return [_alike(merged[i]) if i in merged else f for i, f in enumerate(findings) if i not in gone]
+    return [merge(merged[i]) if i in merged else f for i, f in enumerate(findings) if i not in gone]
 
 
 def _alike(cycles: list[Finding]) -> Finding:
@@ -162,14 +168,7 @@ def merge_alike_hangs(findings: list[Finding]) -> list[Finding]:
         absent = tuple(sorted({d.state or "" for d in f.ranks if d.role == "absent"}))
         return (f.op, f.seq, f.callsite, is_p2p(f.group), len(f.waiting_ranks), len(f.absent_ranks), absent)
 
-    alike: dict[tuple, list[int]] = defaultdict(list)
-    for i, f in enumerate(findings):
-        key = shape(f)
-        if key is not None:
-            alike[key].append(i)
-    merged = {idx[0]: [findings[i] for i in idx] for idx in alike.values() if len(idx) > ALIKE_PAST}
-    gone = {i for idx in alike.values() if len(idx) > ALIKE_PAST for i in idx[1:]}
-    return [_alike_hang(merged[i]) if i in merged else f for i, f in enumerate(findings) if i not in gone]
+    return _merge_alike(findings, shape, _alike_hang)
 
 
 def _alike_hang(hangs: list[Finding]) -> Finding:
