@@ -37,6 +37,7 @@ from _mesh import LINES, SYNTHETIC_FILE, Mesh, Model
 RECORDED = [("all_reduce", "distributed/distributed_c10d.py", 3252),
             ("_exception_logger.<locals>.wrapper", "distributed/c10d_logger.py", 83)]
 WORKER_NICE = 10
+NODES_PER_WORKER = 20
 ABSENT_LINE = (520, "wait_for_checkpoint")   # where a rank that left the training loop polls
 
 
@@ -122,10 +123,25 @@ def install(recorded: Recorded) -> threading.local:
     connect, lock = cluster._connect, threading.Lock()
 
     def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
+        asked = time.time()
         with lock:
-            return connect(*args, **kwargs)
+            began = time.time()
+            out = connect(*args, **kwargs)
+        mine.connected = time.time()
+        mine.connect_s = getattr(mine, "connect_s", 0.0) + mine.connected - began
+        mine.connect_wait_s = getattr(mine, "connect_wait_s", 0.0) + began - asked
+        return out
 
     cluster._connect = one_at_a_time
+    from distcheck.attach.nodes import Meeting
+
+    send = Meeting.send
+
+    def sent(self: Any, views: Any) -> None:   # this node's views are in node 0's store
+        send(self, views)
+        mine.sent = time.time()
+
+    Meeting.send = sent
     return mine
 
 
@@ -178,6 +194,10 @@ def run_nodes(args: argparse.Namespace) -> None:
             attached = session.attach(options(args, n, tuple(idle[r].pid for r in ranks[n])))
             marks[n]["code"] = attached.exit_code
             marks[n]["sampled"] = getattr(mine, "sampled", None)
+            marks[n]["connected"] = getattr(mine, "connected", None)
+            marks[n]["sent"] = getattr(mine, "sent", None)
+            marks[n]["connect_s"] = getattr(mine, "connect_s", None)
+            marks[n]["connect_wait_s"] = getattr(mine, "connect_wait_s", None)
             if n == 0:
                 result = attached.report.scenarios[0]
                 marks[n]["findings"] = [f"{f.kind}: {f.summary[:300]}" for f in result.findings][:8]
@@ -188,11 +208,15 @@ def run_nodes(args: argparse.Namespace) -> None:
 
     bench.add("attach/ready", 1)
     bench.wait(["attach/go"])
+    cpu = time.process_time()
     threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    cpu = time.process_time() - cpu   # this process's nodes' attach, each node's share of it below
+    for n in nodes:
+        marks[n]["cpu_s"] = cpu / len(nodes)
     if 0 in marks:
         marks[0].update(judged)
     bench.set(f"attach/marks/{args.first}", json.dumps(marks))
@@ -252,7 +276,10 @@ def simulated(nodes: int, fault: str, args: argparse.Namespace, script: str) -> 
     common = ["--nnodes", str(nodes), "--port", str(port), "--bench-port", str(bench_port), "--root", str(root),
               "--ranks-per-node", str(args.ranks_per_node), "--rdzv-timeout", str(rdzv_timeout)]
     others = list(range(1, nodes))
-    size = -(-len(others) // max(1, args.workers)) if others else 1
+    # at most NODES_PER_WORKER nodes a process: one process's 26th TCPStore connect (and every 26th after it) stalls
+    # 5 s in c10d's client on this host, whatever the server (measured: 60 connects in a row, libuv or not), where
+    # a real node connects once; 128 nodes a process made "the last node attached" wait 98 s at 512 nodes
+    size = min(NODES_PER_WORKER, -(-len(others) // max(1, args.workers))) if others else 1
     chunks = [[0, 0]] + [[c[0], c[-1]] for c in (others[i:i + size] for i in range(0, len(others), size))]
     procs = [subprocess.Popen([sys.executable, script, "--attach-node", "--first", str(a), "--last", str(b), *common],
                               start_new_session=True) for a, b in chunks]
@@ -281,14 +308,28 @@ def _row(nodes: int, fault: str, planned: Plan, marks: dict[str, Any]) -> dict[s
     attached = max(m["attached"] for m in marks.values())
     findings = node0.get("findings", [])
     sampled = [m["sampled"] for m in marks.values() if m.get("sampled")]
+    connected = [m["connected"] for m in marks.values() if m.get("connected")]
+    sent = [m["sent"] for m in marks.values() if m.get("sent")]
     errors = [f"node {n}: {m['error']}" for n, m in marks.items() if "error" in m]
     return {
         "nodes": nodes, "ranks": len(planned.stand),
         "fault": fault, "exit_code": node0.get("code"),
         "verdict_after_last_attached_s": round(node0["verdict"] - attached, 2) if "verdict" in node0 else None,
+        # node 0's own share: from the last node's views in its store to its verdict (the simulated nodes' sampling
+        # on this host's cores, before it, is the simulation's: a real node samples its 8 ranks on its own machine)
+        # what one simulated node's attach cost in CPU (its process's CPU over its nodes): on a cluster, a node's own
+        "node_attach_cpu_s": round(sorted(m["cpu_s"] for n, m in marks.items() if str(n) != "0" and "cpu_s" in m)
+                                   [len(marks) // 2 - 1], 3) if len(marks) > 1 else None,
+        "verdict_after_last_views_s": round(node0["verdict"] - max(sent), 2) if sent and "verdict" in node0
+        else None,
         "judge_s": round(node0["judge_end"] - node0["judge_start"], 2) if "judge_end" in node0 else None,
         "last_attached_after_first_s": round(attached - min(m["attached"] for m in marks.values()), 2),
-        # every node's samples read (3, 0.5 s apart: 1 s at the least), then node 0's gather of the views
+        # every node connected to node 0's store, every node's samples read (3, 0.5 s apart: 1 s at the least),
+        # then node 0's gather of the views
+        "last_node_connected_after_attached_s": round(max(connected) - attached, 2) if connected else None,
+        "connect_s_max": max((m.get("connect_s") or 0 for m in marks.values()), default=None),
+        "connect_s_total": round(sum(m.get("connect_s") or 0 for m in marks.values()), 1),
+        "connects_over_1s": sum(1 for m in marks.values() if (m.get("connect_s") or 0) > 1),
         "last_node_sampled_after_attached_s": round(max(sampled) - attached, 2) if sampled else None,
         "node0_judged_after_last_sampled_s": round(node0["judge_start"] - max(sampled), 2)
         if sampled and "judge_start" in node0 else None,

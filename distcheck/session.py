@@ -23,9 +23,8 @@ from distcheck import interrupt
 from distcheck.diagnose.verdict import run_info as build_run_info
 from distcheck.errors import LaunchError, UsageError
 from distcheck.files import user_code
-from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.run_home import runs_root
-from distcheck.files.saved_runs import REPORT_FILE
+from distcheck.files.saved_runs import REPORT_FILE, write_report
 from distcheck.launch import forkserver, procs, slurm
 from distcheck.launch.cluster import ClusterStore
 from distcheck.launch.node_config import check_endpoint_address
@@ -121,7 +120,7 @@ def run_targets(targets: list[Target], options: RunOptions, hooks: RunHooks | No
         reported, output = targets[0].as_reported(options, run_dir)
         report = Report(run=run_info(reported, run_dir, started, output), scenarios=tuple(state.results),
                         interrupted=state.interrupted)
-        write_json_atomic(run_dir / REPORT_FILE, report.to_dict())
+        write_report(run_dir, report)
     if cluster is not None and cluster.liveness.lost:
         raise lost_nodes_error(cluster.liveness.lost, state.results[-1].name, len(targets) - len(state.results),
                                run_dir)

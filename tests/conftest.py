@@ -30,7 +30,9 @@ HARD_TIMEOUT_S = 240
 # launches run together beside one set of hogs (``runs_beside_hogs``).
 SHARED_LAUNCH_MODULES = {"test_faults": "test_faults", "test_postmortem": "test_postmortem",
                          "test_records_e2e": "beside_hogs", "test_renderers": "test_renderers",
-                         "test_timeline_browser": "test_timeline_browser", "test_slurm_e2e": "test_slurm_e2e"}
+                         "test_timeline_browser": "test_timeline_browser", "test_slurm_e2e": "test_slurm_e2e",
+                         "test_rule0_world_e2e": "test_rule0_world_e2e", "test_help_text": "test_help_text",
+                         "test_postmortem_after_failure": "test_postmortem_after_failure"}
 MODULES_BESIDE_HOGS = ("test_records_e2e", "test_ecosystem_e2e")
 LOADED_TIMEOUT_S = 400
 
@@ -70,22 +72,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def runs_beside_hogs(tmp_path_factory) -> dict[str, dict]:
-    """The loaded runs of every module in MODULES_BESIDE_HOGS, all started at once beside two busy loops per
-    core (each competes for the CPU with the hogs and with the others); module -> name -> the finished run.
-    One set of hogs for the suite: they use CPU the rest of the suite waits for."""
+def runs_beside_hogs(request, tmp_path_factory) -> dict[str, dict]:
+    """The loaded runs of every module in MODULES_BESIDE_HOGS whose tests this session runs, all started at once
+    beside two busy loops per core (each competes for the CPU with the hogs and with the others); module -> name
+    -> the finished run. One set of hogs for the suite: they use CPU the rest of the suite waits for (and a lane
+    that deselected a module's tests does not start its runs: the default run left the ecosystem's to its lane)."""
     import importlib
 
     from launch_group import run_together
     from load import cpu_hogs
 
-    jobs = {(module, name): args for module in MODULES_BESIDE_HOGS
+    selected = {item.module.__name__ for item in request.session.items if item.module is not None}
+    jobs = {(module, name): args for module in MODULES_BESIDE_HOGS if module in selected
             for name, args in importlib.import_module(module).loaded_jobs().items()}
     with cpu_hogs():
         runs = run_together({f"{m}/{n}": a for (m, n), a in jobs.items()},
                             lambda key: tmp_path_factory.mktemp(key.replace("/", "-").replace(".", "_")),
                             LOADED_TIMEOUT_S)
-    out: dict[str, dict] = {m: {} for m in MODULES_BESIDE_HOGS}
+    out: dict[str, dict] = {m: {} for m in MODULES_BESIDE_HOGS if m in selected}
     for (module, name) in jobs:
         out[module][name] = runs[f"{module}/{name}"]
     return out

@@ -262,6 +262,7 @@ def _finished(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, 
             kill_tree(p)
 
 
+@pytest.mark.multinode   # two attach nodes meeting through node 0's store: the multinode lane
 def test_two_nodes_node0_judges_the_whole_job_and_names_a_node_that_never_joins(tmp_path):
     with two_node_job(tmp_path / "job") as agents:
         # node 1's attach never comes: node 0 says which node and which ranks it could not read, and no pass

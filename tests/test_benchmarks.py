@@ -4,8 +4,9 @@ Each script under ``benchmarks/`` runs with ``--tiny`` (``benchmarks/_common.par
 its own, in a session of its own, with a hard timeout: the real code path end to end at the smallest sizes,
 and its own check of its output (``_common.well_formed``: every figure a finite number, every planted fault
 found) must pass. The list comes from the folder, so a new benchmark without a tiny configuration fails here.
-Those that launch several ranks even tiny take seconds each and run in the e2e lane; the rest in the quick
-lane. ``hang_scenario*.py`` are scenarios, not benchmarks: ``detection_latency.py --tiny`` runs each of them.
+Those that launch ranks or a process group even tiny take seconds each and run in the benchmarks lane
+(``pytest -m benchmarks``, which ``.ci/run`` runs); the rest in the quick lane, among them the simulated-cluster
+benchmarks' tiny runs (``cluster_scale``, and ``attach``'s simulated nodes). ``hang_scenario*.py`` are scenarios, not benchmarks: ``detection_latency.py --tiny`` runs each of them.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from conftest import HARD_TIMEOUT_S, REPO, kill_tree, survivors
 
 BENCHMARKS = REPO / "benchmarks"
 SCENARIO_PREFIX = "hang_scenario"
-# They launch multi-rank jobs (torchrun, `distcheck run`, simulated nodes) even tiny: seconds to a minute each.
-LAUNCHING = {"attach", "detection_latency", "recorder_memory", "soak", "suite_time"}
+# They launch multi-rank jobs (torchrun, `distcheck run`, simulated nodes) or gloo process groups even tiny: seconds
+# to a minute each.
+LAUNCHING = {"attach", "comm_health_overhead", "completion_source", "detection_latency", "recorder_memory", "soak",
+             "suite_time", "tracer_overhead"}
 NEEDS = {"attach": "py-spy"}   # a tool on PATH, else the benchmark is skipped
 
 
@@ -36,7 +39,8 @@ def benchmark_names() -> list[str]:
 
 
 def _param(name: str):
-    marks = [pytest.mark.e2e] if name in LAUNCHING else []
+    # a benchmark that launches jobs: the benchmarks lane (pytest -m benchmarks)
+    marks = [pytest.mark.e2e, pytest.mark.benchmarks] if name in LAUNCHING else []
     if name in NEEDS:
         marks.append(pytest.mark.skipif(shutil.which(NEEDS[name]) is None, reason=f"needs {NEEDS[name]}"))
     return pytest.param(name, marks=marks, id=name)
@@ -144,6 +148,7 @@ def test_cluster_scale_judges_with_node_0s_own_code():
 
 
 @pytest.mark.e2e
+@pytest.mark.benchmarks
 @pytest.mark.timeout(HARD_TIMEOUT_S + 60)
 @pytest.mark.parametrize("args", [
     ["--fault", "barrier_absent,node_lost,straggler_node"],

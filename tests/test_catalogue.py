@@ -476,6 +476,7 @@ def _terminal_says_what_was_duplicated_and_which_entries_are_off(stdout: str, s:
         assert f"[{i}, {j}] is {e['actual']:g} instead of {e['reference']:g} (+{e['actual'] - e['reference']:g})" in text
 
 
+@pytest.mark.docs   # the catalogue as the README's first command runs it (4 ranks): the docs lane
 @pytest.mark.timeout(HARD_TIMEOUT_4 + 30)
 def test_the_whole_catalogue_behaves_as_expected_on_4_gloo_ranks(distcheck):
     # No targets: the whole built-in catalogue, exactly as the "done when" runs it.

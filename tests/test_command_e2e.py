@@ -92,6 +92,7 @@ def test_healthy_torchrun_command_runs_clean(distcheck, no_survivors):
     assert s["ok"] and s["collectives_compared"] > 0 and r.report["run"]["world_size"] == 2
 
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_lightning_own_launcher_is_clean_when_healthy(distcheck, no_survivors):
     r = distcheck("run", *FAST, "--", sys.executable, str(LIGHTNING_VAL))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -100,6 +101,7 @@ def test_lightning_own_launcher_is_clean_when_healthy(distcheck, no_survivors):
     assert r.report["run"]["world_size"] == 2   # rank 1 was started by Lightning, not by distcheck
 
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_lightning_rank0_only_self_log_is_a_hang_on_its_line(distcheck, no_survivors):
     r = distcheck("run", *FAST, "--", sys.executable, str(LIGHTNING_VAL), "--rank0-log")
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
@@ -261,6 +263,7 @@ def _command_node(rank: int, port: int, master_port: int, tmp_path: Path, *scrip
                             start_new_session=True, cwd=tmp_path)
 
 
+@pytest.mark.multinode   # two distcheck nodes on this host: the multinode lane
 @pytest.mark.parametrize("script_args, verdict", [(("--steps", "12"), "hang"), (("--fixed", "--steps", "6"), "pass")])
 def test_a_command_on_two_nodes_is_judged_as_one_job(tmp_path, no_survivors, script_args, verdict):
     """One `distcheck run -- torchrun ...` per node, as for a script: node 0 writes the merged report."""

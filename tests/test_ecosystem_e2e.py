@@ -10,7 +10,7 @@ import pytest
 
 from conftest import LOADED_TIMEOUT_S as LOADED_TIMEOUT, free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.ecosystem]
 
 SCRIPTS = Path(__file__).parent / "scripts" / "ecosystem"
 MONITORED = SCRIPTS / "monitored_barrier.py"

@@ -17,7 +17,7 @@ from junitparser import JUnitXml
 
 from distcheck.files.stacks import IDLE_IN_POOL
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.ecosystem]
 
 SCRIPTS = Path(__file__).parent / "scripts"
 MPTC = SCRIPTS / "mptc"

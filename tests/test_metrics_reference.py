@@ -218,6 +218,7 @@ def _findings(r, kind=None, severity=None):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_healthy_torchmetrics_script_agrees_with_its_replay(distcheck):
     r = distcheck("run", str(SCRIPTS / "metric_sync.py"), "--nproc-per-node", "2", timeout=E2E_TIMEOUT)
@@ -231,6 +232,7 @@ def test_healthy_torchmetrics_script_agrees_with_its_replay(distcheck):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_a_count_reduced_with_max_is_numeric_and_sync_on_compute_false_a_warning_without_a_wrong_result(distcheck):
     # One launch, both metrics: the wrong reduction is the run's one error, the unsynced accuracy only a warning.
@@ -249,6 +251,7 @@ def test_a_count_reduced_with_max_is_numeric_and_sync_on_compute_false_a_warning
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_past_the_memory_cap_the_check_is_a_warning_naming_the_cap(distcheck):
     r = distcheck("run", str(SCRIPTS / "metric_sync.py"), "--nproc-per-node", "2", "--metric-memory-mb", "0.00001",
@@ -259,6 +262,7 @@ def test_past_the_memory_cap_the_check_is_a_warning_naming_the_cap(distcheck):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_unsharded_lightning_eval_cut_by_limit_val_batches_is_duplicates(distcheck):
     r = distcheck("run", str(SCRIPTS / "lightning_unsharded_val.py"), "--nproc-per-node", "4", timeout=E2E_TIMEOUT)
@@ -289,6 +293,7 @@ def _wrong_count(report: dict, metric: str, actual: int, reference: int) -> dict
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_a_script_without_main_guard_gets_its_wrong_reduction_named_12_vs_30(distcheck):
     r = distcheck("run", str(WRONG_REDUCE), "--nproc-per-node", "4", timeout=E2E_TIMEOUT)
@@ -299,6 +304,7 @@ def test_a_script_without_main_guard_gets_its_wrong_reduction_named_12_vs_30(dis
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_the_same_script_under_torchrun(distcheck):
     r = distcheck("run", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
@@ -308,6 +314,7 @@ def test_the_same_script_under_torchrun(distcheck):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_the_same_script_as_a_module(distcheck):
     r = distcheck("run", "-m", "wrong_reduce", "--nproc-per-node", "2", timeout=E2E_TIMEOUT, cwd=SCRIPTS)
@@ -316,6 +323,7 @@ def test_the_same_script_as_a_module(distcheck):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(2 * E2E_TIMEOUT + 30)
 def test_the_same_script_on_two_local_nodes_is_judged_with_both_nodes_inputs(tmp_path):
     from conftest import finish_process, free_port
@@ -336,6 +344,7 @@ def test_the_same_script_on_two_local_nodes_is_judged_with_both_nodes_inputs(tmp
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_a_class_nested_in_a_function_under_mp_spawn(distcheck):
     r = distcheck("run", "--", sys.executable, str(SCRIPTS / "metric_spawn.py"), timeout=E2E_TIMEOUT)
@@ -344,6 +353,7 @@ def test_a_class_nested_in_a_function_under_mp_spawn(distcheck):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(2 * E2E_TIMEOUT + 30)
 def test_a_lightning_module_as_a_script_and_under_lightnings_launcher(distcheck):
     script = SCRIPTS / "metric_lightning.py"
@@ -354,6 +364,7 @@ def test_a_lightning_module_as_a_script_and_under_lightnings_launcher(distcheck)
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_a_class_from_a_module_nothing_can_import(distcheck):
     r = distcheck("run", str(SCRIPTS / "metric_hidden.py"), "--nproc-per-node", "2", timeout=E2E_TIMEOUT)
@@ -373,6 +384,7 @@ def _tm_ddp_suite(distcheck, *pytest_args: str, env: dict | None = None):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(SUITE_TIMEOUT + 90)
 def test_a_torchmetrics_style_ddp_suite_passes_with_its_metrics_checked(distcheck):
     r = _tm_ddp_suite(distcheck)
@@ -389,6 +401,7 @@ def test_a_torchmetrics_style_ddp_suite_passes_with_its_metrics_checked(distchec
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(SUITE_TIMEOUT + 90)
 def test_a_wrong_reduction_planted_in_the_suite_is_still_an_error(distcheck):
     # The tests that use the planted metric (one of them after a healthy task in the same pool), not all 12.
@@ -428,6 +441,7 @@ def test_counts(dist_ctx):
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_the_pytest_plugin_fails_a_test_whose_metric_reduction_is_wrong(pytester):
     path = pytester.makepyfile(test_metric=PLUGIN_MODULE)
@@ -440,6 +454,7 @@ def test_the_pytest_plugin_fails_a_test_whose_metric_reduction_is_wrong(pytester
 
 
 @pytest.mark.e2e
+@pytest.mark.ecosystem
 @pytest.mark.timeout(E2E_TIMEOUT + 30)
 def test_many_computes_check_the_first_the_last_and_a_spread_between(distcheck):
     # One launch: the healthy metric and, beside it, the same metric with its count reduced with max.

@@ -21,7 +21,7 @@ from distcheck.errors import LaunchError, UsageError
 from distcheck.files.trace_reader import parse_trace
 from distcheck.files.trace_window import KEEP_CALLS, WHOLE_UP_TO
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.multinode]
 
 
 def _node(rank: int, port: int, tmp_path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:

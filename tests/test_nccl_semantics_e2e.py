@@ -22,7 +22,7 @@ import pytest
 from launch_group import run_together
 from test_determinism_e2e import verdict
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.nccl_semantics]
 
 SCRIPTS = Path(__file__).parent / "scripts" / "nccl_semantics"
 FAST = ("--stall-timeout", "5", "--timeout", "90")

@@ -109,6 +109,7 @@ def test_a_barrier_alone_is_named_at_once_with_the_waiting_and_absent_sides(dist
     assert hang["callsite"].startswith(f"{TIMEOUT_BUSY}:{_line_of(TIMEOUT_BUSY, 'ALONE')}:")
     assert "ranks 1, 2 never entered it (finished, now idle)" in hang["summary"]
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_lightning_ddp_validation_runs_clean_without_double_spawning(distcheck):
     r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "8", "--", "--devices", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -119,6 +120,7 @@ def test_lightning_ddp_validation_runs_clean_without_double_spawning(distcheck):
     assert len({x["pid"] for x in s["ranks"]}) == 2
 
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_lightning_rank0_only_self_log_is_diagnosed(distcheck):
     r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "5",
                   "--", "--devices", "2", "--rank0-log")
@@ -132,6 +134,7 @@ def test_lightning_rank0_only_self_log_is_diagnosed(distcheck):
     assert 'self.log("rank0_loss"' in LIGHTNING_VAL.read_text().splitlines()[int(line) - 1]
 
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_lightning_rank0_only_self_log_dict_is_attributed_to_the_log_dict_line(distcheck):
     # log_dict calls self.log per key from Lightning's own frame: the user's log_dict line must win.
     r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "2", "--stall-timeout", "5",
@@ -145,6 +148,7 @@ def test_lightning_rank0_only_self_log_dict_is_attributed_to_the_log_dict_line(d
     assert (file, function) == (str(LIGHTNING_VAL), "validation_step")
     assert "self.log_dict({" in LIGHTNING_VAL.read_text().splitlines()[int(line) - 1]
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_lightning_validation_of_10_samples_on_4_ranks_reports_the_2_padded_duplicates(distcheck):
     r = distcheck("run", str(LIGHTNING_VAL), "--nproc-per-node", "4", "--stall-timeout", "8",
                   "--", "--devices", "4", "--samples", "10")

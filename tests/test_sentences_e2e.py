@@ -132,6 +132,7 @@ def test_the_same_sampler_told_each_rank_s_own_rank_passes(distcheck):
     assert r.returncode == 0 and s["observed"] == ["pass"], r.stdout[-3000:]
 
 
+@pytest.mark.ecosystem   # real Lightning in the ranks: the ecosystem lane
 def test_a_lightning_rank_that_stops_alone_leaves_its_peer_waiting_in_lightning_s_call(distcheck):
     """One rank's callback sets ``trainer.should_stop``: it leaves ``fit`` and finishes, its peer waits in the
     broadcast Lightning issues from Python. Said as that: the peer's call at the script's line (never "C++-issued"

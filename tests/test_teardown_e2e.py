@@ -38,6 +38,17 @@ def test_a_call_entered_after_the_decision_is_left_out_and_one_open_then_stays_o
     assert "rank 0 issued broadcast #3 (group 0) at job.py:14" in note.summary and "not part of the verdict" in note.summary
 
 
+def test_a_teardown_call_issued_in_no_frame_of_the_users_is_placed_at_the_librarys_line_never_nowhere():
+    """Lightning's handler issued broadcast and all_reduce in the teardown from its own frames only (a CI-run's
+    note read "at an unknown place"): the library's line where there is one, else no place at all."""
+    lib = Event(rank=1, group="0", seq=24, op="broadcast", t_enter=6.0, t_exit=None,
+                library_callsite="lightning/pytorch/strategies/ddp.py:301:broadcast")
+    bare = Event(rank=1, group="0", seq=25, op="all_reduce", t_enter=6.1, t_exit=None)
+    [note] = teardown_note({1: [lib, bare]})
+    assert "broadcast #24 (group 0) at lightning/pytorch/strategies/ddp.py:301" in note.summary, note.summary
+    assert "issued all_reduce #25 (group 0):" in note.summary and "unknown place" not in note.summary, note.summary
+
+
 def test_a_call_that_failed_in_the_teardown_keeps_its_error():
     kept, _ = split_at_decision([_e(1, 1.0, 9.0, error="RuntimeError: Connection closed by peer")], 5.0)
     assert kept[0].t_exit == 9.0 and kept[0].error

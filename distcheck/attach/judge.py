@@ -20,6 +20,7 @@ from distcheck.attach import device
 from distcheck.attach.flight import FrCall, FrState, members, open_call
 from distcheck.attach.position import Position, Where
 from distcheck.attach.read import ProcState
+from distcheck.diagnose.apart import calls_apart
 from distcheck.diagnose.common import RunFacts
 from distcheck.diagnose.progress import IO_FLOOR_BPS, Signs, progress as progress_in
 from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
@@ -94,9 +95,9 @@ def progress(view: RankView) -> str | None:
     return progress_in(signs, keeps_watching=False)
 
 
-def _event(view: RankView, at: Position, world: int, t: float) -> Event:
+def _event(view: RankView, at: Position, world: tuple[int, ...], t: float) -> Event:
     return Event(rank=view.rank, group=GROUP, seq=SEQ, op=at.op or "collective", t_enter=t, callsite=at.callsite,
-                 library_callsite=at.library_callsite, label=at.label, group_ranks=tuple(range(world)),
+                 library_callsite=at.library_callsite, label=at.label, group_ranks=world,
                  native=at.native_wait is not None)
 
 
@@ -126,7 +127,9 @@ def _progress_of(view: RankView, event: Event | None, world: tuple[int, ...], jo
     """What the wait-for graph reads of a rank: waiting in the open call, or running (it may yet come); with
     the Flight Recorder joined, how far it went in each group."""
     group_ranks = (event.group_ranks or world) if event else ()
-    waits = ((event.group, event.seq, group_ranks, f"{event.op} {group_ranks}"),) if event else ()
+    # Stacks alone hold no fingerprint: ranks at other ops may be in other groups' calls, never "cannot match".
+    signature = f"{event.op} {group_ranks}" if event and joined else "a collective"
+    waits = ((event.group, event.seq, group_ranks, signature),) if event else ()
     entered = dict(view.fr.entered) if joined and view.fr else {}
     if event:
         entered[event.group] = max(entered.get(event.group, 0), event.seq)
@@ -152,14 +155,16 @@ def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mappi
         return EndReason.COMPLETED, None
     samples = len(next(iter(views.values())).positions)
     if not absent:
-        return EndReason.STALL, f"every rank in it, none out of it in {samples} samples"
+        one = calls_apart(events) is None or fr_joined(views)
+        return EndReason.STALL, f"every rank in {'it' if one else 'a collective'}, none out of it in {samples} samples"
     # The rules say where an absent rank is in the table's word for it ("running outside any collective"): the
     # evidence says what it did there, in no other word for its state.
     blocked = _synced({r: views[r] for r in absent})
     cpu = f"no CPU outside the device sync of {rank_list(sorted(blocked))}" if blocked else "no CPU"
+    each = "each " if len(events) > 1 else ""
     return EndReason.STALL, (f"certain from outside: {rank_list(absent)} made no progress outside every collective "
                              f"({cpu}, no I/O beyond {size(IO_FLOOR_BPS)}/s, in the same functions in {samples} "
-                             f"samples); {rank_list(sorted(events))} in the same call in every sample"
+                             f"samples); {rank_list(sorted(events))} {each}in the same call in every sample"
                              f"{_fr_words(views, events)}")
 
 
@@ -200,13 +205,14 @@ def _events(views: Mapping[int, RankView], world_size: int, started: float) -> d
     joined = fr_joined(views)
     states = {r: v.fr for r, v in views.items() if v.fr is not None} if joined else {}
     out = {}
+    world = tuple(range(world_size))   # one tuple for every rank's event: at 4,096 ranks, 4,096 copies cost 1 s
     for r, v in views.items():
         at = waiting_in(v)
         call = open_call(r, states) if joined else None
         if call is not None and (at is not None or (v.state.alive and progress(v) is None)):
             out[r] = _fr_event(v, at, call, members(call.group, states, world_size), started)
         elif at is not None and not joined:
-            out[r] = _event(v, at, world_size, started)
+            out[r] = _event(v, at, world, started)
     return out
 
 
@@ -269,7 +275,8 @@ def judge(views: Mapping[int, RankView], world_size: int, scenario: Scenario, *,
     stuck = end in (EndReason.STALL, EndReason.CERTAIN_HANG)
     outcomes = {r: _outcome(v, None, events.get(r), stuck, late.get(r)) for r, v in views.items()}
     facts = RunFacts(world_size=world_size, end_reason=end, evidence=why, late_evidence=late,
-                     detected_at=ended)   # no onset: attach did not see the last progress
+                     detected_at=ended,   # no onset: attach did not see the last progress
+                     unnumbered=not fr_joined(views))   # stacks alone: no groups or numbers (diagnose.apart)
     # A job caught mid-run has no whole records to compare: the rules get the open calls only for a hang (with
     # the Flight Recorder joined, also how far every other rank went in that group: its newest call there).
     compared = _compared(views, events) if end != EndReason.COMPLETED else {}

@@ -24,10 +24,9 @@ from distcheck.attach.position import Position, Where, position
 from distcheck.attach.read import (BACKENDS, DENIED_HINT, StackRead, backend_of, proc_state, read_stacks, reader,
                                    thread_names)
 from distcheck.diagnose.verdict import Scenario, exit_code, run_info
-from distcheck.files.launch_dir import write_json_atomic
 from distcheck.files.run_dir import make_run_dir
 from distcheck.files.run_home import runs_root
-from distcheck.files.saved_runs import REPORT_FILE
+from distcheck.files.saved_runs import write_report
 from distcheck.files.stacks import TORCH
 from distcheck.errors import ExitCode, UsageError
 from distcheck.launch.node_config import NodeConfig
@@ -270,7 +269,7 @@ def _report(judged: Judged, job: discover.Job, options: AttachOptions, started: 
                     torch_version="the job's", command=options.command, run_dir=str(run_dir), seed=0,
                     started=started, ended=time.time(), versions={})
     report = Report(run=info, scenarios=(judged.result,))
-    write_json_atomic(run_dir / REPORT_FILE, report.to_dict())
+    write_report(run_dir, report)
     return report
 
 

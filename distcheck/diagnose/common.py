@@ -53,6 +53,9 @@ class RunFacts:
     # the single-process replay's answer for the torchmetrics results (``launch.replay``, run before judging;
     # ``analyze`` reads the one the run kept): None where there was none
     metric_reference: Mapping[str, Any] | None = None
+    # calls read from outside (``distcheck attach`` without the Flight Recorder): no groups, no sequence numbers, no
+    # fingerprints; ranks whose stacks stand at different calls are not known to be in one (``diagnose.apart``)
+    unnumbered: bool = False
 
 
 

@@ -8,6 +8,7 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+from distcheck.diagnose.apart import apart_summary, calls_apart
 from distcheck.diagnose.common import ABNORMAL_ENDS, RunFacts, Table, detail, whereabouts, who
 from distcheck.knowledge.library_shapes import waits_elsewhere
 from distcheck.models import (Cause, EndReason, Event, Finding, GroupKey, Kind, Phase, RankDetail, RankOutcome, is_p2p,
@@ -54,6 +55,10 @@ def find_hangs(table: Table, outcomes: Mapping[int, RankOutcome], facts: RunFact
         if set(absent) <= set(facts.records_lost) and all(e.completed for e in present.values()):
             continue   # they returned, so the absent entered it: only their records are missing (a lost node)
         last = {r: seqs[reached[r]][r] for r in absent if reached[r]}
+        sides = calls_apart(present) if facts.unnumbered else None
+        if sides is not None:   # read from outside: ranks at different calls are not known to be in one
+            findings.append(_apart_finding(group, seq, present, sides, absent, outcomes, last, detected_after))
+            continue
         split = waits_elsewhere(present)
         if split is not None:   # a barrier on one side, a data call on the other: each waits in its own
             findings.append(_elsewhere_finding(group, seq, *split, absent, outcomes, last, detected_after))
@@ -281,6 +286,24 @@ def _elsewhere_finding(group: GroupKey, seq: int, sync: Mapping[int, Event], oth
                                data={**found.data, "elsewhere": {str(r): {"op": e.op, "callsite": e.callsite,
                                                                           "label": e.label}
                                                                  for r, e in sorted(others.items())}})
+
+
+def _apart_finding(group: GroupKey, seq: int, present: Mapping[int, Event], sides: list[list[int]],
+                   absent: list[int], outcomes: Mapping[int, RankOutcome], last: Mapping[int, Event],
+                   detected_after: float | None) -> Finding:
+    """Ranks whose stacks stand at different calls, read from outside (``diagnose.apart``): the call of the fewest
+    is the finding's, the others where they stand; ranks outside every collective as the hang rule says them."""
+    found = _hang_finding(group, seq, {r: present[r] for r in sides[0]}, absent, outcomes, last, detected_after)
+    where: dict[str, list[int]] = defaultdict(list)
+    for d in found.ranks:
+        if d.role == "absent":
+            where[d.note or "where, not known"].append(d.rank)
+    outside = "; ".join(f"{rank_list(rs)} in none ({w})" for w, rs in where.items())
+    summary = apart_summary(present, sides) + (f" Outside every collective: {outside}." if outside else "")
+    details = tuple(detail(r, "waiting", present[r], state=outcomes[r].state if r in outcomes else None)
+                    for r in sorted(present)) + tuple(d for d in found.ranks if d.role == "absent")
+    return dataclasses.replace(found, summary=summary, waiting_ranks=tuple(sorted(present)), ranks=details,
+                               data={**found.data, "apart": [list(ranks) for ranks in sides]})
 
 
 def _hang_finding(group: GroupKey, seq: int, present: Mapping[int, Event], absent: list[int],

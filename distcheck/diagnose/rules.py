@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from distcheck.diagnose.apart import without_apart
 from distcheck.diagnose.backend_error import find_backend_mismatches
 from distcheck.diagnose.causes import Found, link
 from distcheck.diagnose.common import RunFacts, group_table, majority
@@ -50,7 +51,9 @@ def find_all(facts: Facts) -> Found:
     """Every rule on the run's facts; no rule sees another's findings."""
     run, table, outcomes, traces, results = facts.run, facts.table, facts.outcomes, facts.traces, facts.results
     return Found(
-        mismatches=find_mismatches(table) + find_window_divergence(run.elided),   # and before long traces' windows
+        # read from outside, ranks at different calls hold nothing to compare (diagnose.apart)
+        mismatches=find_mismatches(without_apart(table) if run.unnumbered else table)
+        + find_window_divergence(run.elided),   # and before long traces' windows
         backend=find_backend_mismatches(outcomes, traces),   # gloo's words, where fingerprints say nothing
         crashes=find_crashes(outcomes, run) or find_command_failure(run),
         hangs=find_hangs(table, outcomes, run),

@@ -34,6 +34,13 @@ def split_at_decision(events: Sequence[Event], decided_at: float | None) -> tupl
     return kept, after
 
 
+def _place(e: Event) -> str:
+    """Where a teardown call was issued: the user's line, else the library's (a handler runs in no frame of the
+    user's), else nothing: a call with no place is not "at an unknown place"."""
+    where = e.callsite or e.library_callsite
+    return f" at {site(where)}" if where else (f" from {e.label}" if e.label else "")
+
+
 def teardown_note(after: Mapping[int, Sequence[Event]]) -> list[Finding]:
     """One info note for the calls the ranks entered after distcheck decided (its teardown's reactions)."""
     if not any(after.values()):
@@ -41,7 +48,7 @@ def teardown_note(after: Mapping[int, Sequence[Event]]) -> list[Finding]:
     said: dict[str, list[int]] = defaultdict(list)
     for rank, events in sorted(after.items()):
         for e in events[:3]:
-            said[f"{e.op} #{e.seq} (group {e.group}) at {site(e.callsite)}"].append(rank)
+            said[f"{e.op} #{e.seq} (group {e.group}){_place(e)}"].append(rank)
     calls = "; ".join(f"{rank_list(ranks)} issued {call}" for call, ranks in said.items())
     ranks = tuple(sorted(r for r, events in after.items() if events))
     return [Finding(kind=Kind.COVERAGE, severity=Severity.INFO, odd_ranks=ranks, data={"after_decision": True},
