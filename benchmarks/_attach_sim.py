@@ -68,8 +68,11 @@ def sample_json(pid: int, rank: int, mesh: Mesh, model: Model, plan: Plan, moved
     elif rank in plan.finished:
         frames.append({"name": "sleep", "filename": "/usr/lib/python3/time.py", "line": 1})
         frames.append({"name": ABSENT_LINE[1], "filename": SYNTHETIC_FILE, "line": ABSENT_LINE[0]})
-    else:   # computing between calls: a straggler; its frames move from sample to sample
-        frames.append({"name": "forward", "filename": SYNTHETIC_FILE, "line": 100 + moved % 17})
+    else:   # computing between calls: a straggler; its stack moves from function to function, sample to sample
+        # (an idle process stands for the rank here, so its /proc counters show no CPU: the moving stack is the
+        # evidence of its work that attach reads)
+        frames.append({"name": ("forward", "backward", "optimizer_step")[moved % 3], "filename": SYNTHETIC_FILE,
+                       "line": 100 + moved % 17})
     frames += [{"name": "train_step", "filename": SYNTHETIC_FILE, "line": 450},
                {"name": "<module>", "filename": SYNTHETIC_FILE, "line": 600}]
     return json.dumps([{"thread_name": "MainThread", "os_thread_id": pid, "active": not entered, "frames": frames}])

@@ -28,6 +28,8 @@ Figures: ``hang_named_after_onset_s`` (node 0's decision minus the moment the la
 landed; for ``tp_group_stall`` it includes ``--stall-timeout``, for ``node_lost`` the 10 s a node must be silent),
 ``named_after_last_publish_s`` (node 0's own share: from the last simulated node's publish to the verdict),
 ``node0_peak_rss_mib``, ``report_after_decision_s`` (``gather_s``: every node's upload, ``judge_s``, ``reports_s``),
+``report_after_last_upload_s`` (node 0's own share of the report: from the last node's upload to the files written;
+the simulated nodes' teardowns share this host's cores, where a cluster's run at once on machines of their own),
 ``gather_s_per_node``, the report files' sizes, the terminal report's lines, the timeline's time in a headless
 Chromium (where one is installed).
 
@@ -67,10 +69,12 @@ TINY = {"nodes": "4", "ranks_per_node": 2, "records_per_rank": 400, "workers": 1
 # 1.5 s for stacks its ranks could not give. A pause of that kind in a node's teardown or upload, even on the nodes'
 # own threads at once, is past this bound at 3 nodes (1.5 s / 3).
 GATHER_PER_NODE_BOUND_S = 0.4
-FIGURES = ("hang_named_after_onset_s", "node0_peak_rss_mib", "report_after_decision_s", "poll_s_median",
-           "store_bytes_total", "upload_bytes_per_node", "gather_s", "gather_s_per_node", "judge_s", "reports_s")
+FIGURES = ("hang_named_after_onset_s", "node0_peak_rss_mib", "report_after_decision_s", "report_after_last_upload_s",
+           "poll_s_median", "store_bytes_total", "upload_bytes_per_node", "gather_s", "gather_s_per_node", "judge_s",
+           "reports_s")
 COLUMNS = ["nodes", "ranks", "fault", "hang_named_after_onset_s", "last_node_published_after_onset_s",
-           "named_after_last_publish_s", "node0_peak_rss_mib", "report_after_decision_s", "gather_s_per_node",
+           "named_after_last_publish_s", "node0_peak_rss_mib", "report_after_decision_s",
+           "report_after_last_upload_s", "gather_s_per_node",
            "largest_report_file_mb", "terminal_lines", "poll_s_median", "store_bytes_total", "planted_named"]
 
 
@@ -145,6 +149,11 @@ def _derived(row: dict[str, Any]) -> dict[str, Any]:
     if "gather_s" in row:
         row["gather_s_per_node"] = round(row["gather_s"] / max(1, row["nodes"] - 1), 3)
         row["largest_report_file_mb"] = round(max(row["report_files_bytes"].values()) / 1e6, 2)
+    uploaded = (row.get("nodes_uploaded_after_decision_s") or {}).get("100")
+    if "report_after_decision_s" in row and uploaded is not None:
+        # node 0's own share of the report: from the last node's upload (the simulated nodes tear down on this
+        # host's cores, one after another; on a cluster each on its own machine, at once) to the files written
+        row["report_after_last_upload_s"] = round(row["report_after_decision_s"] - max(0.0, uploaded), 2)
     return row
 
 

@@ -66,19 +66,20 @@ def test_ranks_stopped_at_different_calls_from_outside_are_no_mismatch_and_the_f
     groups or numbers say these are one call, so no mismatch and no "cannot match" is claimed; the verdict says
     where each stands, the fewest first (at 4,096 simulated ranks it was "different collectives were paired")."""
     recv = Position("collective", "recv", None, "job.py:90:main", None, None, 12, "stack of a receiving rank", calls=1)
-    result = verdict({r: view(r, WAIT if r in (6, 7) else recv) for r in range(8)}, 8)
+    result = verdict({r: view(r, WAIT if r in (6, 7) else recv) for r in range(16)}, 16)
     assert "mismatch" not in kinds(result)
     [hang] = [f for f in result.findings if f.severity == "error"]
-    assert hang.kind == "hang" and hang.waiting_ranks == tuple(range(8)) and hang.callsite == "job.py:82:main"
-    assert hang.summary.startswith("8 ranks stand in 2 different collectives and none moved: ranks 6, 7 in "
-                                   "all_reduce at job.py:82; ranks 0-5 in recv at job.py:90."), hang.summary
+    assert hang.kind == "hang" and hang.waiting_ranks == tuple(range(16)) and hang.callsite == "job.py:82:main"
+    assert hang.summary.startswith("16 ranks stand in 2 different collectives and none moved: ranks 6, 7 in "
+                                   "all_reduce at job.py:82; ranks 0-5, 8-15 in recv at job.py:90."), hang.summary
     assert "the fewest, ranks 6, 7, are in all_reduce at job.py:82" in hang.summary
     assert "Decided: every rank in a collective, none out of it in 3 samples" in hang.summary
     assert "cannot match" not in hang.summary and "paired" not in hang.summary
-    assert hang.data["apart"] == [[6, 7], [0, 1, 2, 3, 4, 5]]
+    assert hang.data["apart"] == [[6, 7], [0, 1, 2, 3, 4, 5, *range(8, 16)]]
     absent = verdict({0: view(0, WAIT), 1: view(1, recv), 2: view(2, recv), 3: view(3, POLL)}, 4)
     [hang] = [f for f in absent.findings if f.severity == "error"]
     assert hang.summary.startswith("3 ranks stand in 2 different collectives and none moved: rank 0 in all_reduce")
+    assert "the fewest" not in hang.summary   # 1 against 2: no call stands out by its few ranks
     assert "Outside every collective: rank 3 in none (running outside any collective at job.py:28)." in hang.summary
     assert "ranks 0, 1, 2 each in the same call in every sample" in hang.summary, hang.summary
     assert hang.absent_ranks == (3,)

@@ -17,6 +17,7 @@ from distcheck.diagnose.common import Table
 from distcheck.models import Event
 from distcheck.text import id_list, rank_list, site
 
+STANDS_OUT = 4   # the fewest ranks are pointed at when the next call holds at least this many times as many
 SHOWN_RUNS = 6   # of a side's ranks, in the sentence (the finding's data holds them all)
 FR_HINT = ("the Flight Recorder (TORCH_NCCL_TRACE_BUFFER_SIZE, dumped where the job enabled it) joins the ranks' calls "
            "by group and number")
@@ -42,12 +43,14 @@ def without_apart(table: Table) -> Table:
 def apart_summary(events: Mapping[int, Event], sides: list[list[int]]) -> str:
     """"32 ranks stand in 2 different calls …": each call's ranks, and the fewest named as where to look first."""
     where = "; ".join(f"{_ranks(ranks)} in {_call(events[ranks[0]])}" for ranks in sides)
+    said = (f"{len(events):,} ranks stand in {len(sides)} different collectives and none moved: {where}. Read from "
+            f"outside, without groups or sequence numbers, which call waits on which is not known")
     fewest = sides[0]
-    return (f"{len(events)} ranks stand in {len(sides)} different collectives and none moved: {where}. Read from "
-            f"outside, without groups or sequence numbers, which call waits on which is not known; the fewest, "
-            f"{rank_list(fewest)}, {'is' if len(fewest) == 1 else 'are'} in {_call(events[fewest[0]])}: where one "
-            f"small group's call stalls, "
-            f"the others wait downstream of it. Look there first; {FR_HINT}.")
+    if len(fewest) * STANDS_OUT > len(sides[1]):   # no call stands out by its few ranks (a pipeline's sides)
+        return f"{said}: {FR_HINT}."
+    return (f"{said}; the fewest, {rank_list(fewest)}, {'is' if len(fewest) == 1 else 'are'} in "
+            f"{_call(events[fewest[0]])}: where one small group's call stalls, the others wait downstream of it. "
+            f"Look there first; {FR_HINT}.")
 
 
 def _ranks(ranks: list[int]) -> str:
