@@ -68,11 +68,13 @@ def sample_json(pid: int, rank: int, mesh: Mesh, model: Model, plan: Plan, moved
     elif rank in plan.finished:
         frames.append({"name": "sleep", "filename": "/usr/lib/python3/time.py", "line": 1})
         frames.append({"name": ABSENT_LINE[1], "filename": SYNTHETIC_FILE, "line": ABSENT_LINE[0]})
-    else:   # computing between calls: a straggler; its stack moves from function to function, sample to sample
+    elif plan.straggler and rank in plan.ranks:   # a straggler computing: its stack moves from function to function
         # (an idle process stands for the rank here, so its /proc counters show no CPU: the moving stack is the
         # evidence of its work that attach reads)
         frames.append({"name": ("forward", "backward", "optimizer_step")[moved % 3], "filename": SYNTHETIC_FILE,
                        "line": 100 + moved % 17})
+    else:   # short of its next call where the fault left it, in one function: no progress
+        frames.append({"name": "forward", "filename": SYNTHETIC_FILE, "line": 100 + moved % 17})
     frames += [{"name": "train_step", "filename": SYNTHETIC_FILE, "line": 450},
                {"name": "<module>", "filename": SYNTHETIC_FILE, "line": 600}]
     return json.dumps([{"thread_name": "MainThread", "os_thread_id": pid, "active": not entered, "frames": frames}])
@@ -176,6 +178,7 @@ def run_nodes(args: argparse.Namespace) -> None:
     nodes = [n for n in range(args.first, args.last + 1) if n != plan.lost_node]
     ranks = {n: list(range(n * rpn, (n + 1) * rpn)) for n in nodes}
     idle = {r: subprocess.Popen(["sleep", "86400"]) for n in nodes for r in ranks[n]}
+    _settled(list(idle.values()))
     recorded = Recorded(mesh, model, plan)
     recorded.rank_of = {p.pid: r for r, p in idle.items()}
     mine = install(recorded)
@@ -226,6 +229,21 @@ def run_nodes(args: argparse.Namespace) -> None:
     for proc in idle.values():
         proc.kill()
         proc.wait()
+
+
+def _settled(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> None:
+    """Every idle rank has started sleeping: a process still starting reads its libraries, and attach would count
+    those reads as I/O made by a rank (a late rank, at 1 KiB/s), which no sleeping rank makes."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        while time.monotonic() < deadline:
+            try:
+                stat = Path(f"/proc/{proc.pid}/stat").read_text()
+                if "(sleep)" in stat and stat.rpartition(")")[2].split()[0] == "S":
+                    break
+            except OSError:
+                break
+            time.sleep(0.01)
 
 
 def _timed_judge(session: Any) -> dict[str, float]:

@@ -83,6 +83,10 @@ def test_ranks_stopped_at_different_calls_from_outside_are_no_mismatch_and_the_f
     assert "Outside every collective: rank 3 in none (running outside any collective at job.py:28)." in hang.summary
     assert "ranks 0, 1, 2 each in the same call in every sample" in hang.summary, hang.summary
     assert hang.absent_ranks == (3,)
+    busy = verdict({0: view(0, WAIT), 1: view(1, recv), 2: view(2, POLL, io=64 * 1024)}, 3)
+    [late] = kinds(busy)["straggler"]
+    assert late.summary.startswith("Ranks 0, 1 wait in 2 different collectives (recv at job.py:90, all_reduce at "
+                                   "job.py:82) for rank 2, which is making progress"), late.summary
 
 
 def test_ranks_nobody_read_leave_the_hang_undecided_and_are_named():

@@ -345,6 +345,10 @@ def _waiting_in(events: Mapping[int, Event]) -> str:
     ref = events[min(events)]
     called = f"called from {ref.label} at {site(ref.callsite)}" if ref.label else f"called at {site(ref.callsite)}"
     verb = "waits" if len(events) == 1 else "wait"
+    sides = calls_apart(events)
+    if sides is not None:   # from outside, ranks at different calls: not one call (diagnose.apart)
+        calls = ", ".join(f"{events[ranks[0]].op} at {site(events[ranks[0]].callsite)}" for ranks in reversed(sides))
+        return f"{rank_list(sorted(events)).capitalize()} wait in {len(sides)} different collectives ({calls})"
     return f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called}"
 
 
