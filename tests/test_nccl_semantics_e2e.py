@@ -22,7 +22,9 @@ import pytest
 from launch_group import run_together
 from test_determinism_e2e import verdict
 
-pytestmark = [pytest.mark.e2e, pytest.mark.nccl_semantics]
+# One worker with test_nccl_lane_e2e's launches, one group after the other: started together, these ten jobs beside
+# the whole catalogue on two backends were still starting when their 90 s --timeout came.
+pytestmark = [pytest.mark.e2e, pytest.mark.nccl_semantics, pytest.mark.xdist_group("nccl_lane")]
 
 SCRIPTS = Path(__file__).parent / "scripts" / "nccl_semantics"
 FAST = ("--stall-timeout", "5", "--timeout", "90")
