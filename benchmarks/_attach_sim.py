@@ -128,13 +128,11 @@ def install(recorded: Recorded) -> threading.local:
     connect, lock = cluster._connect, threading.Lock()
 
     def one_at_a_time(*args: Any, **kwargs: Any) -> Any:
-        asked = time.time()
         with lock:
             began = time.time()
             out = connect(*args, **kwargs)
         mine.connected = time.time()
         mine.connect_s = getattr(mine, "connect_s", 0.0) + mine.connected - began
-        mine.connect_wait_s = getattr(mine, "connect_wait_s", 0.0) + began - asked
         return out
 
     cluster._connect = one_at_a_time
@@ -203,7 +201,6 @@ def run_nodes(args: argparse.Namespace) -> None:
             marks[n]["connected"] = getattr(mine, "connected", None)
             marks[n]["sent"] = getattr(mine, "sent", None)
             marks[n]["connect_s"] = getattr(mine, "connect_s", None)
-            marks[n]["connect_wait_s"] = getattr(mine, "connect_wait_s", None)
             if n == 0:
                 result = attached.report.scenarios[0]
                 marks[n]["findings"] = [f"{f.kind}: {f.summary[:300]}" for f in result.findings][:8]

@@ -20,7 +20,7 @@ from distcheck.attach import device
 from distcheck.attach.flight import FrCall, FrState, members, open_call
 from distcheck.attach.position import Position, Where
 from distcheck.attach.read import ProcState
-from distcheck.diagnose.apart import calls_apart
+from distcheck.diagnose.apart import call_words, calls_apart
 from distcheck.diagnose.common import RunFacts
 from distcheck.diagnose.progress import IO_FLOOR_BPS, Signs, progress as progress_in
 from distcheck.diagnose.verdict import Evidence, Scenario, scenario_result
@@ -155,7 +155,7 @@ def _end(views: Mapping[int, RankView], events: Mapping[int, Event], late: Mappi
         return EndReason.COMPLETED, None
     samples = len(next(iter(views.values())).positions)
     if not absent:
-        one = calls_apart(events) is None or fr_joined(views)
+        one = calls_apart(events) is None or joined
         return EndReason.STALL, f"every rank in {'it' if one else 'a collective'}, none out of it in {samples} samples"
     # The rules say where an absent rank is in the table's word for it ("running outside any collective"): the
     # evidence says what it did there, in no other word for its state.
@@ -347,7 +347,7 @@ def _waiting_in(events: Mapping[int, Event]) -> str:
     verb = "waits" if len(events) == 1 else "wait"
     sides = calls_apart(events)
     if sides is not None:   # from outside, ranks at different calls: not one call (diagnose.apart)
-        calls = ", ".join(f"{events[ranks[0]].op} at {site(events[ranks[0]].callsite)}" for ranks in reversed(sides))
+        calls = ", ".join(call_words(events[ranks[0]]) for ranks in reversed(sides))
         return f"{rank_list(sorted(events)).capitalize()} wait in {len(sides)} different collectives ({calls})"
     return f"{rank_list(sorted(events)).capitalize()} {verb} in {ref.op} {called}"
 

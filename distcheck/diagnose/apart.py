@@ -42,14 +42,14 @@ def without_apart(table: Table) -> Table:
 
 def apart_summary(events: Mapping[int, Event], sides: list[list[int]]) -> str:
     """"32 ranks stand in 2 different calls …": each call's ranks, and the fewest named as where to look first."""
-    where = "; ".join(f"{_ranks(ranks)} in {_call(events[ranks[0]])}" for ranks in sides)
+    where = "; ".join(f"{_ranks(ranks)} in {call_words(events[ranks[0]])}" for ranks in sides)
     said = (f"{len(events):,} ranks stand in {len(sides)} different collectives and none moved: {where}. Read from "
             f"outside, without groups or sequence numbers, which call waits on which is not known")
     fewest = sides[0]
     if len(fewest) * STANDS_OUT > len(sides[1]):   # no call stands out by its few ranks (a pipeline's sides)
         return f"{said}: {FR_HINT}."
     return (f"{said}; the fewest, {rank_list(fewest)}, {'is' if len(fewest) == 1 else 'are'} in "
-            f"{_call(events[fewest[0]])}: where one small group's call stalls, the others wait downstream of it. "
+            f"{call_words(events[fewest[0]])}: where one small group's call stalls, the others wait downstream of it. "
             f"Look there first; {FR_HINT}.")
 
 
@@ -59,6 +59,7 @@ def _ranks(ranks: list[int]) -> str:
     return text if text.count(",") < SHOWN_RUNS else f"{len(ranks):,} ranks ({id_list(ranks, limit=SHOWN_RUNS)})"
 
 
-def _call(e: Event) -> str:
+def call_words(e: Event) -> str:
+    """"all_reduce at train.py:140": a call read from outside, by its op and line."""
     called = f"called from {e.label} at {site(e.callsite)}" if e.label else f"at {site(e.callsite)}"
     return f"{e.op} {called}"

@@ -15,7 +15,7 @@ from pathlib import Path
 from distcheck.errors import CorruptInputError, UsageError
 from distcheck.models import (EndReason, Event, Finding, Kind, Report, RunInfo, RunSummary, ScenarioResult, Severity,
                               bounded)
-from distcheck.files.launch_dir import LaunchFiles
+from distcheck.files.launch_dir import LaunchFiles, write_json_atomic
 from distcheck.files.run_home import roots_to_search, runs_root
 from distcheck.files.trace_reader import read_trace_dir
 
@@ -36,8 +36,6 @@ def write_report(run_dir: Path, report: Report) -> Path:
     """The run dir's ``report.json``, written whole or not at all, every long ``group_ranks`` as runs
     (``models.bounded``): the one writer of that file, for ``run``, ``attach`` and a run that never started. At
     4,096 ranks attach's report named every rank's world in full: 199 MB, 14 s to write."""
-    from distcheck.files.launch_dir import write_json_atomic
-
     path = run_dir / REPORT_FILE
     write_json_atomic(path, bounded(report.to_dict()))
     return path
