@@ -10,13 +10,15 @@ and every report format.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
 import json
 import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from _cluster_sim import LAUNCH, config, counted_channel, job, limits, stall_timeout
 from _faults import named
@@ -183,11 +185,13 @@ class Node0:
         options = RunOptions(nproc_per_node=self.rpn, backend="gloo", stall_timeout=stall_timeout(self.args, self.plan),
                              nodes=config(self.args.nnodes, 0, self.args.port), run_dir=Path(self.args.root) / "run")
         target = ScriptTarget(name=LAUNCH, file=SYNTHETIC_FILE, expect=("hang",))
-        result = judged_across_nodes(target, options, self.files.root, outcome, self.channel)
+        with _profiled(self.args.profile, "judged"):
+            result = judged_across_nodes(target, options, self.files.root, outcome, self.channel)
         rss_at["gathered"], rss_at["judged"] = steps["gather"]["rss_end"], steps["post_result"]["rss_start"]
         report = Report(run=run_info(options, self.files.root.parent, self.started), scenarios=(result,))
         reports = Path(self.args.root) / "reports"
-        sizes = write_reports(report, self.files, reports)
+        with _profiled(self.args.profile, "reports"):
+            sizes = write_reports(report, self.files, reports)
         reported = time.time()
         rss_at["reported"], cpu_at["reported"] = peak_rss_mib(), cpu_s()
         cpu_at["gathered"], cpu_at["judged"] = steps["gather"]["cpu_end"], steps["post_result"]["cpu_start"]
@@ -247,6 +251,22 @@ class Node0:
             "nodes_uploaded_after_decision_s": _quantiles([u - detected for _, u in ended]),
             "errors": errors[:5],
         }
+
+
+@contextlib.contextmanager
+def _profiled(out: str | None, name: str) -> Iterator[None]:
+    """``--profile DIR``: node 0's thread in this step, as ``DIR/<name>.pstats`` (the gather's waits included)."""
+    if not out:
+        yield
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        Path(out).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(str(Path(out) / f"{name}.pstats"))
 
 
 def _median(values: list[float]) -> float:

@@ -113,6 +113,7 @@ def run_row(args: argparse.Namespace, nodes: int, fault: str) -> dict[str, Any]:
     common = ["--nnodes", str(nodes), "--port", str(port), "--bench-port", str(bench_port), "--root", str(root)]
     common += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                if k in ("ranks_per_node", "node_poll_s", "workers", "settle_s", "stall_timeout", "straggle_s")]
+    common += ["--profile", str(Path(args.profile).resolve())] if args.profile else []
     common += [] if args.browser else ["--no-browser"]
     out = root / "row.json"
     cmds = [[sys.executable, __file__, "--row", "--row-json", str(out), *common]]
@@ -188,6 +189,7 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the launch dirs and reports")
     p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds a row's node 0 may take, all told")
+    p.add_argument("--profile", default=None, help="write node 0's judgment and report writing as pstats in this dir")
     p.add_argument("--browser", action=argparse.BooleanOptionalAction, default=True,
                    help="time the timeline's opening in a headless Chromium (where one is installed)")
     # internal: one row (node 0), or one worker of simulated nodes

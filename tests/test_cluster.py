@@ -9,7 +9,7 @@ from distcheck.launch.cluster import LaunchChannel, NodeLiveness
 from distcheck.launch.node_config import node_config
 from distcheck.launch.progress import RankProgress
 from distcheck.launch.watchdog import Decision, Limits, StallDetector
-from distcheck.models import Phase
+from distcheck.models import Finding, Phase, RankDetail, RankOutcome, ScenarioResult
 
 
 def _channel(store: HashStore, world_size: int = 4) -> LaunchChannel:
@@ -199,13 +199,15 @@ def test_past_64_ranks_the_other_nodes_get_the_verdict_without_per_rank_tables()
     for world, kept in ((4, True), (100, False)):
         store = HashStore()
         leader, other = _node(store, 0, world_size=world), _node(store, 1, world_size=world)
-        ranks = [{"rank": r, "state": "finished"} for r in range(world)]
-        finding = {"kind": "hang", "summary": "Rank 0 is waiting", "ranks": [{"rank": 0, "role": "waiting"}]}
-        leader.post_result({"name": "job", "ok": False, "ranks": ranks, "findings": [finding]})
-        got = other.result(timeout_s=5)
-        assert got["ok"] is False and got["findings"][0]["summary"] == "Rank 0 is waiting"
-        assert (got["ranks"] == ranks and got["findings"][0]["ranks"] == finding["ranks"]) is kept
-        assert kept or (got["ranks"] == [] and got["findings"][0]["ranks"] == [])
+        ranks = tuple(RankOutcome(rank=r, state="finished") for r in range(world))
+        finding = Finding(kind="hang", severity="error", summary="Rank 0 is waiting",
+                          ranks=(RankDetail(rank=0, role="waiting"),))
+        leader.post_result(ScenarioResult(name="job", source="test", expected=("pass",), observed=("hang",), ok=False,
+                                          duration_s=1.0, ranks=ranks, findings=(finding,)))
+        got = ScenarioResult.from_dict(other.result(timeout_s=5))
+        assert got.ok is False and got.findings[0].summary == "Rank 0 is waiting"
+        assert (got.ranks == ranks and got.findings[0].ranks == finding.ranks) is kept
+        assert kept or (got.ranks == () and got.findings[0].ranks == ())
 
 
 def test_a_pipeline_pairs_send_and_receive_digests_agree_across_the_window(tmp_path):

@@ -81,7 +81,7 @@ def judged_across_nodes(target: Target, options: RunOptions, launch_dir: Path, o
                 r for r in range(options.world_size) if not files.trace(r).exists()))
     result = result_of_launch(target, options, launch_dir, outcome)
     if channel is not None:
-        channel.post_result(result.to_dict())
+        channel.post_result(result)
     return result
 
 
