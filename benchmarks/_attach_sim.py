@@ -332,7 +332,11 @@ def _row(nodes: int, fault: str, planned: Plan, marks: dict[str, Any]) -> dict[s
     return {
         "nodes": nodes, "ranks": len(planned.stand),
         "fault": fault, "exit_code": node0.get("code"),
-        "verdict_after_last_attached_s": round(node0["verdict"] - attached, 2) if "verdict" in node0 else None,
+        # from the last node's ``distcheck attach`` started (its wait for this process's connect lock included)
+        "verdict_after_last_started_s": round(node0["verdict"] - attached, 2) if "verdict" in node0 else None,
+        # from the last node joined node 0's store (attached: its ranks' samples, its views sent, node 0's judgement)
+        "verdict_after_last_joined_s": round(node0["verdict"] - max(connected), 2)
+        if connected and "verdict" in node0 else None,
         # node 0's own share: from the last node's views in its store to its verdict (the simulated nodes' sampling
         # on this host's cores, before it, is the simulation's: a real node samples its 8 ranks on its own machine)
         # what one simulated node's attach cost in CPU (its process's CPU over its nodes): on a cluster, a node's own

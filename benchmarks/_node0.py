@@ -69,16 +69,19 @@ def stamped(channel: Any, counter: Any, names: tuple[str, ...]) -> dict[str, dic
     return steps
 
 
-def time_polls(dog: Any, costs: list[float], phases: list[dict[str, float]]) -> None:
+def time_polls(dog: Any, costs: list[float], phases: list[dict[str, float]], profile: Any = None) -> None:
     """How long each of node 0's polls takes (its ranks' files, the channel, the judgement), not its sleep;
     ``phases`` gets each poll's parts: when it began (wall time), its own ranks' files (``local``), the
-    channel's publish and merge (``channel``), the judgement (``judge``) and how many ranks were waiting."""
+    channel's publish and merge (``channel``), the judgement (``judge``) and how many ranks were waiting;
+    ``profile`` (a ``cProfile.Profile``), where given, runs over every poll (its files, the channel, the judgement)."""
     inner_poll, inner_observe = dog.monitor.poll, dog.detector.observe
     channel = dog.role.channel
     inner_everyone = channel.everyone
     began = [0.0, 0.0, 0.0, 0.0]
 
     def poll() -> Any:
+        if profile is not None:
+            profile.enable()
         began[0], began[3] = time.perf_counter(), time.time()
         out = inner_poll()
         began[1] = time.perf_counter()
@@ -92,6 +95,8 @@ def time_polls(dog: Any, costs: list[float], phases: list[dict[str, float]]) -> 
     def observe(now: float, ranks: Any) -> Any:
         judge_from = time.perf_counter()
         decision = inner_observe(now, ranks)
+        if profile is not None:
+            profile.disable()
         end = time.perf_counter()
         costs.append(end - began[0])
         phases.append({"t": began[3], "local": began[1] - began[0], "channel": judge_from - began[1],
@@ -134,7 +139,8 @@ class Node0:
         probe.watch(self.files, self.ranks.ranks)
         probe.start()
         dog = Watchdog(self.files, self.mesh.world, limits(self.args, self.plan), channel=self.channel)
-        time_polls(dog, self.poll_costs, self.phases)
+        self.poll_profile = cProfile.Profile() if self.args.profile else None
+        time_polls(dog, self.poll_costs, self.phases, self.poll_profile)
         self.started = time.time()
         dog.start()
         deadline = time.monotonic() + 900
@@ -157,6 +163,9 @@ class Node0:
         dog.stop()
         dog.join()
         decided = time.time()
+        if self.poll_profile is not None:
+            Path(self.args.profile).mkdir(parents=True, exist_ok=True)
+            self.poll_profile.dump_stats(str(Path(self.args.profile) / "polls.pstats"))
         planted = [float(self.bench.get(f"bench/planted/{first}")) for first in self.reporting]
         onset = max([node0_done, onset_at] + planted)
         detected = dog.result.detected_at

@@ -14,7 +14,9 @@ native frames for), py-spy's ``--native`` beside pystack's ``remote --native`` a
 
 ``--nodes 8,64,512``: ``distcheck attach`` on that many simulated nodes meeting through distcheck's store, each
 node's real attach-side code over recorded stack samples (``_attach_sim``), one row per ``--fault`` (planted in
-the job ``--mesh`` describes, as ``cluster_scale`` plants it): node 0's verdict after the last node attached.
+the job ``--mesh`` describes, as ``cluster_scale`` plants it): node 0's verdict after the last node's attach started
+(its wait for a connect included), after it joined node 0's store (attached: then it reads its ranks, sends its
+views, node 0 judges), and after its views came (node 0's own share).
 
     python benchmarks/attach.py [--ranks 2 8 32] [--repeat 2] [--hogs 4] [--tiny] [--native]
     python benchmarks/attach.py --ranks --nodes 512 --mesh tp=8,pp=4 \
@@ -152,17 +154,19 @@ def nodes_rows(args: argparse.Namespace, figures: dict, named: dict) -> None:
             row = simulated(nodes, fault, args, __file__)
             print(row, flush=True)
             name = f"{nodes} nodes, {fault}"
-            if row.get("verdict_after_last_attached_s") is not None:
-                figures[name] = {k: row[k] for k in ("verdict_after_last_attached_s", "verdict_after_last_views_s",
+            if row.get("verdict_after_last_started_s") is not None:
+                figures[name] = {k: row[k] for k in ("verdict_after_last_started_s", "verdict_after_last_joined_s",
+                                                     "verdict_after_last_views_s",
                                                      "judge_s", "node_attach_cpu_s") if row.get(k) is not None}
             named[f"{name}: named, no node's error"] = row["named"] and not row["errors"]
             if nodes >= 512 and fault != "node_lost":
                 named[f"{name}: node 0's verdict within {NODES_VERDICT_BOUND_S} s of the last node's views"] = \
                     (row.get("verdict_after_last_views_s") or 1e9) <= NODES_VERDICT_BOUND_S
-            rows.append([nodes, row["ranks"], fault, row.get("verdict_after_last_attached_s"),
-                         row.get("verdict_after_last_views_s"), row.get("judge_s"), row.get("node_attach_cpu_s"),
+            rows.append([nodes, row["ranks"], fault, row.get("verdict_after_last_started_s"),
+                         row.get("verdict_after_last_joined_s"), row.get("verdict_after_last_views_s"), row.get("judge_s"), row.get("node_attach_cpu_s"),
                          row.get("exit_code"), row["named"], (row["findings"] or ["-"])[0][:90]])
-    print(table(["nodes", "ranks", "fault", "verdict after last attached s", "after last views s", "judge s",
+    print(table(["nodes", "ranks", "fault", "verdict after last started s", "after last joined s",
+                 "after last views s", "judge s",
                  "CPU s per node", "exit", "named", "first finding"], rows,
                 title="distcheck attach on simulated nodes (recorded stack samples)"))
 

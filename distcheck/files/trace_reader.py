@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
+import re
+import sys
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -68,6 +71,22 @@ def parse_trace(rank: int, data: bytes) -> RankTrace:
     return trace
 
 
+_TAG_BYTE = 0 if sys.byteorder == "little" else 7
+_TEXT_RUN = re.compile(re.escape(bytes([TAG_T])) + re.escape(bytes([TAG_C])) + b"*")
+
+
+def _text_runs(W0: array) -> Iterator[tuple[int, int]]:
+    """(first, past the last) slot of each T slot and the C slots after it, from the slots' tags alone."""
+    tags = W0.tobytes()[_TAG_BYTE::8]
+    return ((m.start(), m.end()) for m in _TEXT_RUN.finditer(tags))
+
+
+@functools.lru_cache(maxsize=256)
+def _c_slots(n: int) -> array:
+    """The first words of a text record's ``n`` C slots, in order."""
+    return array("Q", [(i << 8) | TAG_C for i in range(1, n + 1)])
+
+
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Build millions of events without the cycle collector: they hold no cycles, and its passes
@@ -104,9 +123,38 @@ class _Parse:
         self.done: dict[str, list[tuple[int, int]]] = {}   # device-completed group -> [(seq done up to, t_ns)]
 
     def run(self, W0: array, W1: array, W2: array) -> None:
+        """Every slot in order. A text record's slots (a T and its C slots: a 3-D mesh's group members are
+        hundreds of them per trace, most of a trace's slots at 16,384 ranks) are found and joined at C speed;
+        any other slot, and a text record that is not whole and in order, goes through ``_slots``."""
+        self.text: Text | None = None
+        corrupt, done = 0, 0
+        for start, end in _text_runs(W0):
+            corrupt += self._slots(W0[done:start], W1[done:start], W2[done:start])
+            corrupt += self._text_run(W0, W1, W2, start, end)
+            done = end
+        corrupt += self._slots(W0[done:], W1[done:], W2[done:])
+        self.trace.corrupt_records += corrupt + (self.text is not None)
+        self._flush()
+
+    def _text_run(self, W0: array, W1: array, W2: array, start: int, end: int) -> int:
+        """A T slot at ``start`` and the C slots after it up to ``end``; how many records were corrupt."""
+        length = W0[start] >> 8
+        whole = max(1, -(-length // 16))   # slots: two words of text each
+        if end - start < whole or W0[start + 1:start + whole] != _c_slots(whole - 1):
+            return self._slots(W0[start:end], W1[start:end], W2[start:end])   # not whole, or out of order
+        corrupt = int(self.text is not None)   # a text record cut short by this one
+        self.text = None
+        words = array("Q", bytes(16 * whole))
+        words[0::2], words[1::2] = W1[start:start + whole], W2[start:start + whole]
+        if sys.byteorder == "big":
+            words.byteswap()
+        corrupt += self._text(words.tobytes()[:length].decode("utf-8", "replace"))
+        return corrupt + (end - start - whole)   # C slots past a whole text belong to none
+
+    def _slots(self, W0: array, W1: array, W2: array) -> int:
         tables, exits, enters = self.tables, self.exits, self.enters
         shared, append = tables.shared, enters.append
-        text: Text | None = None
+        text = self.text
         corrupt = 0
         for w0, w1, w2 in zip(W0, W1, W2):
             if w0 == X_OK:
@@ -153,8 +201,8 @@ class _Parse:
                     shared = tables.shared
             else:
                 corrupt += 1
-        self.trace.corrupt_records += corrupt + (text is not None)
-        self._flush()
+        self.text = text
+        return corrupt
 
     def _text(self, text: str) -> int:
         bad = self.tables.define(text)

@@ -260,11 +260,15 @@ class LaunchChannel:
         return merged
 
     def _read_changed(self, nodes: list[int]) -> None:
-        """Refresh ``_progress`` for the nodes whose published progress changed since the last read."""
+        """Refresh ``_progress`` for the nodes whose published progress changed since the last read.
+
+        Every node's version key is made once (``add`` of 0: a node adds 1 each time it publishes, before or
+        after), so that one ``multi_get`` reads them all: asking each node not yet heard from whether it had
+        published took a round trip per node and poll, 2,047 per poll at 2,048 nodes while they started."""
         for node in nodes:
-            if node not in self._versions and self.store.check([f"progress/{node}"]):
-                self.store.add(f"version/{node}", 0)   # published: from now on its version says when it changes
-                self._versions[node] = -1
+            if node not in self._versions:
+                self._versions[node] = 0   # 0: not published yet
+                self.store.add(f"version/{node}", 0)
         seen = sorted(self._versions)
         if not seen:
             return

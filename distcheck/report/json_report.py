@@ -9,6 +9,7 @@ call names its whole group: at 4,096 ranks, one rank per line made that part alo
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from distcheck.models import Report, bounded
@@ -28,11 +29,27 @@ def _dump(value: Any, level: int) -> str:
         if not value:
             return "{}"
         pad = "  " * (level + 1)
-        items = [f"{pad}{json.dumps(str(k))}: {_dump(v, level + 1)}" for k, v in value.items()]
+        items = [f"{pad}{encode_basestring_ascii(str(k))}: {_dump(v, level + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + "  " * level + "}"
     if isinstance(value, (list, tuple)):
         if not value or _flat(value):
             return json.dumps(value)
         pad = "  " * (level + 1)
         return "[\n" + ",\n".join(pad + _dump(v, level + 1) for v in value) + "\n" + "  " * level + "]"
+    return _scalar(value)
+
+
+_WORDS = {None: "null", True: "true", False: "false"}
+
+
+def _scalar(value: Any) -> str:
+    """``json.dumps`` of one plain value, its common types without the encoder's set-up (a 4,096-rank report
+    has half a million of them)."""
+    kind = type(value)
+    if kind is str:
+        return encode_basestring_ascii(value)
+    if kind is int:
+        return int.__repr__(value)
+    if value is None or kind is bool:
+        return _WORDS[value]
     return json.dumps(value)
