@@ -1,14 +1,15 @@
 """distcheck's data model: the names every part shares (``enums``; ``group_key``: a call's group; ``cause``: what a
-finding follows from) and the results that round-trip through JSON (``results``). Import from here:
-``from distcheck.models import Finding, EndReason``."""
+finding follows from) and the results that round-trip through JSON (``results``; ``runs``: long rank lists as
+runs). Import from here: ``from distcheck.models import Finding, EndReason``."""
 
 from distcheck.models.enums import (
     REPORT_SCHEMA, UNKNOWN_OP, JOIN_LABEL, VERSION, RankState, EndReason, Phase, Hook, HOOK_LOST, CAP_HOOKS,
     FINDING_KINDS, RANK_STATES, SEVERITIES, Kind, Severity, PASS, Expectation, expectations)
 from distcheck.models.cause import Cause
 from distcheck.models.group_key import GroupKey, is_p2p
+from distcheck.models.runs import rank_runs, RUNS_ABOVE, bounded, ranks_from_json
 from distcheck.models.results import (
-    Event, rank_runs, RUNS_ABOVE, bounded, ranks_from_json, StackFrame, RankOutcome, RankDetail, Finding,
+    Event, StackFrame, RankOutcome, RankDetail, Finding,
     ScenarioResult, RunInfo, Report, RunSummary)
 
 __all__ = [

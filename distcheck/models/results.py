@@ -6,14 +6,13 @@ re-rendered without re-running it."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from distcheck.models.cause import Cause
 from distcheck.models.enums import REPORT_SCHEMA, EndReason, Kind, Severity
 from distcheck.models.group_key import GroupKey, is_p2p
+from distcheck.models.runs import ranks_from_json
 
 
 class Event(NamedTuple):
@@ -76,7 +75,9 @@ class Event(NamedTuple):
             "device": self.device,
             "root": self.root,
             "group": self.group,
-            "group_ranks": list(self.group_ranks),
+            # the group's one tuple, not a copy: every waiting rank's detail holds a fingerprint, and at 16,384 ranks
+            # in one barrier a list each was 268 M entries (2 GB of node 0's memory, twice over in report.json's dict)
+            "group_ranks": self.group_ranks,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,63 +102,6 @@ class Event(NamedTuple):
 
 
 _EVENT_FIELDS = set(Event._fields)
-
-
-def rank_runs(ranks: Sequence[Any]) -> list[list[int]] | Sequence[Any]:
-    """Ranks as runs of consecutive ranks (``[[0, 4095]]``): how report.json writes a long ``group_ranks``
-    and a node publishes a call's members. ``ranks_from_json`` reads them back. A list that is not plain
-    ranks (already runs) is returned as it is."""
-    if not ranks:
-        return []
-    first, last = ranks[0], ranks[-1]
-    if (type(first) is int and type(last) is int and last - first + 1 == len(ranks)
-            and list(ranks) == list(range(first, last + 1))):   # the common case (a whole group), at C speed
-        return [[first, last]]
-    out: list[list[int]] = []
-    for r in ranks:
-        if not isinstance(r, int):
-            return ranks
-        if out and r == out[-1][1] + 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return out
-
-
-RUNS_ABOVE = 16   # a longer ``group_ranks`` is written as runs
-
-
-def bounded(value: Any) -> Any:
-    """A report's data (or a scenario's) with every long ``group_ranks`` as runs: how it crosses to
-    report.json and to the other nodes."""
-    return _bounded(value, {})
-
-
-def _bounded(value: Any, runs: dict[int, tuple[Any, Any]]) -> Any:
-    # ``runs``: the runs of each group's members by identity: every rank's last call and fingerprint name its
-    # group by one shared tuple (decoded once per distinct text), and at 4,096 ranks cutting each again took 1 s
-    if isinstance(value, dict):
-        return {k: (_runs_of(v, runs) if k == "group_ranks" and isinstance(v, (list, tuple)) and len(v) > RUNS_ABOVE
-                    else _bounded(v, runs)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_bounded(v, runs) for v in value]
-    return value
-
-
-def _runs_of(ranks: Sequence[Any], runs: dict[int, tuple[Any, Any]]) -> Any:
-    seen = runs.get(id(ranks))
-    if seen is None or seen[0] is not ranks:
-        seen = runs[id(ranks)] = (ranks, rank_runs(ranks))
-    return seen[1]
-
-
-def ranks_from_json(value: Any) -> tuple[int, ...]:
-    """A list of ranks as report.json writes it: plain, or as runs of consecutive ranks (``[[0, 4095]]``,
-    ``rank_runs``' form)."""
-    value = value or ()
-    if value and isinstance(value[0], (list, tuple)):
-        return tuple(itertools.chain.from_iterable(range(a, b + 1) for a, b in value))
-    return tuple(value)
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
@@ -187,6 +131,7 @@ def _as_dict(obj: Any, apart: frozenset[str] = frozenset()) -> dict[str, Any]:
 
 
 _OWN_EVENT = frozenset({"last_event"})
+_OWN_FINGERPRINT = frozenset({"fingerprint"})
 _OWN_RANKS = frozenset({"ranks", "caused_by"})
 
 
@@ -261,13 +206,16 @@ class RankDetail:
     fingerprint: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return _as_dict(self)
+        d = _as_dict(self, _OWN_FINGERPRINT)
+        # a fingerprint's values are plain already (``Event.fingerprint``): copied shallow, its members not walked
+        d["fingerprint"] = None if self.fingerprint is None else dict(self.fingerprint)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RankDetail:
         fingerprint = d.get("fingerprint")
         if fingerprint and "group_ranks" in fingerprint:
-            d = {**d, "fingerprint": {**fingerprint, "group_ranks": list(ranks_from_json(fingerprint["group_ranks"]))}}
+            d = {**d, "fingerprint": {**fingerprint, "group_ranks": ranks_from_json(fingerprint["group_ranks"])}}
         return cls(**d)
 
 
