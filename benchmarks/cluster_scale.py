@@ -18,8 +18,8 @@ the others wait in the world's barrier: the default), ``tp_group_stall``, ``pp_s
 ``straggler_node``. Each row says whether node 0's verdict named it (``planted_named``) and how long it took.
 
     python benchmarks/cluster_scale.py --nodes 8,64,512 --ranks-per-node 8 --records-per-rank 10000
-    python benchmarks/cluster_scale.py --mesh tp=8,pp=4 --nodes 2048 --ranks-per-node 8 --node-poll-s 1 \\
-        --fault tp_group_stall,pp_skip_microbatch,node_lost,barrier_absent,straggler_node --json out.json
+    python benchmarks/cluster_scale.py --mesh tp=8,pp=4 --nodes 2048 --ranks-per-node 8 --records-per-rank 4000 \\
+        --node-poll-s 1 --workers 16 --fault tp_group_stall,barrier_absent --json out.json   # 23 minutes a row here
     python benchmarks/cluster_scale.py --tiny     # 4 nodes of 2 ranks on a tp=2,pp=2 mesh, the TP group's stall
     python benchmarks/cluster_scale.py --tiny --fault barrier_absent,node_lost,straggler_node
     python benchmarks/cluster_scale.py --tiny --fault pp_skip_microbatch --mesh tp=2,pp=4 --nodes 8
@@ -31,7 +31,7 @@ landed; for ``tp_group_stall`` it includes ``--stall-timeout``, for ``node_lost`
 ``report_after_last_upload_s`` (node 0's own share of the report: from the last node's upload to the files written;
 the simulated nodes' teardowns share this host's cores, where a cluster's run at once on machines of their own),
 ``gather_s_per_node``, the report files' sizes, the terminal report's lines, the timeline's time in a headless
-Chromium (where one is installed).
+Chromium (where one is installed). ``--profile DIR`` writes node 0's polls, judgement and report writing as pstats.
 
 What is not simulated: a real network (loopback only), NCCL or gloo, real ranks' CPU, torch's agent and its
 rendezvous, and a machine per node (all nodes share this machine's CPUs; ``--node-poll-s`` is the simulated
