@@ -361,7 +361,8 @@ class LaunchChannel:
         if not nodes:
             return {}
         heads = self.store.multi_get([f"bundle/{n}" for n in nodes])
-        keys = [(n, f"bundle/{n}/part/{i}") for n, head in zip(nodes, heads) for i in range(json.loads(head)["parts"])]
+        keys = [(n, _part_key(f"bundle/{n}", i))
+                for n, head in zip(nodes, heads) for i in range(json.loads(head)["parts"])]
         parts: dict[int, list[bytes]] = {n: [] for n in nodes}
         for start in range(0, len(keys), PARTS_PER_READ):
             batch = keys[start:start + PARTS_PER_READ]
@@ -421,10 +422,15 @@ def _put(store: Any, key: str, text: str) -> None:
     data = text.encode("utf-8")
     parts = max(1, -(-len(data) // PART_BYTES))
     for i in range(parts):
-        store.set(f"{key}/part/{i}", data[i * PART_BYTES:(i + 1) * PART_BYTES])
+        store.set(_part_key(key, i), data[i * PART_BYTES:(i + 1) * PART_BYTES])
     store.set(key, json.dumps({"parts": parts}))   # last: whoever waits for ``key`` finds every part
 
 
 def _take(store: Any, key: str) -> str:
     parts = json.loads(store.get(key))["parts"]
-    return b"".join(store.get(f"{key}/part/{i}") for i in range(parts)).decode("utf-8")
+    return b"".join(store.get(_part_key(key, i)) for i in range(parts)).decode("utf-8")
+
+
+def _part_key(key: str, i: int) -> str:
+    """The store key of a large value's part ``i`` (``_put`` writes them, ``_take`` and node 0's gather read them)."""
+    return f"{key}/part/{i}"
