@@ -140,6 +140,61 @@ def test_a_4096_rank_report_json_stays_small_and_reads_back_whole():
     assert json.loads(json_report.render(small)) == small.to_dict()
 
 
+def _stack(ident: int, waiting: bool) -> str:
+    """Two threads as distcheck's stack probe writes them (``rank.stack_probe``): each rank's own thread ids."""
+    top = '  File "/venv/torch/distributed/distributed_c10d.py", line 4200 in barrier\n' if waiting else ""
+    frames = "".join(f'  File "/home/u/model.py", line {100 + i} in forward\n' for i in range(12))
+    return (f"Thread 0x{ident + 1:016x} (most recent call first):\n  File \"/venv/threading.py\", line 331 in wait\n\n"
+            f"Thread 0x{ident:016x} (most recent call first):\n{top}{frames}  File \"/home/u/train.py\", line 412 "
+            "in end\n\n")
+
+
+def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(tmp_path):
+    # At 2,048 nodes x 8 every rank's row held its whole stack and the finding a detail per waiting rank: 38-59 MB
+    # of report.json. A job that large is written in /2: each stack text once (thread ids apart), a run of alike
+    # details once; 10 MB at 16,384 ranks is 610 bytes a rank (checked at 4,096 ranks, 4x quicker: the form's
+    # size grows with the ranks, its shared parts do not). Both report.json writers, read back to every value.
+    import jsonschema
+
+    from distcheck.files.saved_runs import load_report, write_report
+    from distcheck.models import SHARE_ABOVE, ReportSchema
+    from distcheck.report import json_report, json_schema
+
+    world, per_rank = 4096, 10_000_000 // 16384
+    report, _ = hang(world, 2, finished=3001)
+    result = report.scenarios[0]
+    last = {r: _event(r, 3, world, op="barrier", returned=False) for r in range(world)}
+    ranks = tuple(RankOutcome(rank=o.rank, state=o.state, host=f"node{o.rank // 8:04d}", node=o.rank // 8,
+                              pid=40000 + o.rank, collectives=o.collectives, last_event=last[o.rank], where=SITE,
+                              stack=_stack(0x7F0000000000 + o.rank * 4096, o.rank != 3001),
+                              rss_bytes=2_000_000_000 + o.rank) for o in result.ranks)
+    detail = tuple(RankDetail(rank=r, role="waiting", op="barrier", seq=3, callsite=SITE, state="stuck",
+                              fingerprint=last[r].fingerprint()) for r in range(world) if r != 3001)
+    finding = result.findings[0]
+    finding = type(finding)(**{**finding.__dict__, "ranks": detail[:3001] + finding.ranks + detail[3001:]})
+    report = Report(run=report.run, scenarios=(type(result)(**{**result.__dict__, "ranks": ranks,
+                                                                "findings": (finding,)}),))
+    text = json_report.render(report)
+    assert len(text) < world * per_rank, len(text) / world
+    data = json.loads(text)
+    scenario = data["scenarios"][0]
+    # the schema holds for the form (its rows alike past the first hundreds: checking all 16,384 took 6 s)
+    jsonschema.validate({**data, "scenarios": [{**scenario, "ranks": scenario["ranks"][:300]}]}, json_schema.REPORT)
+    assert data["schema"] == ReportSchema.SHARED and len(scenario["stacks"]) == 2      # the waiting and the finished
+    assert scenario["ranks"][5]["stack"] == {"text": 0, "threads": ["0x00007f0000005001", "0x00007f0000005000"]}
+    # the finding's details in their order: the waiting ranks before the absent one, it, the waiting after it
+    assert [d["ranks"] for d in scenario["findings"][0]["ranks"]] == [[[0, 3000]], [[3001, 3001]], [[3002, 4095]]]
+    write_report(tmp_path, report)
+    assert (tmp_path / "report.json").stat().st_size < world * per_rank
+    back = load_report(tmp_path)
+    assert json_report.render(back) == text                    # every value, as it was written
+    assert back.scenarios[0].ranks[5].stack == ranks[5].stack
+    assert back.scenarios[0].ranks[5].last_event.group_ranks is back.scenarios[0].ranks[6].last_event.group_ranks
+    # a job of SHARE_ABOVE ranks keeps /1: every value in place
+    small, _ = hang(SHARE_ABOVE, 2, finished=3)
+    assert json.loads(json_report.render(small))["schema"] == "distcheck.report/1"
+
+
 def test_a_large_jobs_rank_list_reads_as_runs_and_a_small_one_as_it_was():
     from distcheck.text import rank_list
 

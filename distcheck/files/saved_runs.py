@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distcheck.errors import CorruptInputError, UsageError
-from distcheck.models import (EndReason, Event, Finding, Kind, Report, RunInfo, RunSummary, ScenarioResult, Severity,
-                              bounded)
+from distcheck.models import EndReason, Event, Finding, Kind, Report, RunInfo, RunSummary, ScenarioResult, Severity
 from distcheck.files.launch_dir import LaunchFiles, write_json_atomic
 from distcheck.files.run_home import roots_to_search, runs_root
 from distcheck.files.trace_reader import read_trace_dir
@@ -33,11 +32,12 @@ class SavedRun:
 
 
 def write_report(run_dir: Path, report: Report) -> Path:
-    """The run dir's ``report.json``, written whole or not at all, every long ``group_ranks`` as runs
-    (``models.bounded``): the one writer of that file, for ``run``, ``attach`` and a run that never started. At
-    4,096 ranks attach's report named every rank's world in full: 199 MB, 14 s to write."""
+    """The run dir's ``report.json``, written whole or not at all, in the form ``Report.as_written`` gives (long
+    ``group_ranks`` as runs; a large job's shared stacks and alike details once): the one writer of that file, for
+    ``run``, ``attach`` and a run that never started. At 4,096 ranks attach's report named every rank's world in
+    full: 199 MB, 14 s to write."""
     path = run_dir / REPORT_FILE
-    write_json_atomic(path, bounded(report.to_dict()))
+    write_json_atomic(path, report.as_written())
     return path
 
 

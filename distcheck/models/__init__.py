@@ -1,13 +1,15 @@
 """distcheck's data model: the names every part shares (``enums``; ``group_key``: a call's group; ``cause``: what a
 finding follows from) and the results that round-trip through JSON (``results``; ``runs``: long rank lists as
-runs). Import from here: ``from distcheck.models import Finding, EndReason``."""
+runs; ``report_form``: report.json's two forms). Import from here:
+``from distcheck.models import Finding, EndReason``."""
 
 from distcheck.models.enums import (
-    REPORT_SCHEMA, UNKNOWN_OP, JOIN_LABEL, VERSION, RankState, EndReason, Phase, Hook, HOOK_LOST, CAP_HOOKS,
-    FINDING_KINDS, RANK_STATES, SEVERITIES, Kind, Severity, PASS, Expectation, expectations)
+    REPORT_SCHEMA, ReportSchema, UNKNOWN_OP, JOIN_LABEL, VERSION, RankState, EndReason, Phase, Hook, HOOK_LOST,
+    CAP_HOOKS, FINDING_KINDS, RANK_STATES, SEVERITIES, Kind, Severity, PASS, Expectation, expectations)
 from distcheck.models.cause import Cause
 from distcheck.models.group_key import GroupKey, is_p2p
 from distcheck.models.runs import rank_runs, RUNS_ABOVE, bounded, ranks_from_json
+from distcheck.models.report_form import SHARE_ABOVE
 from distcheck.models.results import (
     Event, StackFrame, RankOutcome, RankDetail, Finding,
     ScenarioResult, RunInfo, Report, RunSummary)
@@ -22,6 +24,7 @@ __all__ = [
     'REPORT_SCHEMA',
     'RUNS_ABOVE',
     'SEVERITIES',
+    'SHARE_ABOVE',
     'UNKNOWN_OP',
     'VERSION',
     'Cause',
@@ -37,6 +40,7 @@ __all__ = [
     'RankOutcome',
     'RankState',
     'Report',
+    'ReportSchema',
     'RunInfo',
     'RunSummary',
     'ScenarioResult',
@@ -46,5 +50,5 @@ __all__ = [
     'expectations',
     'is_p2p',
     'rank_runs',
-    'ranks_from_json'
+    'ranks_from_json',
 ]

@@ -9,7 +9,6 @@ import enum
 from collections.abc import Iterable
 from typing import Final, Literal
 
-REPORT_SCHEMA = "distcheck.report/1"
 UNKNOWN_OP = "?"   # a C++-issued call whose Flight Recorder entry was never read
 JOIN_LABEL = "Join"   # the label of a shadow collective torch's Join runs for a rank out of data
 
@@ -22,6 +21,17 @@ class _Named(str, enum.Enum):
 
     __str__ = str.__str__
     __format__ = str.__format__   # type: ignore[assignment]  # str's own (typeshed reads it short of self)
+
+
+class ReportSchema(_Named):
+    """report.json's forms (``models.report_form``): every value in place, or (a job of many ranks) what many
+    ranks share written once."""
+
+    INLINE = "distcheck.report/1"
+    SHARED = "distcheck.report/2"
+
+
+REPORT_SCHEMA = ReportSchema.INLINE   # the form every report is read into (``Report.from_dict``)
 
 
 class RankState(_Named):

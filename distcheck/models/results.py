@@ -6,13 +6,15 @@ re-rendered without re-running it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from distcheck.models.cause import Cause
-from distcheck.models.enums import REPORT_SCHEMA, EndReason, Kind, Severity
+from distcheck.models.enums import REPORT_SCHEMA, EndReason, Kind, ReportSchema, Severity
+from distcheck.models.report_form import EVENT_KEEPS, ROW_KEEPS, Defaults, inline, shared
 from distcheck.models.group_key import GroupKey, is_p2p
-from distcheck.models.runs import ranks_from_json
+from distcheck.models.runs import bounded, ranks_from_json
 
 
 class Event(NamedTuple):
@@ -188,6 +190,21 @@ class RankOutcome:
 
 
 _OUTCOME_FIELDS = {f.name for f in dataclasses.fields(RankOutcome)}
+SCHEMAS = tuple(str(s) for s in ReportSchema)
+
+
+def _json_default(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+@functools.cache
+def _defaults() -> Defaults:
+    """A rank row's fields and its last call's at their defaults, as JSON holds them: the shared form leaves
+    them out."""
+    rows = {f.name: _json_default(f.default) for f in dataclasses.fields(RankOutcome)
+            if f.default is not dataclasses.MISSING and f.name not in ROW_KEEPS}
+    events = {k: _json_default(v) for k, v in Event._field_defaults.items() if k not in EVENT_KEEPS}
+    return rows, events
 
 
 @dataclass(frozen=True)
@@ -418,7 +435,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": REPORT_SCHEMA,
+            "schema": str(REPORT_SCHEMA),
             "verdict": self.verdict,
             "end_reason": str(self.end_reason),
             "interrupted": self.interrupted,
@@ -426,10 +443,17 @@ class Report:
             "scenarios": [s.to_dict() for s in self.scenarios],
         }
 
+    def as_written(self) -> dict[str, Any]:
+        """The report as report.json holds it: every long ``group_ranks`` as runs, and a job of many ranks in the
+        shared form (``report_form``). Both writers of a report's JSON write this."""
+        return shared(bounded(self.to_dict()), _defaults())
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
-        if d.get("schema") != REPORT_SCHEMA:
-            raise ValueError(f"unsupported report schema {d.get('schema')!r} (expected {REPORT_SCHEMA})")
+        """A report from its JSON, in either form."""
+        if d.get("schema") not in SCHEMAS:
+            raise ValueError(f"unsupported report schema {d.get('schema')!r} (expected one of {', '.join(SCHEMAS)})")
+        d = inline(d, _defaults())
         return cls(
             run=RunInfo.from_dict(d["run"]),
             scenarios=tuple(ScenarioResult.from_dict(s) for s in d["scenarios"]),

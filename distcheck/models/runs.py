@@ -3,6 +3,7 @@ the other nodes, and how they are read back."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -58,8 +59,14 @@ def _runs_of(ranks: Sequence[Any], runs: dict[int, tuple[Any, Any]]) -> Any:
 
 def ranks_from_json(value: Any) -> tuple[int, ...]:
     """A list of ranks as report.json writes it: plain, or as runs of consecutive ranks (``[[0, 4095]]``,
-    ``rank_runs``' form)."""
+    ``rank_runs``' form). The same runs read back as one shared tuple: every rank's last call names its group,
+    and a tuple each was 268 M ranks (80 s, 4 GB) reading a 16,384-rank report."""
     value = value or ()
     if value and isinstance(value[0], (list, tuple)):
-        return tuple(itertools.chain.from_iterable(range(a, b + 1) for a, b in value))
+        return _expanded(tuple(map(tuple, value)))
     return tuple(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expanded(runs: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(itertools.chain.from_iterable(range(a, b + 1) for a, b in runs))

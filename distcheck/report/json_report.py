@@ -1,9 +1,11 @@
-"""JSON renderer: the versioned report schema (``distcheck.report/1``).
+"""JSON renderer: the versioned report schema (``distcheck.report/1``, or /2 for a job of many ranks).
 
 Bounded at scale: a list of plain values (a finding's ranks, a call's shapes) stays on one line, and a
 call's ``group_ranks`` of more than ``models.RUNS_ABOVE`` ranks is written as runs of consecutive ranks
 (``models.rank_runs``: ``[[0, 4095]]``; ``models.ranks_from_json`` reads both forms). Every rank's last
-call names its whole group: at 4,096 ranks, one rank per line made that part alone hundreds of MB.
+call names its whole group: at 4,096 ranks, one rank per line made that part alone hundreds of MB. A job of
+more than ``models.SHARE_ABOVE`` ranks is written in the shared form (``Report.as_written``), each rank's row
+and each finding's rank detail on a line of its own: indented, a row's forty fields were most of its bytes.
 """
 
 from __future__ import annotations
@@ -12,31 +14,43 @@ import json
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from distcheck.models import Report, bounded
+from distcheck.models import Report, ReportSchema
 
 
 def render(report: Report) -> str:
-    return _dump(bounded(report.to_dict()), 0) + "\n"
+    data = report.as_written()
+    return _dump(data, 0, data["schema"] == ReportSchema.SHARED) + "\n"
 
 
 def _flat(value: list | tuple) -> bool:
     return all(not isinstance(v, (dict, list, tuple)) or (isinstance(v, (list, tuple)) and _flat(v)) for v in value)
 
 
-def _dump(value: Any, level: int) -> str:
-    """``json.dumps(indent=2)``, except that a list holding no objects is written on one line."""
+def _dump(value: Any, level: int, rows_in_line: bool = False) -> str:
+    """``json.dumps(indent=2)``, except that a list holding no objects is written on one line, and with
+    ``rows_in_line`` each object of a ``ranks`` list (a rank's row, a finding's rank detail) too."""
     if isinstance(value, dict):
         if not value:
             return "{}"
         pad = "  " * (level + 1)
-        items = [f"{pad}{encode_basestring_ascii(str(k))}: {_dump(v, level + 1)}" for k, v in value.items()]
+        items = [f"{pad}{encode_basestring_ascii(str(k))}: "
+                 + (_rows(v, level + 1) if rows_in_line and k == "ranks" and isinstance(v, list)
+                    else _dump(v, level + 1, rows_in_line)) for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + "  " * level + "}"
     if isinstance(value, (list, tuple)):
         if not value or _flat(value):
             return json.dumps(value)
         pad = "  " * (level + 1)
-        return "[\n" + ",\n".join(pad + _dump(v, level + 1) for v in value) + "\n" + "  " * level + "]"
+        return ("[\n" + ",\n".join(pad + _dump(v, level + 1, rows_in_line) for v in value) + "\n"
+                + "  " * level + "]")
     return _scalar(value)
+
+
+def _rows(rows: list[Any], level: int) -> str:
+    if not rows or _flat(rows):
+        return json.dumps(rows)
+    pad = "  " * (level + 1)
+    return "[\n" + ",\n".join(pad + json.dumps(row) for row in rows) + "\n" + "  " * level + "]"
 
 
 _WORDS = {None: "null", True: "true", False: "false"}

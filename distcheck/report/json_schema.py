@@ -1,4 +1,5 @@
-"""JSON Schema (draft 2020-12) of ``report.json`` (``distcheck.report/1``).
+"""JSON Schema (draft 2020-12) of ``report.json`` (``distcheck.report/1``, and /2: a job of many ranks, what
+its ranks share written once, ``models.report_form``).
 
 It pins the fields later tools and CI rely on (issue 2's JSON contract);
 reports may carry more. Tests validate every JSON report against it.
@@ -6,11 +7,18 @@ reports may carry more. Tests validate every JSON report against it.
 
 from __future__ import annotations
 
-from distcheck.models import FINDING_KINDS, RANK_STATES, REPORT_SCHEMA, SEVERITIES, EndReason
+from distcheck.models import FINDING_KINDS, RANK_STATES, SEVERITIES, EndReason, ReportSchema
 
 _INT_OR_NULL = {"type": ["integer", "null"]}
 _STR_OR_NULL = {"type": ["string", "null"]}
 _RANKS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+_STACK = {"oneOf": [   # its text; in /2, the index of its text in the scenario's ``stacks`` and its thread ids
+    _STR_OR_NULL,
+    {"type": "object", "required": ["text", "threads"],
+     "properties": {"text": {"type": "integer", "minimum": 0},
+                    "threads": {"type": "array", "items": {"type": "string"}}}},
+]}
 
 RANK = {
     "type": "object",
@@ -18,7 +26,7 @@ RANK = {
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "host": {"type": "string"}, "pid": _INT_OR_NULL,
         "state": {"enum": list(RANK_STATES)}, "exit_code": _INT_OR_NULL, "signal": _STR_OR_NULL,
-        "collectives": {"type": "integer", "minimum": 0}, "where": _STR_OR_NULL, "stack": _STR_OR_NULL,
+        "collectives": {"type": "integer", "minimum": 0}, "where": _STR_OR_NULL, "stack": _STACK,
         "rss_bytes": _INT_OR_NULL, "peak_rss_bytes": _INT_OR_NULL,
     },
 }
@@ -64,6 +72,7 @@ SCENARIO = {
         "ok": {"type": "boolean"}, "duration_s": {"type": "number", "minimum": 0},
         "ranks": {"type": "array", "items": RANK}, "findings": {"type": "array", "items": FINDING},
         "tables": {"type": "array", "items": TABLE},
+        "stacks": {"type": "array", "items": {"type": "string"}},
         "end_reason": _END_REASON,
         "command_exit": {"type": ["integer", "null"]},
     },
@@ -75,7 +84,7 @@ REPORT = {
     "type": "object",
     "required": ["schema", "verdict", "run", "scenarios"],
     "properties": {
-        "schema": {"const": REPORT_SCHEMA},
+        "schema": {"enum": [str(s) for s in ReportSchema]},
         "verdict": {"enum": ["pass", "fail"]},
         "end_reason": _END_REASON,
         "run": {
