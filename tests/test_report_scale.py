@@ -130,7 +130,7 @@ def test_a_4096_rank_report_json_stays_small_and_reads_back_whole():
     text = json_report.render(report)
     assert len(text) < 10_000_000, len(text)
     data = json.loads(text)
-    assert data["scenarios"][0]["ranks"][0]["last_event"]["group_ranks"] == [[0, 4095]]
+    assert data["scenarios"][0]["calls"][0]["group_ranks"] == [[0, 4095]]   # the call every rank waits in, once
     back = Loaded.from_dict(data).scenarios[0]
     assert back.ranks[17].last_event.group_ranks == tuple(range(world))
     assert back.findings[0].ranks[1].fingerprint["group_ranks"] == tuple(range(world))
@@ -164,12 +164,16 @@ def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(
     report, _ = hang(world, 2, finished=3001)
     result = report.scenarios[0]
     last = {r: _event(r, 3, world, op="barrier", returned=False) for r in range(world)}
+    barrier = last[0]
+    dp = {r % 32: tuple(range(r % 32, world, 32)) for r in range(32)}   # a DeviceMesh's DP groups: strided ranks
+    for r in range(1, world, 4):   # some ranks wait in their DP group's all-gather instead
+        last[r] = last[r]._replace(group=f"dp{r % 32}", op="all_gather_into_tensor", group_ranks=dp[r % 32])
     ranks = tuple(RankOutcome(rank=o.rank, state=o.state, host=f"node{o.rank // 8:04d}", node=o.rank // 8,
                               pid=40000 + o.rank, collectives=o.collectives, last_event=last[o.rank], where=SITE,
                               stack=_stack(0x7F0000000000 + o.rank * 4096, o.rank != 3001),
                               rss_bytes=2_000_000_000 + o.rank) for o in result.ranks)
     detail = tuple(RankDetail(rank=r, role="waiting", op="barrier", seq=3, callsite=SITE, state="stuck",
-                              fingerprint=last[r].fingerprint()) for r in range(world) if r != 3001)
+                              fingerprint=barrier.fingerprint()) for r in range(world) if r != 3001)
     finding = result.findings[0]
     finding = type(finding)(**{**finding.__dict__, "ranks": detail[:3001] + finding.ranks + detail[3001:]})
     report = Report(run=report.run, scenarios=(type(result)(**{**result.__dict__, "ranks": ranks,
@@ -181,6 +185,10 @@ def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(
     # the schema holds for the form (its rows alike past the first hundreds: checking all 16,384 took 6 s)
     jsonschema.validate({**data, "scenarios": [{**scenario, "ranks": scenario["ranks"][:300]}]}, json_schema.REPORT)
     assert data["schema"] == ReportSchema.SHARED and len(scenario["stacks"]) == 2      # the waiting and the finished
+    # the calls they wait in, each once: the world's barrier and each DP group's all-gather, a strided group plain
+    assert len(scenario["calls"]) == 1 + 8 and scenario["ranks"][1]["last_event"] == {
+        "rank": 1, "group": "dp1", "seq": 3, "t_enter": last[1].t_enter, "call": 1}
+    assert scenario["calls"][1]["group_ranks"] == list(dp[1])
     assert scenario["ranks"][5]["stack"] == {"text": 0, "threads": ["0x00007f0000005001", "0x00007f0000005000"]}
     # the finding's details in their order: the waiting ranks before the absent one, it, the waiting after it
     assert [d["ranks"] for d in scenario["findings"][0]["ranks"]] == [[[0, 3000]], [[3001, 3001]], [[3002, 4095]]]
@@ -189,7 +197,8 @@ def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(
     back = load_report(tmp_path)
     assert json_report.render(back) == text                    # every value, as it was written
     assert back.scenarios[0].ranks[5].stack == ranks[5].stack
-    assert back.scenarios[0].ranks[5].last_event.group_ranks is back.scenarios[0].ranks[6].last_event.group_ranks
+    assert back.scenarios[0].ranks[6].last_event.group_ranks is back.scenarios[0].ranks[7].last_event.group_ranks
+    assert back.scenarios[0].ranks[5].last_event.group_ranks is back.scenarios[0].ranks[37].last_event.group_ranks
     # a job of SHARE_ABOVE ranks keeps /1: every value in place
     small, _ = hang(SHARE_ABOVE, 2, finished=3)
     assert json.loads(json_report.render(small))["schema"] == "distcheck.report/1"

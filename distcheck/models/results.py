@@ -6,13 +6,12 @@ re-rendered without re-running it."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from distcheck.models.cause import Cause
 from distcheck.models.enums import REPORT_SCHEMA, EndReason, Kind, ReportSchema, Severity
-from distcheck.models.report_form import EVENT_KEEPS, ROW_KEEPS, Defaults, inline, shared
+from distcheck.models.report_form import inline, shared
 from distcheck.models.group_key import GroupKey, is_p2p
 from distcheck.models.runs import bounded, ranks_from_json
 
@@ -191,20 +190,6 @@ class RankOutcome:
 
 _OUTCOME_FIELDS = {f.name for f in dataclasses.fields(RankOutcome)}
 SCHEMAS = tuple(str(s) for s in ReportSchema)
-
-
-def _json_default(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-@functools.cache
-def _defaults() -> Defaults:
-    """A rank row's fields and its last call's at their defaults, as JSON holds them: the shared form leaves
-    them out."""
-    rows = {f.name: _json_default(f.default) for f in dataclasses.fields(RankOutcome)
-            if f.default is not dataclasses.MISSING and f.name not in ROW_KEEPS}
-    events = {k: _json_default(v) for k, v in Event._field_defaults.items() if k not in EVENT_KEEPS}
-    return rows, events
 
 
 @dataclass(frozen=True)
@@ -446,14 +431,14 @@ class Report:
     def as_written(self) -> dict[str, Any]:
         """The report as report.json holds it: every long ``group_ranks`` as runs, and a job of many ranks in the
         shared form (``report_form``). Both writers of a report's JSON write this."""
-        return shared(bounded(self.to_dict()), _defaults())
+        return shared(bounded(self.to_dict()))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
         """A report from its JSON, in either form."""
         if d.get("schema") not in SCHEMAS:
             raise ValueError(f"unsupported report schema {d.get('schema')!r} (expected one of {', '.join(SCHEMAS)})")
-        d = inline(d, _defaults())
+        d = inline(d)
         return cls(
             run=RunInfo.from_dict(d["run"]),
             scenarios=tuple(ScenarioResult.from_dict(s) for s in d["scenarios"]),

@@ -27,7 +27,8 @@ def rank_runs(ranks: Sequence[Any]) -> list[list[int]] | Sequence[Any]:
             out[-1][1] = r
         else:
             out.append([r, r])
-    return out
+    # a strided group (a DeviceMesh's DP group: every 32nd rank) is no run at all: as pairs it was twice its list
+    return out if 2 * len(out) < len(ranks) else list(ranks)
 
 
 RUNS_ABOVE = 16   # a longer ``group_ranks`` is written as runs
@@ -64,7 +65,13 @@ def ranks_from_json(value: Any) -> tuple[int, ...]:
     value = value or ()
     if value and isinstance(value[0], (list, tuple)):
         return _expanded(tuple(map(tuple, value)))
-    return tuple(value)
+    return _first_of(tuple(value)) if len(value) > RUNS_ABOVE else tuple(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_of(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The first equal tuple read: a strided group (a DP group) is written plain, and shared like runs."""
+    return ranks
 
 
 @functools.lru_cache(maxsize=4096)

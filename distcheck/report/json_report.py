@@ -28,13 +28,14 @@ def _flat(value: list | tuple) -> bool:
 
 def _dump(value: Any, level: int, rows_in_line: bool = False) -> str:
     """``json.dumps(indent=2)``, except that a list holding no objects is written on one line, and with
-    ``rows_in_line`` each object of a ``ranks`` list (a rank's row, a finding's rank detail) too."""
+    ``rows_in_line`` each object of a ``ranks`` or ``calls`` list (a rank's row, a finding's rank detail, a call
+    ranks share) too, without spaces: 16,384 of them."""
     if isinstance(value, dict):
         if not value:
             return "{}"
         pad = "  " * (level + 1)
         items = [f"{pad}{encode_basestring_ascii(str(k))}: "
-                 + (_rows(v, level + 1) if rows_in_line and k == "ranks" and isinstance(v, list)
+                 + (_rows(v, level + 1) if rows_in_line and k in _ONE_LINE_EACH and isinstance(v, list)
                     else _dump(v, level + 1, rows_in_line)) for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + "  " * level + "}"
     if isinstance(value, (list, tuple)):
@@ -46,11 +47,14 @@ def _dump(value: Any, level: int, rows_in_line: bool = False) -> str:
     return _scalar(value)
 
 
+_ONE_LINE_EACH = frozenset({"ranks", "calls"})   # the shared form's lists of many objects
+
+
 def _rows(rows: list[Any], level: int) -> str:
     if not rows or _flat(rows):
         return json.dumps(rows)
     pad = "  " * (level + 1)
-    return "[\n" + ",\n".join(pad + json.dumps(row) for row in rows) + "\n" + "  " * level + "]"
+    return "[\n" + ",\n".join(pad + json.dumps(row, separators=(",", ":")) for row in rows) + "\n" + "  " * level + "]"
 
 
 _WORDS = {None: "null", True: "true", False: "false"}

@@ -1,5 +1,6 @@
-"""JSON Schema (draft 2020-12) of ``report.json`` (``distcheck.report/1``, and /2: a job of many ranks, what
-its ranks share written once, ``models.report_form``).
+"""JSON Schema (draft 2020-12) of ``report.json``: ``distcheck.report/1`` (``REPORT_INLINE``), and /2
+(``REPORT_SHARED``: a job of many ranks, what its ranks share written once, ``models.report_form``); ``REPORT``
+takes either.
 
 It pins the fields later tools and CI rely on (issue 2's JSON contract);
 reports may carry more. Tests validate every JSON report against it.
@@ -7,26 +8,21 @@ reports may carry more. Tests validate every JSON report against it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from distcheck.models import FINDING_KINDS, RANK_STATES, SEVERITIES, EndReason, ReportSchema
 
 _INT_OR_NULL = {"type": ["integer", "null"]}
 _STR_OR_NULL = {"type": ["string", "null"]}
 _RANKS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
-_STACK = {"oneOf": [   # its text; in /2, the index of its text in the scenario's ``stacks`` and its thread ids
-    _STR_OR_NULL,
-    {"type": "object", "required": ["text", "threads"],
-     "properties": {"text": {"type": "integer", "minimum": 0},
-                    "threads": {"type": "array", "items": {"type": "string"}}}},
-]}
-
-RANK = {
+RANK: dict[str, Any] = {
     "type": "object",
     "required": ["rank", "host", "pid", "state", "exit_code", "signal", "collectives", "where", "stack"],
     "properties": {
         "rank": {"type": "integer", "minimum": 0}, "host": {"type": "string"}, "pid": _INT_OR_NULL,
         "state": {"enum": list(RANK_STATES)}, "exit_code": _INT_OR_NULL, "signal": _STR_OR_NULL,
-        "collectives": {"type": "integer", "minimum": 0}, "where": _STR_OR_NULL, "stack": _STACK,
+        "collectives": {"type": "integer", "minimum": 0}, "where": _STR_OR_NULL, "stack": _STR_OR_NULL,
         "rss_bytes": _INT_OR_NULL, "peak_rss_bytes": _INT_OR_NULL,
     },
 }
@@ -62,7 +58,7 @@ TABLE = {   # a table a scenario reported; comm_health's carry their results as 
 
 _END_REASON = {"enum": [str(e) for e in EndReason]}   # docs/endings.md names each
 
-SCENARIO = {
+SCENARIO: dict[str, Any] = {
     "type": "object",
     "required": ["name", "source", "expected", "observed", "ok", "duration_s", "ranks", "findings"],
     "properties": {
@@ -72,34 +68,68 @@ SCENARIO = {
         "ok": {"type": "boolean"}, "duration_s": {"type": "number", "minimum": 0},
         "ranks": {"type": "array", "items": RANK}, "findings": {"type": "array", "items": FINDING},
         "tables": {"type": "array", "items": TABLE},
-        "stacks": {"type": "array", "items": {"type": "string"}},
         "end_reason": _END_REASON,
         "command_exit": {"type": ["integer", "null"]},
     },
 }
 
+# /2: a row holds its rank and what differs from the scenario's ``row_defaults``; its stack is the index of its
+# text in ``stacks`` and its thread ids, its last call its own fields and the index of the rest in ``calls``
+SHARED_RANK: dict[str, Any] = {
+    "type": "object",
+    "required": ["rank"],
+    "properties": {
+        **{k: v for k, v in RANK["properties"].items() if k != "stack"},
+        "stack": {"oneOf": [_STR_OR_NULL, {
+            "type": "object", "required": ["text", "threads"],
+            "properties": {"text": {"type": "integer", "minimum": 0},
+                           "threads": {"type": "array", "items": {"type": "string"}}}}]},
+        "last_event": {"type": ["object", "null"], "required": ["rank", "group", "seq", "call"],
+                       "properties": {"call": {"type": "integer", "minimum": 0}}},
+    },
+}
+SHARED_SCENARIO = {
+    **SCENARIO,
+    "required": [*SCENARIO["required"], "row_defaults", "stacks", "calls"],
+    "properties": {
+        **SCENARIO["properties"], "ranks": {"type": "array", "items": SHARED_RANK},
+        "row_defaults": {"type": "object"}, "stacks": {"type": "array", "items": {"type": "string"}},
+        "calls": {"type": "array", "items": {"type": "object", "required": ["op"]}},
+    },
+}
+
+
+def _report(schema: ReportSchema, scenario: dict) -> dict:
+    return {
+        "type": "object",
+        "required": ["schema", "verdict", "run", "scenarios"],
+        "properties": {
+            "schema": {"const": str(schema)},
+            "verdict": {"enum": ["pass", "fail"]},
+            "end_reason": _END_REASON,
+            "run": RUN,
+            "scenarios": {"type": "array", "items": scenario},
+        },
+    }
+
+
+RUN = {
+    "type": "object",
+    "required": ["backend", "world_size", "nnodes", "torch_version", "distcheck_version", "command",
+                 "run_dir", "seed", "duration_s"],
+    "properties": {
+        "backend": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
+        "nnodes": {"type": "integer", "minimum": 1}, "torch_version": {"type": "string"},
+        "distcheck_version": {"type": "string"}, "command": {"type": "string"},
+        "run_dir": {"type": "string"}, "seed": {"type": "integer"},
+        "duration_s": {"type": "number", "minimum": 0},
+        "torch_features": {"type": "object", "additionalProperties": {"type": "boolean"}},
+    },
+}
+REPORT_INLINE = _report(ReportSchema.INLINE, SCENARIO)
+REPORT_SHARED = _report(ReportSchema.SHARED, SHARED_SCENARIO)
 REPORT = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "distcheck report",
-    "type": "object",
-    "required": ["schema", "verdict", "run", "scenarios"],
-    "properties": {
-        "schema": {"enum": [str(s) for s in ReportSchema]},
-        "verdict": {"enum": ["pass", "fail"]},
-        "end_reason": _END_REASON,
-        "run": {
-            "type": "object",
-            "required": ["backend", "world_size", "nnodes", "torch_version", "distcheck_version", "command",
-                         "run_dir", "seed", "duration_s"],
-            "properties": {
-                "backend": {"type": "string"}, "world_size": {"type": "integer", "minimum": 1},
-                "nnodes": {"type": "integer", "minimum": 1}, "torch_version": {"type": "string"},
-                "distcheck_version": {"type": "string"}, "command": {"type": "string"},
-                "run_dir": {"type": "string"}, "seed": {"type": "integer"},
-                "duration_s": {"type": "number", "minimum": 0},
-                "torch_features": {"type": "object", "additionalProperties": {"type": "boolean"}},
-            },
-        },
-        "scenarios": {"type": "array", "items": SCENARIO},
-    },
+    "oneOf": [REPORT_INLINE, REPORT_SHARED],
 }
