@@ -191,7 +191,7 @@ def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(
     assert scenario["calls"][1]["group_ranks"] == list(dp[1])
     assert scenario["ranks"][5]["stack"] == {"text": 0, "threads": ["0x00007f0000005001", "0x00007f0000005000"]}
     # the finding's details in their order: the waiting ranks before the absent one, it, the waiting after it
-    assert [d["ranks"] for d in scenario["findings"][0]["ranks"]] == [[[0, 3000]], [[3001, 3001]], [[3002, 4095]]]
+    assert [d["ranks"] for d in scenario["findings"][0]["ranks"]] == [[[0, 3000]], [3001], [[3002, 4095]]]
     write_report(tmp_path, report)
     assert (tmp_path / "report.json").stat().st_size < world * per_rank
     back = load_report(tmp_path)
@@ -202,6 +202,16 @@ def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(
     # a job of SHARE_ABOVE ranks keeps /1: every value in place
     small, _ = hang(SHARE_ABOVE, 2, finished=3)
     assert json.loads(json_report.render(small))["schema"] == "distcheck.report/1"
+
+
+def test_a_strided_group_is_written_plain_where_runs_would_be_longer():
+    from distcheck.models import rank_runs, ranks_from_json
+    from distcheck.models.runs import shorter_form
+
+    dp = tuple(range(5, 4096, 32))   # a DeviceMesh's DP group: no two ranks consecutive
+    assert shorter_form(dp) == list(dp) and ranks_from_json(shorter_form(dp)) == dp
+    assert shorter_form(tuple(range(64))) == [[0, 63]]
+    assert rank_runs(dp)[:2] == [[5, 5], [37, 37]]   # the progress wire's form stays pairs, whatever their length
 
 
 def test_a_large_jobs_rank_list_reads_as_runs_and_a_small_one_as_it_was():

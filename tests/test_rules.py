@@ -60,7 +60,7 @@ def test_majority_states_a_tie_instead_of_picking_a_side():
 def test_identical_calls_give_no_finding_and_count_as_compared():
     traces = traces_of(*(ev(r, s) for r in WORLD4 for s in (1, 2, 3)))
     assert run(traces) == []
-    assert collectives_compared(traces) == 3
+    assert collectives_compared(group_table(traces)) == 3
     assert observed_kinds([]) == ("pass",)
 
 

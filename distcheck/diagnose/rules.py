@@ -14,7 +14,7 @@ from typing import Any
 from distcheck.diagnose.apart import without_apart
 from distcheck.diagnose.backend_error import find_backend_mismatches
 from distcheck.diagnose.causes import Found, link
-from distcheck.diagnose.common import RunFacts, group_table, majority
+from distcheck.diagnose.common import RunFacts, Table, group_table, majority
 from distcheck.diagnose.count import find_count_differences
 from distcheck.diagnose.coverage import find_backend_timeout, find_coverage_gaps
 from distcheck.diagnose.crash import find_command_failure, find_crashes
@@ -29,7 +29,7 @@ from distcheck.diagnose.teardown import teardown_note
 from distcheck.diagnose.windows import find_window_divergence, window_note
 from distcheck.models import PASS, Event, Expectation, Finding, Kind, RankOutcome, Severity
 
-__all__ = ["RunFacts", "analyze", "behaved_as_expected", "collectives_compared", "group_table", "majority",
+__all__ = ["RunFacts", "analyze", "behaved_as_expected", "collectives_compared", "group_table", "judge", "majority",
            "observed_kinds"]
 
 
@@ -43,7 +43,11 @@ def analyze(
     (``facts``); each rule's findings from those facts alone (``find_all``); one pass that links each finding
     to the one it follows from (``causes``): a crash or hang that a mismatch explains comes after that
     mismatch, the root cause."""
-    seen = facts_of(traces, outcomes, facts, results)
+    return judge(facts_of(traces, outcomes, facts, results))
+
+
+def judge(seen: Facts) -> list[Finding]:
+    """``analyze`` on facts read already (``facts_of``), whose table the verdict also counts."""
     return link(find_all(seen), seen)
 
 
@@ -69,9 +73,9 @@ def find_all(facts: Facts) -> Found:
     )
 
 
-def collectives_compared(traces: Mapping[int, Sequence[Event]]) -> int:
-    """How many (group, seq) calls were seen on at least two ranks and compared."""
-    table = group_table(traces)
+def collectives_compared(table: Table) -> int:
+    """How many (group, seq) calls of a run's table (``Facts.table``) were seen on at least two ranks and
+    compared."""
     return sum(1 for seqs in table.values() for events in seqs.values() if len(events) >= 2)
 
 

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distcheck.diagnose.rules import RunFacts, analyze, behaved_as_expected, collectives_compared, observed_kinds
+from distcheck.diagnose.facts import Facts, facts_of
+from distcheck.diagnose.rules import RunFacts, behaved_as_expected, collectives_compared, judge, observed_kinds
 from distcheck.diagnose.blame import attribute_by_majority
 from distcheck.diagnose.health import first_tables, health_findings
 from distcheck.errors import ExitCode
@@ -59,7 +60,8 @@ def scenario_result(scenario: Scenario, evidence: Evidence, duration_s: float,
     """The verdict on one launch. ``blame`` is None for a live run, which also checks
     the scenario's health requirements and keeps its tables."""
     facts = evidence.facts
-    findings = _findings(evidence, blame)
+    seen = facts_of(evidence.events, evidence.outcomes, facts, evidence.results)   # its table read once, for both
+    findings = _findings(evidence, seen, blame)
     observed = observed_kinds(findings)
     # An interrupted live run never passes, nor one distcheck cut short (but for a pre-flight's window); a
     # post-mortem judges only what the files say.
@@ -72,15 +74,15 @@ def scenario_result(scenario: Scenario, evidence: Evidence, duration_s: float,
         duration_s=duration_s, findings=tuple(findings),
         ranks=tuple(evidence.outcomes[r] for r in sorted(evidence.outcomes)), end_reason=facts.end_reason,
         launch_dir=scenario.launch_dir, description=scenario.description,
-        collectives_compared=collectives_compared(evidence.events),
+        collectives_compared=collectives_compared(seen.table),
         tables=first_tables(evidence.results) if blame is None else (),
         started_at=evidence.started_at, ended_at=evidence.ended_at,
         stall_onset=facts.stall_onset, detected_at=facts.detected_at,
     )
 
 
-def _findings(evidence: Evidence, blame: Blame | None) -> list[Finding]:
-    findings = analyze(evidence.events, evidence.outcomes, evidence.facts, evidence.results)
+def _findings(evidence: Evidence, seen: Facts, blame: Blame | None) -> list[Finding]:
+    findings = judge(seen)
     if blame is None:
         findings = findings + health_findings(evidence.results)
         findings = findings + ended_by_distcheck(evidence.facts, findings, evidence.why_ended)

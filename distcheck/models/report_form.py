@@ -14,7 +14,7 @@ whole stack text, its last call whole and every finding a detail per waiting ran
   ``{thread}``; a rank row's ``stack`` is ``{"text": i, "threads": [its ids in order]}`` (or null, or its text in
   place where the text itself holds ``{thread}``);
 * a finding's run of consecutive rank details alike but for their rank is written once, ``ranks`` (runs of
-  consecutive ranks, ``models.rank_runs``) in place of ``rank``.
+  consecutive ranks, ``models.rank_runs``, or the ranks where that is shorter) in place of ``rank``.
 
 ``inline`` gives the /1 form back (a last call's null fields apart, which its reader takes as null), so one reader,
 ``Report.from_dict``, serves both; ``Report.as_written`` writes through ``shared``.
@@ -28,7 +28,7 @@ from collections import Counter
 from typing import Any
 
 from distcheck.models.enums import ReportSchema
-from distcheck.models.runs import rank_runs, ranks_from_json
+from distcheck.models.runs import ranks_from_json, shorter_form
 
 SHARE_ABOVE = 256   # a scenario of more ranks makes the report /2
 CALL_OWN = ("rank", "group", "seq", "t_enter", "t_exit", "t_returned", "error")   # a last call's, in its row
@@ -114,7 +114,7 @@ def _runs_of_alike(details: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"ranks": [detail["rank"]], **rest})
             last_key = key
     for entry in out:
-        entry["ranks"] = rank_runs(entry["ranks"])
+        entry["ranks"] = shorter_form(entry["ranks"])
     return out
 
 

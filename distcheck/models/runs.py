@@ -27,8 +27,14 @@ def rank_runs(ranks: Sequence[Any]) -> list[list[int]] | Sequence[Any]:
             out[-1][1] = r
         else:
             out.append([r, r])
-    # a strided group (a DeviceMesh's DP group: every 32nd rank) is no run at all: as pairs it was twice its list
-    return out if 2 * len(out) < len(ranks) else list(ranks)
+    return out
+
+
+def shorter_form(ranks: Sequence[Any]) -> list[Any] | Sequence[Any]:
+    """Ranks as runs, or as they are where that is shorter: a strided group (a DeviceMesh's DP group, every 32nd
+    rank) is no run at all, and as pairs it was twice its list. ``ranks_from_json`` reads either."""
+    runs = rank_runs(ranks)
+    return runs if runs is ranks or 2 * len(runs) < len(ranks) else list(ranks)
 
 
 RUNS_ABOVE = 16   # a longer ``group_ranks`` is written as runs
@@ -54,7 +60,7 @@ def _bounded(value: Any, runs: dict[int, tuple[Any, Any]]) -> Any:
 def _runs_of(ranks: Sequence[Any], runs: dict[int, tuple[Any, Any]]) -> Any:
     seen = runs.get(id(ranks))
     if seen is None or seen[0] is not ranks:
-        seen = runs[id(ranks)] = (ranks, rank_runs(ranks))
+        seen = runs[id(ranks)] = (ranks, shorter_form(ranks))
     return seen[1]
 
 
