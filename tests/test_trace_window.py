@@ -115,3 +115,21 @@ def test_the_digests_of_a_window_cut_from_columns_are_digest_of_its_calls():
         first = rng.randint(1, 9 * BLOCK)
         expected = digest_of((s, *sites[w][1:]) for s, w in zip(seqs, w0s) if s < first)
         assert _digests_before(first, seqs, w0s, sites) == expected
+
+
+def test_the_traces_judged_are_drawn_without_a_second_read_and_a_changed_folder_is_read_again(tmp_path):
+    # node 0 reads a job's traces to judge them (keep=True), then draws the timeline from the same folder
+    # (reuse=True): at 4,096 ranks the second read was two thirds of writing the report
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for rank in range(3):
+        _trace(traces / f"rank{rank}.trace", rank, 40, world=3)
+    judged = read_trace_dir(traces, keep=True)
+    first = judged[1].events[0]
+    judged[1].events = judged[1].events[:5]            # the judgment cuts a trace at the decision
+    drawn = read_trace_dir(traces, reuse=True)
+    assert drawn[1].events[0] is first and len(drawn[1].events) == 40   # not read again, and not cut
+    assert read_trace_dir(traces, reuse=True)[1].events[0] is not first  # held for one reuse only
+    read_trace_dir(traces, keep=True)
+    _trace(traces / "rank2.trace", 2, 41, world=3)     # a rank's trace grew since (the tracer appends): read again
+    assert [len(t.events) for t in read_trace_dir(traces, reuse=True).values()] == [40, 40, 81]

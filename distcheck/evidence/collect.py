@@ -81,7 +81,7 @@ def read_flight_recorder_status(path) -> dict[str, dict[str, int]] | None:
 
 
 def collect(files: LaunchFiles, world_size: int, launch: LaunchOutcome) -> CollectedRun:
-    traces = read_trace_dir(files.traces)
+    traces = read_trace_dir(files.traces, keep=True)   # for the timeline drawn next (``load_events``)
     # what the verdict rests on: the records as they stood when distcheck decided (diagnose.teardown)
     decided = launch.watchdog.detected_at if EndReason.of(launch.end_reason).by_distcheck else None
     after: dict[int, list[Event]] = {}

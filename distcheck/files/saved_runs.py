@@ -151,7 +151,7 @@ def load_events(report: Report, run_dir: Path) -> Events:
     for s in report.scenarios:
         if s.skipped:
             continue
-        traces = read_trace_dir(scenario_dir(run_dir, s.name, s.launch_dir) / "traces")
+        traces = read_trace_dir(scenario_dir(run_dir, s.name, s.launch_dir) / "traces", reuse=True)
         events[s.name] = {rank: t.events for rank, t in traces.items()}
     return events
 
