@@ -21,7 +21,8 @@ def write_reports(report: Any, files: Any, out: Path) -> dict[str, int]:
     from distcheck.report import chrome_trace, html_timeline, json_report, junit, terminal
 
     out.mkdir(parents=True, exist_ok=True)
-    events = {report.scenarios[0].name: {r: t.events for r, t in read_trace_dir(files.traces).items()}}
+    # as ``distcheck run`` does (``files.saved_runs.load_events``): the traces node 0 judged, unless they changed
+    events = {report.scenarios[0].name: {r: t.events for r, t in read_trace_dir(files.traces, reuse=True).items()}}
     texts = {"report.json": json_report.render(report), "junit.xml": junit.render(report),
              "trace.json": chrome_trace.render(report, events), "timeline.html": html_timeline.render(report, events)}
     with open(out / "terminal.txt", "w", encoding="utf-8") as f:
