@@ -5,8 +5,8 @@ share a lane, while the ranks a finding singles out keep their own; a small run 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
 import json
 import re
 
@@ -199,6 +199,15 @@ def test_a_large_jobs_report_shares_what_its_ranks_share_and_reads_back_exactly(
     assert back.scenarios[0].ranks[5].stack == ranks[5].stack
     assert back.scenarios[0].ranks[6].last_event.group_ranks is back.scenarios[0].ranks[7].last_event.group_ranks
     assert back.scenarios[0].ranks[5].last_event.group_ranks is back.scenarios[0].ranks[37].last_event.group_ranks
+    # `distcheck analyze` reads a saved run's rank rows from its report.json: a large job's as every other's
+    from distcheck.evidence.from_traces import _saved_scenario
+
+    saved_at = tmp_path / "saved"
+    saved_at.mkdir()
+    write_report(saved_at, Report(run=report.run, scenarios=(dataclasses.replace(
+        report.scenarios[0], launch_dir=str(saved_at / "train-1")),)))
+    rows = _saved_scenario(saved_at / "train-1")["ranks"]
+    assert RankOutcome.from_dict(rows[5]) == ranks[5] and RankOutcome.from_dict(rows[3001]) == ranks[3001]
     # a job of SHARE_ABOVE ranks keeps /1: every value in place
     small, _ = hang(SHARE_ABOVE, 2, finished=3)
     assert json.loads(json_report.render(small))["schema"] == "distcheck.report/1"

@@ -21,7 +21,7 @@ from distcheck.files.launch_dir import LaunchFiles, RankStatus, read_json
 from distcheck.files.metric_records import saved_reference, with_spilled_computes
 from distcheck.files.saved_runs import REPORT_FILE
 from distcheck.files.trace_reader import RankTrace, read_trace_dir
-from distcheck.models import EndReason, Event, Phase, RankOutcome, RankState, ScenarioResult
+from distcheck.models import EndReason, Event, Phase, RankOutcome, RankState, ScenarioResult, inline
 from distcheck.text import rank_list
 
 
@@ -89,6 +89,10 @@ def _saved_scenario(launch_dir: Path) -> dict[str, Any] | None:
     """The scenario's record in the run's report.json, if the run got that far."""
     report = read_json(launch_dir.parent / REPORT_FILE)
     if not isinstance(report, dict) or not isinstance(report.get("scenarios"), list):
+        return None
+    try:
+        report = inline(report)   # a large job's report.json: its rank rows as every other's
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
     for s in report["scenarios"]:
         if isinstance(s, dict) and s.get("launch_dir") and Path(s["launch_dir"]).name == launch_dir.name:

@@ -9,7 +9,7 @@ from distcheck.models.enums import (
 from distcheck.models.cause import Cause
 from distcheck.models.group_key import GroupKey, is_p2p
 from distcheck.models.runs import rank_runs, RUNS_ABOVE, bounded, ranks_from_json
-from distcheck.models.report_form import SHARE_ABOVE
+from distcheck.models.report_form import SHARE_ABOVE, inline
 from distcheck.models.results import (
     Event, StackFrame, RankOutcome, RankDetail, Finding,
     ScenarioResult, RunInfo, Report, RunSummary)
@@ -48,6 +48,7 @@ __all__ = [
     'StackFrame',
     'bounded',
     'expectations',
+    'inline',
     'is_p2p',
     'rank_runs',
     'ranks_from_json',
