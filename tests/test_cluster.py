@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from torch.distributed import HashStore, PrefixStore
 
 from distcheck.launch import cluster
@@ -241,6 +243,28 @@ def test_past_64_ranks_the_other_nodes_get_the_verdict_without_per_rank_tables()
         assert got.ok is False and got.findings[0].summary == "Rank 0 is waiting"
         assert (got.ranks == ranks and got.findings[0].ranks == finding.ranks) is kept
         assert kept or (got.ranks == () and got.findings[0].ranks == ())
+
+
+def test_a_large_jobs_verdict_crosses_to_the_other_nodes_small_its_rank_lists_whole():
+    # at 16,384 ranks a long-trace note's table of every group and a hang's 16,383 waiting ranks made the result
+    # 689 KB, held by node 0's store for each of 2,047 readers: 1.3 GB of node 0's memory at the end of the run
+    world = 16384
+    store = HashStore()
+    leader, other = _node(store, 0, world_size=world), _node(store, 1, world_size=world)
+    waiting = tuple(r for r in range(world) if r != 9001)
+    hang = Finding(kind="hang", severity="error", summary="Ranks 0-9000, 9002-16383 are waiting", waiting_ranks=waiting,
+                   absent_ranks=(9001,), data={"evidence": "certain: rank 9001 finished"})
+    note = Finding(kind="coverage", severity="info", summary="Long traces: …",
+                   data={"calls_cut": 8, "first_kept": {f"p2p:{r}>{r + 8}": 104 for r in range(world)}})
+    leader.post_result(ScenarioResult(name="job", source="test", expected=("pass",), observed=("hang",), ok=False,
+                                      duration_s=1.0, ranks=tuple(RankOutcome(rank=r, state="stuck")
+                                                                  for r in range(world)), findings=(hang, note)))
+    said = other.result(timeout_s=5)
+    assert len(json.dumps(said)) < 5_000
+    got = ScenarioResult.from_dict(said)
+    assert got.findings[0].waiting_ranks == waiting and got.findings[0].absent_ranks == (9001,)
+    assert got.findings[0].data == hang.data and got.findings[1].data == {"calls_cut": 8}   # its table left out
+    assert [f.summary for f in got.findings] == [hang.summary, note.summary]
 
 
 def test_a_pipeline_pairs_send_and_receive_digests_agree_across_the_window(tmp_path):

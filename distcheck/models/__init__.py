@@ -8,15 +8,16 @@ from distcheck.models.enums import (
     CAP_HOOKS, FINDING_KINDS, RANK_STATES, SEVERITIES, Kind, Severity, PASS, Expectation, expectations)
 from distcheck.models.cause import Cause
 from distcheck.models.group_key import GroupKey, is_p2p
-from distcheck.models.runs import rank_runs, RUNS_ABOVE, bounded, ranks_from_json
+from distcheck.models.runs import rank_runs, RUNS_ABOVE, bounded, ranks_from_json, shorter_form
 from distcheck.models.report_form import SHARE_ABOVE, inline
 from distcheck.models.results import (
     Event, StackFrame, RankOutcome, RankDetail, Finding,
-    ScenarioResult, RunInfo, Report, RunSummary)
+    ScenarioResult, RunInfo, Report, RunSummary, FINDING_RANK_LISTS)
 
 __all__ = [
     'CAP_HOOKS',
     'FINDING_KINDS',
+    'FINDING_RANK_LISTS',
     'HOOK_LOST',
     'JOIN_LABEL',
     'PASS',
@@ -52,4 +53,5 @@ __all__ = [
     'is_p2p',
     'rank_runs',
     'ranks_from_json',
+    'shorter_form',
 ]

@@ -265,8 +265,9 @@ class Finding:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Finding:
         d = dict(d)
-        for key in ("waiting_ranks", "absent_ranks", "odd_ranks", "fields"):
-            d[key] = tuple(d.get(key, ()))
+        for key in FINDING_RANK_LISTS:   # plain, or as runs (the verdict node 0 sends the other nodes)
+            d[key] = ranks_from_json(d.get(key, ()))
+        d["fields"] = tuple(d.get("fields", ()))
         d["ranks"] = tuple(RankDetail.from_dict(r) for r in d.get("ranks", ()))
         data = dict(d.get("data") or {})
         cause = data.pop("caused_by", None)
@@ -275,6 +276,7 @@ class Finding:
 
 
 _FINDING_FIELDS = {f.name for f in dataclasses.fields(Finding)}
+FINDING_RANK_LISTS = ("waiting_ranks", "absent_ranks", "odd_ranks")
 
 
 @dataclass(frozen=True)
