@@ -293,10 +293,12 @@ def read_trace_dir(trace_dir: Path, *, keep: bool = False, reuse: bool = False) 
     for path in sorted(trace_dir.glob("rank*.trace")):
         with contextlib.suppress(ValueError):
             paths[int(path.stem.removeprefix("rank"))] = path
-    seen = (trace_dir.resolve(), tuple(_signature(p) for p in paths.values())) if keep or reuse else None
-    if reuse and _kept is not None and _kept[0] == seen:
-        traces, _kept = _kept[1], None
-        return traces
+    # each file's size and mtime, only where traces are to be held or one held may be reused (a stat per rank)
+    held = _kept if reuse else None
+    seen = (trace_dir.resolve(), tuple(_signature(p) for p in paths.values())) if keep or held else None
+    if held is not None and held[0] == seen:
+        _kept = None
+        return held[1]
     traces = {}
     with no_cycle_collection():
         for rank, path in paths.items():
