@@ -78,6 +78,15 @@ COLUMNS = ["nodes", "ranks", "fault", "hang_named_after_onset_s", "last_node_pub
            "largest_report_file_mb", "terminal_lines", "poll_s_median", "store_bytes_total", "planted_named"]
 
 
+def cores(node0: bool) -> set[int]:
+    """``--node0-core``: node 0's process (its store, watchdog, judgment and reports) on the first of this
+    process's cores, the simulated nodes' workers on the rest. On a cluster node 0 has a machine of its own; here
+    the 2,047 simulated nodes' polls, teardowns and uploads shared the cores with it (load 40-76), and node 0's
+    share of the decision and its report were timed at a tenth of a core."""
+    mine = sorted(os.sched_getaffinity(0))
+    return {mine[0]} if node0 else set(mine[1:])
+
+
 def prepare(args: argparse.Namespace, root: Path, nodes: int, fault: str) -> Mesh:
     """The row's job in ``root``: its templates (the real tracer), its fault's plan, the mesh and model."""
     from _mesh_traces import write_templates
@@ -115,6 +124,7 @@ def run_row(args: argparse.Namespace, nodes: int, fault: str) -> dict[str, Any]:
                if k in ("ranks_per_node", "node_poll_s", "workers", "settle_s", "stall_timeout", "straggle_s")]
     common += ["--profile", str(Path(args.profile).resolve())] if args.profile else []
     common += [] if args.browser else ["--no-browser"]
+    common += ["--node0-core" if args.node0_core else "--no-node0-core"]
     out = root / "row.json"
     cmds = [[sys.executable, __file__, "--row", "--row-json", str(out), *common]]
     cmds += [[sys.executable, __file__, "--worker", "--first", str(c[0]), "--last", str(c[-1]), *common]
@@ -190,6 +200,8 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the launch dirs and reports")
     p.add_argument("--row-timeout", type=float, default=1800.0, help="seconds a row's node 0 may take, all told")
     p.add_argument("--profile", default=None, help="write node 0's judgment and report writing as pstats in this dir")
+    p.add_argument("--node0-core", action=argparse.BooleanOptionalAction, default=None,
+                   help="node 0 on a core of its own, the simulated nodes on the others (on by default with 2 cores or more)")
     p.add_argument("--browser", action=argparse.BooleanOptionalAction, default=True,
                    help="time the timeline's opening in a headless Chromium (where one is installed)")
     # internal: one row (node 0), or one worker of simulated nodes
@@ -200,6 +212,10 @@ def main() -> None:
     for name in ("--root", "--row-json"):
         p.add_argument(name, help=argparse.SUPPRESS)
     args = parse_args(p, TINY)
+    if args.node0_core is None:
+        args.node0_core = len(os.sched_getaffinity(0)) >= 2
+    if args.node0_core and (args.worker or args.row):
+        os.sched_setaffinity(0, cores(args.row))
     if args.worker:
         from _cluster_sim import worker
         worker(args)
@@ -212,7 +228,9 @@ def main() -> None:
     rows = []
     cond = {"conditions": conditions(), "ranks_per_node": args.ranks_per_node, "mesh": args.mesh or "flat",
             "records_per_rank": args.records_per_rank, "workers": args.workers, "node_poll_s": args.node_poll_s,
-            "stall_timeout": args.stall_timeout, "transport": "c10d TCPStore on loopback"}
+            "stall_timeout": args.stall_timeout, "transport": "c10d TCPStore on loopback",
+            "node0_cores": sorted(cores(True)) if args.node0_core else "shared",
+            "simulated_nodes_cores": sorted(cores(False)) if args.node0_core else "shared"}
     print(f"conditions: {cond}", flush=True)
     for n in (int(x) for x in args.nodes.split(",")):
         for fault in args.fault.split(","):
