@@ -73,7 +73,7 @@ FIGURES = ("hang_named_after_onset_s", "node0_peak_rss_mib", "report_after_decis
            "poll_s_median", "store_bytes_total", "upload_bytes_per_node", "gather_s", "gather_s_per_node", "judge_s",
            "reports_s")
 COLUMNS = ["nodes", "ranks", "fault", "hang_named_after_onset_s", "last_node_published_after_onset_s",
-           "named_after_last_publish_s", "node0_peak_rss_mib", "report_after_decision_s",
+           "named_after_last_publish_s", "named_after_due_s", "node0_peak_rss_mib", "report_after_decision_s",
            "report_after_last_upload_s", "gather_s_per_node",
            "largest_report_file_mb", "terminal_lines", "poll_s_median", "store_bytes_total", "planted_named"]
 
@@ -142,7 +142,8 @@ def run_row(args: argparse.Namespace, nodes: int, fault: str) -> dict[str, Any]:
                 os.killpg(p.pid, 9)
                 p.wait()
     del bench
-    row = {"nodes": nodes, "ranks": mesh.world, "fault": fault, "mesh": asdict(mesh), "prepare_s": round(prepared, 1)}
+    row = {"nodes": nodes, "ranks": mesh.world, "fault": fault, "mesh": asdict(mesh), "prepare_s": round(prepared, 1),
+           "stall_timeout": args.stall_timeout}
     try:
         row |= json.loads(out.read_text())
     except (OSError, ValueError):
@@ -157,6 +158,10 @@ def run_row(args: argparse.Namespace, nodes: int, fault: str) -> dict[str, Any]:
 
 
 def _derived(row: dict[str, Any]) -> dict[str, Any]:
+    if row["fault"] == "tp_group_stall" and row.get("named_after_last_publish_s") is not None:
+        # the stall's verdict may come only once every rank was still for --stall-timeout: node 0's own share is
+        # what it took past that (the last node's publish is the last change node 0 saw)
+        row["named_after_due_s"] = round(row["named_after_last_publish_s"] - row["stall_timeout"], 3)
     if "gather_s" in row:
         row["gather_s_per_node"] = round(row["gather_s"] / max(1, row["nodes"] - 1), 3)
         row["largest_report_file_mb"] = round(max(row["report_files_bytes"].values()) / 1e6, 2)
