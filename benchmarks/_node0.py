@@ -72,17 +72,18 @@ def stamped(channel: Any, counter: Any, names: tuple[str, ...]) -> dict[str, dic
 def time_polls(dog: Any, costs: list[float], phases: list[dict[str, float]], profile: Any = None) -> None:
     """How long each of node 0's polls takes (its ranks' files, the channel, the judgement), not its sleep;
     ``phases`` gets each poll's parts: when it began (wall time), its own ranks' files (``local``), the
-    channel's publish and merge (``channel``), the judgement (``judge``) and how many ranks were waiting;
+    channel's publish and merge (``channel``), the judgement (``judge``), the poll's thread's own CPU (``cpu``:
+    the rest of its wall time the poll waited for the core or the GIL) and how many ranks were waiting;
     ``profile`` (a ``cProfile.Profile``), where given, runs over every poll (its files, the channel, the judgement)."""
     inner_poll, inner_observe = dog.monitor.poll, dog.detector.observe
     channel = dog.role.channel
     inner_everyone = channel.everyone
-    began = [0.0, 0.0, 0.0, 0.0]
+    began = [0.0, 0.0, 0.0, 0.0, 0.0]
 
     def poll() -> Any:
         if profile is not None:
             profile.enable()
-        began[0], began[3] = time.perf_counter(), time.time()
+        began[0], began[3], began[4] = time.perf_counter(), time.time(), time.thread_time()
         out = inner_poll()
         began[1] = time.perf_counter()
         return out
@@ -100,7 +101,8 @@ def time_polls(dog: Any, costs: list[float], phases: list[dict[str, float]], pro
         end = time.perf_counter()
         costs.append(end - began[0])
         phases.append({"t": began[3], "local": began[1] - began[0], "channel": judge_from - began[1],
-                       "judge": end - judge_from, "waiting": sum(1 for p in ranks.values() if p.waits)})
+                       "judge": end - judge_from, "cpu": time.thread_time() - began[4],
+                       "waiting": sum(1 for p in ranks.values() if p.waits)})
         return decision
 
     dog.monitor.poll, dog.detector.observe, channel.everyone = poll, observe, everyone
@@ -254,8 +256,8 @@ class Node0:
             "node_poll_s_median": _median(polls), "node_poll_s_p90": _quantiles(polls, (90,)),
             # a node's two connections to node 0's store; past 1 s, an attempt timed out and was tried again
             "store_connect_s": _quantiles(connect), "store_connects_over_1s": sum(c > 1.0 for c in connect),
-            "polls_after_onset": [{k: round(v, 4) for k, v in p.items() if k != "t"} | {"at": round(p["t"] - onset, 3)}
-                                  for p in after][:40],
+            "polls_after_onset": [_poll_row(p, onset) for p in after][:40],
+            "polls_before_decision": [_poll_row(p, onset) for p in after if p["t"] <= detected][-8:],
             "nodes_torn_down_after_decision_s": _quantiles([t - detected for t, _ in ended]),
             "nodes_uploaded_after_decision_s": _quantiles([u - detected for _, u in ended]),
             "errors": errors[:5],
@@ -276,6 +278,10 @@ def _profiled(out: str | None, name: str) -> Iterator[None]:
         profile.disable()
         Path(out).mkdir(parents=True, exist_ok=True)
         profile.dump_stats(str(Path(out) / f"{name}.pstats"))
+
+
+def _poll_row(poll: dict[str, float], onset: float) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in poll.items() if k != "t"} | {"at": round(poll["t"] - onset, 3)}
 
 
 def _median(values: list[float]) -> float:

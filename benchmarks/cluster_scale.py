@@ -80,9 +80,10 @@ COLUMNS = ["nodes", "ranks", "fault", "hang_named_after_onset_s", "last_node_pub
 
 def cores(node0: bool) -> set[int]:
     """``--node0-core``: node 0's process (its store, watchdog, judgment and reports) on the first of this
-    process's cores, the simulated nodes' workers on the rest. On a cluster node 0 has a machine of its own; here
-    the 2,047 simulated nodes' polls, teardowns and uploads shared the cores with it (load 40-76), and node 0's
-    share of the decision and its report were timed at a tenth of a core."""
+    process's cores, the simulated nodes' workers on the rest until node 0's decision (then on every core:
+    ``_cluster_sim.every_core``). On a cluster node 0 has a machine of its own; here the 2,047 simulated nodes'
+    polls, teardowns and uploads shared the cores with it (load 40-76), and node 0's share of the decision and its
+    report were timed at a tenth of a core."""
     mine = sorted(os.sched_getaffinity(0))
     return {mine[0]} if node0 else set(mine[1:])
 
