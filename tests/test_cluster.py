@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from torch.distributed import HashStore, PrefixStore
 
@@ -12,6 +15,8 @@ from distcheck.launch.node_config import node_config
 from distcheck.launch.progress import RankProgress
 from distcheck.launch.watchdog import Decision, Limits, StallDetector
 from distcheck.models import Finding, Phase, RankDetail, RankOutcome, ScenarioResult
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _channel(store: HashStore, world_size: int = 4) -> LaunchChannel:
@@ -324,3 +329,36 @@ def test_node_0_takes_every_nodes_bundle_in_a_few_round_trips_whole_and_in_order
     assert (mine.root / "status" / "rank3.json").read_bytes() == b"node 0's own"
     # one read of who uploaded, then the heads at once and the parts three at a time: no read per node
     assert leader.store.asked.count("get") == 1
+
+
+def test_node_0s_watchdog_failing_ends_the_other_nodes_too(tmp_path):
+    """A watchdog that fails ends its own ranks; node 0's must say so to the other nodes, or their ranks run on
+    until node 0's gather gives up on them. Node 1 here publishes progress node 0 cannot read (a field of a
+    distcheck that is not node 0's). The watchdogs tear down, so they run in a process of their own."""
+    script = f"""
+import json
+from pathlib import Path
+from torch.distributed import HashStore
+from distcheck.files.launch_dir import LaunchFiles
+from distcheck.launch import cluster
+from distcheck.launch.watchdog import Decision, Limits, Watchdog
+import tests.test_cluster as t
+
+cluster.say_every_s = lambda nnodes: 0.0
+store = HashStore()
+leader, other = t._node(store, 0), t._node(store, 1)
+dogs = []
+for node, channel in ((0, leader), (1, other)):
+    files = LaunchFiles(Path({str(tmp_path)!r}) / f"node{{node}}")
+    files.make()
+    dogs.append(Watchdog(files, 4, Limits(stall_timeout=5.0), channel=channel))
+assert dogs[1].poll_once() is False and dogs[0].poll_once() is False     # both healthy
+other.store.set("progress/1", json.dumps({{"2": {{"field_of_another_version": 1}}}}))
+other.store.add("version/1", 1)
+assert dogs[0].poll_once() is True and dogs[0].result.decision is Decision.FAILED, dogs[0].result
+assert "field_of_another_version" in dogs[0].result.error
+assert dogs[1].poll_once() is True and dogs[1].result.decision is Decision.FAILED, dogs[1].result
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -250,8 +250,17 @@ class Watchdog(threading.Thread):
             self.result.lost_node_0 = self.role.lost_node_0(exc)
             self.result.decision = Decision.FAILED
             self.result.detected_at = time.time()
+            self._tell_failed()
             self._tear_down({})
             return True
+
+    def _tell_failed(self) -> None:
+        """Node 0's watchdog failed: the other nodes end their ranks too. Untold, they ran on (a hung job's ranks
+        held) until node 0's gather gave up on their traces, ``--rdzv-timeout`` and a minute later."""
+        try:
+            self.role.tell(Decision.FAILED.value, None, self.result.detected_at)
+        except Exception:
+            pass   # the store may be what failed: the other nodes then find node 0 gone
 
     def _poll(self) -> bool:
         """Read every rank, decide, act: release finished ranks, or end the job for the decision's reason."""
