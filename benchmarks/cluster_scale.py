@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,10 +81,10 @@ COLUMNS = ["nodes", "ranks", "fault", "hang_named_after_onset_s", "last_node_pub
 
 def cores(node0: bool) -> set[int]:
     """``--node0-core``: node 0's process (its store, watchdog, judgment and reports) on the first of this
-    process's cores, the simulated nodes' workers on the rest until node 0's decision (then on every core:
-    ``_cluster_sim.every_core``). On a cluster node 0 has a machine of its own; here the 2,047 simulated nodes'
-    polls, teardowns and uploads shared the cores with it (load 40-76), and node 0's share of the decision and its
-    report were timed at a tenth of a core."""
+    process's cores, the simulated nodes' workers on the rest, but for their teardowns and uploads after node 0's
+    decision (on every core: ``_cluster_sim.on_cores``). On a cluster node 0 has a machine of its own; here the
+    2,047 simulated nodes' polls, teardowns and uploads shared the cores with it (load 40-76), and node 0's share
+    of the decision and its report were timed at a tenth of a core."""
     mine = sorted(os.sched_getaffinity(0))
     return {mine[0]} if node0 else set(mine[1:])
 
@@ -231,6 +232,9 @@ def main() -> None:
         from _node0 import Node0
         Path(args.row_json).write_text(json.dumps(Node0(args).run()))
         return
+    # a benchmark stopped by SIGTERM (a test's time-out, a job scheduler) ends its rows' process groups, as one
+    # stopped by ^C does (``run_row``'s ``finally``): they held the simulated nodes' idle ranks for a day
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rows = []
     cond = {"conditions": conditions(), "ranks_per_node": args.ranks_per_node, "mesh": args.mesh or "flat",
             "records_per_rank": args.records_per_rank, "workers": args.workers, "node_poll_s": args.node_poll_s,

@@ -83,21 +83,16 @@ class CertainHang:
 def certain_hang(ranks: Mapping[int, Waiter]) -> CertainHang | None:
     """The first certain hang among the waiting ranks, or None while any of them may yet be released.
 
-    Each call (group, seq) is looked at once per poll, whatever the number of its waiting members,
-    and a rank found free ends every search that reaches it: linear in ranks x members of their calls.
+    A waiting rank may yet be released when what it waits for, followed through the graph, reaches a rank that
+    may move (``_Graph.may_move``: every rank's calls looked at once, each call once): linear in the ranks and
+    the members of their calls. Only the first rank that cannot is followed again, for the verdict's words.
     """
     graph = _Graph(ranks)
+    may_move = graph.may_move()
     for rank in sorted(ranks):
         p = ranks[rank]
-        if p.waits and not p.dead and rank not in graph.free:
-            calls = tuple((w[0], w[1]) for w in p.waits)
-            if p.settled and calls in graph.free_calls:
-                continue   # its calls' members were followed from another settled rank in them: it may yet move
-            found = graph.closure(rank)
-            if found is not None:
-                return found
-            if p.settled:
-                graph.free_calls.add(calls)
+        if p.waits and not p.dead and rank not in may_move:
+            return graph.closure(rank)
     return None
 
 
@@ -134,6 +129,42 @@ class _Graph:
 
     def closure(self, root: int) -> CertainHang | None:
         return _closure(root, self.ranks, self)
+
+    def may_move(self) -> set[int]:
+        """Every rank that may yet move, and every waiting rank that waits, through the graph, on one: each
+        rank's calls looked at once, then the ranks that may move followed back to those waiting on them. At
+        16,384 ranks the search from each waiting rank in turn, until one that may move, took node 0 0.17 s a
+        poll, each search walking ranks the one before had walked."""
+        free: list[int] = []
+        waited_on_by: dict[int, list[int]] = {}
+        for rank, p in self.ranks.items():
+            awaited = self._awaited(rank, p)
+            if awaited is None:
+                free.append(rank)
+            else:
+                for a in awaited:
+                    waited_on_by.setdefault(a, []).append(rank)
+        may_move = set(free)
+        while free:
+            for waiter in waited_on_by.pop(free.pop(), ()):
+                if waiter not in may_move:
+                    may_move.add(waiter)
+                    free.append(waiter)
+        self.free |= may_move
+        return may_move
+
+    def _awaited(self, rank: int, p: Waiter) -> set[int] | None:
+        """What ``_closure`` follows from ``rank``: the ranks it waits for; None when it may move itself (running,
+        its record not settled, a call whose members cannot be told, or completing); nothing when it finished or
+        died, or its call can never complete."""
+        if p.dead or (p.finished and not p.waits):
+            return set()
+        if not p.waits or not p.settled:
+            return None
+        awaited = self.waits_for(rank)
+        if awaited is not None and not awaited and self.clash(rank) is None and self.abandoned(rank) is None:
+            return None
+        return awaited
 
     def set_free(self, rank: int, came_from: Mapping[int, int]) -> None:
         """``rank`` may yet move, and so may every rank on the way that led to it (each waits for the next):
