@@ -35,7 +35,10 @@ Chromium (where one is installed). ``--profile DIR`` writes node 0's polls, judg
 
 What is not simulated: a real network (loopback only), NCCL or gloo, real ranks' CPU, torch's agent and its
 rendezvous, and a machine per node (all nodes share this machine's CPUs; ``--node-poll-s`` is the simulated
-nodes' poll interval, 0.1 s on a real node).
+nodes' poll interval, 0.1 s on a real node). With 2 cores or more node 0 runs on a core of its own
+(``--node0-core``, the default): the simulated nodes' workers on the others, but for their teardowns and uploads
+after node 0's decision, which take every core (each node's own machine on a cluster); node 0's store thread
+shares its one core with its judgement, where a cluster's node 0 has more.
 """
 
 from __future__ import annotations

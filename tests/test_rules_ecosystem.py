@@ -401,3 +401,29 @@ def test_full_tensor_aborted_while_dtensor_unpads_the_gathered_result_is_still_i
     m = next(f for f in found if f.kind == "mismatch")
     assert (m.seq, m.odd_ranks, m.tie) == (7, (0,), False) and "DTensor.full_tensor()" in m.summary
     assert {d.rank: d.callsite for d in m.ranks}[0] == SITE.format(32)
+
+
+def test_a_large_meshs_rank_out_of_step_is_found_in_memory_that_grows_with_the_records_not_their_square():
+    """At 16,384 ranks node 0's judgement of a pipeline's cycle went from 0.5 to 10 GB: every rank's set of
+    peers (a world group in each step: every rank) and a tuple of each call's group pattern per record. 2,048
+    ranks here, each step a world all-reduce and a pair's ("a": 0-1, 2-3, ...); rank 7 uses a pair of the
+    other dimension ("b": 5-7) once."""
+    import tracemalloc
+
+    world = tuple(range(2048))
+    dim_a = {r: (f"a{r - r % 2}", (r - r % 2, r - r % 2 + 1)) for r in world}
+    dim_b = {r: (f"b{r - r % 4 + r % 2}", (r - r % 4 + r % 2, r - r % 4 + r % 2 + 2)) for r in world}
+
+    def step(rank: int, seq: int, dim: dict) -> list[Event]:
+        return [ev(rank, seq, members=world), mesh_ev(rank, dim, seq, LOSS)]
+
+    traces = {r: [e for seq in range(1, 9) for e in step(r, seq, dim_b if (r, seq) == (7, 5) else dim_a)]
+              for r in world}
+    tracemalloc.start()
+    try:
+        found = out_of_step_ranks(traces)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert list(found) == [7]
+    assert peak < 40e6, f"{peak / 1e6:.0f} MB"   # was 2,048 sets of 2,047 peers and 16 tuples of 2,048 a rank
