@@ -103,10 +103,6 @@ class _Graph:
     def __init__(self, ranks: Mapping[int, Waiter]) -> None:
         self.ranks = ranks
         self.free: set[int] = set()                      # ranks that may yet move (and all that wait on them)
-        # The calls (group, seq) of settled ranks found free: every settled rank in just those calls waits for the
-        # same members, so it is free too. At 4,096 ranks, 2,360 of them waiting while the rest were still on
-        # their way, following each one's 1,700 absent members took node 0 half a second per poll.
-        self.free_calls: set[tuple] = set()
         self._absent: dict[tuple, frozenset[int] | None] = {}
         self._clash: dict[tuple, str | None] = {}
         self._abandoned: dict[tuple, Abandoned | None] = {}
@@ -177,15 +173,6 @@ class _Graph:
         if not waits_for_one and self.clash(rank) is None and self.abandoned(rank) is None:
             return None
         return tuple(calls)
-
-    def set_free(self, rank: int, came_from: Mapping[int, int]) -> None:
-        """``rank`` may yet move, and so may every rank on the way that led to it (each waits for the next):
-        at 16,384 ranks, marking only the search's first and last rank free left 121 searches per poll
-        to walk the same ranks again."""
-        self.free.add(rank)
-        while rank in came_from:
-            rank = came_from[rank]
-            self.free.add(rank)
 
     def clash(self, rank: int) -> str | None:
         """``_clash`` once per call: every member of a call sees the same answer."""
@@ -311,7 +298,6 @@ def _never_pair(mine: str, theirs: str) -> bool:
 def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHang | None:
     """Follow what ``root`` waits for; certain when every rank reached is settled and can never move."""
     seen, todo = {root}, [root]
-    came_from: dict[int, int] = {}   # rank -> the waiting rank it was reached from
     gone: dict[int, str] = {}
     waiting: list[int] = []
     clash: str | None = None
@@ -322,11 +308,11 @@ def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHa
             gone[r] = "dead" if p.dead else "finished"
             continue
         if not p.waits or not p.settled or r in graph.free:
-            graph.set_free(r, came_from)    # running, or its record may miss a call it made: it may yet arrive
+            graph.free |= {root, r}    # running, or its record may miss a call it made: it may yet arrive
             return None
         awaited = graph.waits_for(r)
         if awaited is None:
-            graph.set_free(r, came_from)
+            graph.free |= {root, r}
             return None
         if not awaited:
             clash = graph.clash(r)
@@ -336,12 +322,11 @@ def _closure(root: int, ranks: Mapping[int, Waiter], graph: _Graph) -> CertainHa
                 seen |= left.inside | set(left.gone)
                 waiting += sorted(left.inside - {r})
             if clash is None:
-                graph.set_free(r, came_from)   # every member is in the call: it is completing
+                graph.free |= {root, r}   # every member is in the call: it is completing
                 return None
         waiting.append(r)
         for a in sorted(awaited - seen):
             seen.add(a)
-            came_from[a] = r
             todo.append(a)
     return _verdict(tuple(sorted(seen)), tuple(sorted(set(waiting))), gone, clash)
 
