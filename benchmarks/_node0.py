@@ -235,13 +235,16 @@ class Node0:
         """What the workers measured of their nodes, and where the time from the onset to the decision went."""
         self.bench.wait([f"bench/errors/{first}" for first in self.reporting])
         store_bytes = self.counter.bytes + self.cluster.liveness.store.bytes + int(self.bench.add("bench/store_bytes", 0))
-        uploads, errors, published, polls, ended, connect = [], [], [], [], [], []
+        uploads, errors, published, polls, ended, connect, changed = [], [], [], [], [], [], []
         for first in self.reporting:
             uploads += json.loads(self.bench.get(f"bench/uploads/{first}")).values()
             ended += json.loads(self.bench.get(f"bench/ended/{first}")).values()
             errors += json.loads(self.bench.get(f"bench/errors/{first}"))
             got = json.loads(self.bench.get(f"bench/published/{first}"))
             published += got["at"].values()
+            # each node's last publish before the verdict: the one that completed what node 0 judged by (a node's
+            # ranks may reach their waits over more than one publish)
+            changed += [max(before) for every in got["every"].values() if (before := [t for t in every if t <= detected])]
             polls += got["polls"]
             connect += got["connect"]
         self.idle.kill()
@@ -252,6 +255,8 @@ class Node0:
             "store_bytes_total": store_bytes, "upload_bytes_per_node": int(_median(uploads)) if uploads else 0,
             "last_node_published_after_onset_s": round(last - onset, 3) if last and len(published) >= others else None,
             "named_after_last_publish_s": round(detected - last, 3) if last else None,
+            # node 0's own share from the publish that completed the job's state (the last before the verdict)
+            "named_after_last_change_s": round(detected - max(changed), 3) if changed else None,
             "nodes_published_after_onset_s": _quantiles([p - onset for p in published]),
             "node_poll_s_median": _median(polls), "node_poll_s_p90": _quantiles(polls, (90,)),
             # a node's two connections to node 0's store; past 1 s, an attempt timed out and was tried again

@@ -26,7 +26,9 @@ the others wait in the world's barrier: the default), ``tp_group_stall``, ``pp_s
 
 Figures: ``hang_named_after_onset_s`` (node 0's decision minus the moment the last rank's record of the fault
 landed; for ``tp_group_stall`` it includes ``--stall-timeout``, for ``node_lost`` the 10 s a node must be silent),
-``named_after_last_publish_s`` (node 0's own share: from the last simulated node's publish to the verdict),
+``named_after_last_publish_s`` (node 0's own share: from the last simulated node's first publish after the onset
+to the verdict), ``named_after_last_change_s`` (from the last publish before the verdict, the one that completed
+what node 0 judged by: a node's ranks may reach their waits over more than one publish),
 ``node0_peak_rss_mib``, ``report_after_decision_s`` (``gather_s``: every node's upload, ``judge_s``, ``reports_s``),
 ``report_after_last_upload_s`` (node 0's own share of the report: from the last node's upload to the files written;
 the simulated nodes' teardowns share this host's cores, where a cluster's run at once on machines of their own),
@@ -77,7 +79,7 @@ FIGURES = ("hang_named_after_onset_s", "node0_peak_rss_mib", "report_after_decis
            "poll_s_median", "store_bytes_total", "upload_bytes_per_node", "gather_s", "gather_s_per_node", "judge_s",
            "reports_s")
 COLUMNS = ["nodes", "ranks", "fault", "hang_named_after_onset_s", "last_node_published_after_onset_s",
-           "named_after_last_publish_s", "named_after_due_s", "node0_peak_rss_mib", "report_after_decision_s",
+           "named_after_last_publish_s", "named_after_last_change_s", "named_after_due_s", "node0_peak_rss_mib", "report_after_decision_s",
            "report_after_last_upload_s", "gather_s_per_node",
            "largest_report_file_mb", "terminal_lines", "poll_s_median", "store_bytes_total", "planted_named"]
 
@@ -163,10 +165,11 @@ def run_row(args: argparse.Namespace, nodes: int, fault: str) -> dict[str, Any]:
 
 
 def _derived(row: dict[str, Any]) -> dict[str, Any]:
-    if row["fault"] == "tp_group_stall" and row.get("named_after_last_publish_s") is not None:
+    since = row.get("named_after_last_change_s", row.get("named_after_last_publish_s"))
+    if row["fault"] == "tp_group_stall" and since is not None:
         # the stall's verdict may come only once every rank was still for --stall-timeout: node 0's own share is
-        # what it took past that (the last node's publish is the last change node 0 saw)
-        row["named_after_due_s"] = round(row["named_after_last_publish_s"] - row["stall_timeout"], 3)
+        # what it took past that (the last publish before the verdict is the last change node 0 saw)
+        row["named_after_due_s"] = round(since - row["stall_timeout"], 3)
     if "gather_s" in row:
         row["gather_s_per_node"] = round(row["gather_s"] / max(1, row["nodes"] - 1), 3)
         row["largest_report_file_mb"] = round(max(row["report_files_bytes"].values()) / 1e6, 2)
