@@ -139,7 +139,6 @@ class Sim:
         self.ended: dict[int, tuple[float, float]] = {}   # node -> (its ranks torn down, its upload sent)
         self.errors: list[str] = []
         self.onset = float("inf")
-        self.published: dict[int, float] = {}     # node -> its first publish after the onset
         self.publishes: dict[int, list[float]] = {}   # node -> each of its publishes after the onset
         self.first_published: set[int] = set()    # nodes whose watchdog published its ranks once
         self.node_polls: list[float] = []
@@ -207,7 +206,6 @@ class Sim:
             if progress:
                 self.first_published.add(n)
             if channel._published is not before and time.time() > self.onset:
-                self.published.setdefault(n, time.time())
                 self.publishes.setdefault(n, []).append(time.time())
 
         dog.monitor.poll, channel.publish = poll, publish
@@ -271,7 +269,8 @@ class Sim:
         first = self.args.first
         self.bench.set(f"bench/uploads/{first}", json.dumps(self.uploaded))
         self.bench.set(f"bench/ended/{first}", json.dumps(self.ended))
-        self.bench.set(f"bench/published/{first}", json.dumps({"at": self.published, "every": self.publishes,
+        self.bench.set(f"bench/published/{first}", json.dumps({"at": {n: at[0] for n, at in self.publishes.items()},
+                                                                "every": self.publishes,
                                                                 "polls": self.node_polls[-2000:],
                                                                 "connect": self.connect_s}))
         self.bench.set(f"bench/errors/{first}", json.dumps(self.errors))

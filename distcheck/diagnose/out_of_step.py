@@ -29,8 +29,7 @@ def _steps(events: Sequence[Event], patterns: dict[int, tuple] | None = None) ->
     (those members, their pattern)) shares each group's pattern between the ranks and calls: one tuple of its
     size per call was node 0's memory going from 0.5 to 10 GB at 16,384 ranks (a world group in every step)."""
     calls = [e for e in events if not e.is_p2p and len(e.group_ranks) >= 2]
-    if patterns is None:
-        return [(group_pattern(e.group_ranks), e.op) for e in calls], calls
+    patterns = {} if patterns is None else patterns
     steps = []
     for e in calls:
         known = patterns.get(id(e.group_ranks))

@@ -152,7 +152,6 @@ class _Graph:
                     if waiter not in may_move:
                         may_move.add(waiter)
                         free.append(waiter)
-        self.free |= may_move
         return may_move
 
     def _calls_awaited(self, rank: int, p: Waiter) -> tuple[tuple, ...] | None:
